@@ -1,0 +1,170 @@
+"""The single place that knows device families and their collective backends.
+
+Ascend NPUs (torch_npu, HCCL), CUDA GPUs (NCCL) and CPU (gloo). Nothing else in the project says
+``cuda`` or ``npu``: it asks this module.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .errors import DeviceNotAvailable
+
+log = logging.getLogger(__name__)
+
+BACKEND_OF = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
+FAMILY_OF_BACKEND = {v: k for k, v in BACKEND_OF.items()}
+
+
+@functools.cache
+def _import_torch_npu() -> bool:
+    try:
+        importlib.import_module("torch_npu")
+    except ImportError:
+        return False
+    return True
+
+
+def family_available(family: str) -> bool:
+    if family == "cpu":
+        return True
+    if family == "cuda":
+        return torch.cuda.is_available()
+    if family == "npu":
+        return _import_torch_npu() and torch.npu.is_available()  # type: ignore[attr-defined]
+    raise ValueError(f"unknown device family {family!r}; expected one of {sorted(BACKEND_OF)}")
+
+
+def require_family(family: str) -> None:
+    """Raise a message that names what is missing, instead of torch's bare device error."""
+    if family_available(family):
+        return
+    if family == "npu" and not _import_torch_npu():
+        raise DeviceNotAvailable(
+            "NPU requested but torch_npu is not installed: install torch_npu + CANN "
+            "(the `ascend` extra), or use a cuda/cpu transport (nccl/gloo)")
+    raise DeviceNotAvailable(f"{family} requested but no {family} device is visible to this process")
+
+
+def detect_family() -> str:
+    """The best family present: npu, then cuda, then cpu."""
+    for family in ("npu", "cuda"):
+        try:
+            if family_available(family):
+                return family
+        except Exception:  # a broken driver install is "not available"
+            continue
+    return "cpu"
+
+
+def backend_for(family: str) -> str:
+    return BACKEND_OF[family]
+
+
+def family_for_backend(backend: str) -> str:
+    try:
+        return FAMILY_OF_BACKEND[backend]
+    except KeyError:
+        raise ValueError(f"unknown collective backend {backend!r}; expected one of "
+                         f"{sorted(FAMILY_OF_BACKEND)}") from None
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one process computes and communicates."""
+
+    family: str
+    device: torch.device
+    backend: str
+
+    def describe(self) -> str:
+        return f"{self.device} via {self.backend}"
+
+
+def bind(family: str | None = None, local_rank: int | None = None) -> Placement:
+    """Bind this process to its device (LOCAL_RANK) before any process group is created.
+
+    A fallback to CPU that was not asked for is refused: it looks healthy and is 100x slower.
+    """
+    family = family or detect_family()
+    require_family(family)
+    if local_rank is None:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if family == "cpu":
+        device = torch.device("cpu")
+    else:
+        mod = getattr(torch, family)
+        mod.set_device(local_rank)
+        device = torch.device(family, local_rank)
+    placement = Placement(family, device, BACKEND_OF[family])
+    log.info("delta-sync bound to %s (local rank %d)", placement.describe(), local_rank)
+    return placement
+
+
+def device_module(device: torch.device | str):
+    device = torch.device(device)
+    if device.type == "npu":
+        _import_torch_npu()
+    return getattr(torch, device.type, None)
+
+
+def synchronize(device: torch.device | str | None = None) -> None:
+    """Wait for queued work on ``device``; a no-op on CPU (torch.accelerator.synchronize raises there)."""
+    device = torch.device(device) if device is not None else None
+    if device is None or device.type == "cpu":
+        return
+    device_module(device).synchronize(device)
+
+
+def memory_allocated(device: torch.device | str) -> int:
+    device = torch.device(device)
+    if device.type == "cpu":
+        return 0
+    return int(device_module(device).memory_allocated(device))
+
+
+def memory_free(device: torch.device | str) -> int:
+    device = torch.device(device)
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            pass
+        return 0
+    free, _ = device_module(device).mem_get_info(device)
+    return int(free)
+
+
+def make_process_group(backend: str, store, rank: int, world_size: int, timeout, device: torch.device):
+    """A process group over ``store`` that is independent of torch.distributed's default group.
+
+    The engine already has its own default group (vLLM TP); this one links the sender with every
+    engine worker, so it is constructed directly and never registered globally.
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    if backend == "gloo":
+        pg = c10d.ProcessGroupGloo(store, rank, world_size, timeout)
+    elif backend == "nccl":
+        opts = c10d.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        pg = c10d.ProcessGroupNCCL(store, rank, world_size, opts)
+    elif backend == "hccl":
+        require_family("npu")
+        from torch_npu._C._distributed_c10d import ProcessGroupHCCL  # type: ignore
+
+        opts = ProcessGroupHCCL.Options()
+        opts._timeout = timeout
+        pg = ProcessGroupHCCL(store, rank, world_size, opts)
+    else:
+        raise ValueError(f"unknown backend {backend!r}")
+    return pg

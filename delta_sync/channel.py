@@ -1,0 +1,132 @@
+"""The sync channel: one process group linking the sender (rank 0) with every engine worker.
+
+Rendezvous runs on a TCP store hosted by the sender. The store namespace is derived from a shared
+token, so a process without the token never meets the group (it times out in an empty namespace)
+and cannot claim a rank; a rank claimed twice is refused. The collective backend comes from the
+accelerator module (hccl on Ascend, nccl on CUDA, gloo on CPU). The group is built directly on
+the store and never registered as torch.distributed's default group, so it coexists with the
+engine's own TP/DP groups and the trainer's world.
+
+Bucket transfer: ``[header_len, index_count, n_value_buffers]`` (int64), header bytes, the index
+buffer, then one value buffer per dtype in name order: 3 + n_dtypes broadcasts per bucket.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import logging
+
+import torch
+from torch.distributed import BroadcastOptions, PrefixStore, TCPStore
+
+from . import accelerator
+from .bucket import Bucket, parse_header
+from .errors import ChannelError
+from .patch import DTYPES
+
+log = logging.getLogger(__name__)
+
+
+def _namespace(token: str) -> str:
+    return "delta-sync/" + hashlib.sha256(token.encode()).hexdigest()[:32]
+
+
+class Channel:
+    def __init__(self, pg, rank: int, world_size: int, device: torch.device, backend: str, store=None):
+        self.pg, self.rank, self.world_size = pg, rank, world_size
+        self.device, self.backend = device, backend
+        self._store = store  # keeps the TCP store alive for the group's lifetime
+
+    @classmethod
+    def connect(cls, host: str, port: int, rank: int, world_size: int, token: str,
+                backend: str | None = None, device: torch.device | str | None = None,
+                timeout_s: float = 300.0) -> "Channel":
+        """Join the channel; rank 0 (the sender) hosts the store. All ranks must call this."""
+        if not token:
+            raise ChannelError("an empty channel token is not allowed")
+        if not 0 <= rank < world_size:
+            raise ChannelError(f"rank {rank} outside world size {world_size}")
+        family = accelerator.family_for_backend(backend) if backend else accelerator.detect_family()
+        backend = backend or accelerator.backend_for(family)
+        accelerator.require_family(family)
+        device = torch.device(device) if device is not None else (
+            torch.device("cpu") if family == "cpu" else torch.device(family, torch.get_device_module(family).current_device()))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        try:
+            store = TCPStore(host, port, None, rank == 0,
+                             timeout=timeout, wait_for_workers=False, use_libuv=True)
+        except Exception as e:
+            raise ChannelError(f"rank {rank}: cannot reach the channel store at {host}:{port}: {e}") from None
+        ns = PrefixStore(_namespace(token), store)
+        if ns.add(f"claim/{rank}", 1) != 1:
+            raise ChannelError(f"rank {rank} is already taken in this channel (two engines with the "
+                               f"same rank offset?)")
+        try:
+            pg = accelerator.make_process_group(backend, PrefixStore("pg", ns), rank, world_size, timeout, device)
+        except Exception as e:
+            raise ChannelError(f"rank {rank}: rendezvous of {world_size} ranks over {backend} failed "
+                               f"({type(e).__name__}: {e}); check the token and that every engine "
+                               f"worker joined") from None
+        log.info("channel rank %d/%d up on %s via %s", rank, world_size, device, backend)
+        return cls(pg, rank, world_size, device, backend, store)
+
+    # ---- primitives ------------------------------------------------------------------------
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        opts = BroadcastOptions()
+        opts.rootRank = src
+        opts.rootTensor = 0
+        try:
+            self.pg.broadcast([tensor], opts).wait()
+        except Exception as e:
+            raise ChannelError(f"rank {self.rank}: broadcast from {src} failed: {e}") from None
+        return tensor
+
+    def barrier(self) -> None:
+        self.broadcast(torch.zeros(1, dtype=torch.int64, device=self.device))
+
+    def all_reduce_max(self, value: int) -> int:
+        from torch.distributed import AllreduceOptions, ReduceOp
+
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        opts = AllreduceOptions()
+        opts.reduceOp = ReduceOp.MAX
+        self.pg.allreduce([t], opts).wait()
+        return int(t.item())
+
+    def close(self) -> None:
+        try:
+            if hasattr(self.pg, "shutdown"):
+                self.pg.shutdown()
+        except Exception:  # best effort: the peer may be gone already
+            pass
+        self.pg = None
+        self._store = None
+
+    # ---- buckets ---------------------------------------------------------------------------
+    def send_bucket(self, bucket: Bucket) -> None:
+        raw = bucket.header_bytes()
+        names = sorted(bucket.values)
+        self.broadcast(torch.tensor([len(raw), bucket.indices.numel(), len(names)], dtype=torch.int64,
+                                    device=self.device))
+        self.broadcast(torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(self.device))
+        self.broadcast(bucket.indices.to(self.device).contiguous())
+        for k in names:
+            self.broadcast(bucket.values[k].to(self.device).contiguous())
+
+    def recv_bucket(self) -> Bucket:
+        sizes = self.broadcast(torch.empty(3, dtype=torch.int64, device=self.device))
+        hlen, nidx, nval = (int(x) for x in sizes.tolist())
+        raw = self.broadcast(torch.empty(hlen, dtype=torch.uint8, device=self.device))
+        header = parse_header(bytes(raw.cpu().numpy()))
+        idx = self.broadcast(torch.empty(nidx, dtype=torch.int32, device=self.device))
+        counts = header["value_counts"]
+        if len(counts) != nval:
+            raise ChannelError(f"bucket {header['seq']}: header lists {len(counts)} value buffers, "
+                               f"sender announced {nval}")
+        values = {}
+        for k in sorted(counts):
+            if k not in DTYPES:
+                raise ChannelError(f"bucket {header['seq']}: unknown dtype {k!r}")
+            values[k] = self.broadcast(torch.empty(int(counts[k]), dtype=DTYPES[k], device=self.device))
+        return Bucket(header, idx, values)

@@ -1,0 +1,146 @@
+"""The unit of a delta: changed elements of one checkpoint tensor.
+
+A :class:`Patch` names a tensor in Hugging Face checkpoint coordinates and carries ``int32`` flat
+indices (strictly increasing, within ``numel``) and the new values in the tensor's dtype. A patch
+with ``indices is None`` is *dense*: ``values`` is the whole tensor (a seed, or a delta where dense
+is smaller than sparse).
+
+Patches are overwrite, not additive or XOR: applying one twice is harmless.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .errors import PatchValidationError
+
+INT32_MAX = 2**31 - 1
+#: dtypes a patch may carry; the wire format encodes them by name.
+DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype, *, tensor: str = "?") -> str:
+    try:
+        return DTYPE_NAMES[dtype]
+    except KeyError:
+        raise PatchValidationError(tensor, f"dtype {dtype} is not supported "
+                                   f"(supported: {', '.join(DTYPES)})") from None
+
+
+def check_indexable(name: str, numel: int) -> None:
+    """int32 indices address at most 2**31-1 elements: larger tensors must be split by the caller."""
+    if numel > INT32_MAX:
+        raise PatchValidationError(
+            name, f"{numel} elements do not fit int32 flat indices (max {INT32_MAX}); "
+            "export it as smaller checkpoint tensors (e.g. per expert or per row block)")
+
+
+@dataclass
+class Patch:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    indices: torch.Tensor | None  # int32, 1-D, strictly increasing; None = dense
+    values: torch.Tensor  # 1-D, dtype == self.dtype
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def dense(self) -> bool:
+        return self.indices is None
+
+    @property
+    def count(self) -> int:
+        """Elements carried (changed elements for sparse, numel for dense)."""
+        return int(self.values.numel())
+
+    @property
+    def nbytes(self) -> int:
+        idx = 0 if self.indices is None else self.indices.numel() * 4
+        return idx + self.values.numel() * self.values.element_size()
+
+    @classmethod
+    def full(cls, name: str, tensor: torch.Tensor) -> "Patch":
+        return cls(name, tuple(tensor.shape), tensor.dtype, None, tensor.reshape(-1))
+
+    def validate(self, *, expected_shape: tuple[int, ...] | None = None,
+                 expected_dtype: torch.dtype | None = None, check_finite: bool = True,
+                 kept: str | None = None) -> None:
+        """Raise :class:`PatchValidationError` naming the tensor and the first bad index."""
+        name = self.name
+
+        def bad(reason: str, index: int | None = None):
+            return PatchValidationError(name, reason, index=index, kept=kept)
+
+        if not isinstance(name, str) or not name:
+            raise bad("empty or non-string checkpoint name")
+        if self.dtype not in DTYPE_NAMES:
+            raise bad(f"dtype {self.dtype} is not supported (supported: {', '.join(DTYPES)})")
+        if expected_dtype is not None and self.dtype != expected_dtype:
+            raise bad(f"dtype {self.dtype} does not match the target's {expected_dtype}")
+        if any((not isinstance(s, int)) or s < 0 for s in self.shape):
+            raise bad(f"invalid shape {self.shape}")
+        if expected_shape is not None and tuple(self.shape) != tuple(expected_shape):
+            raise bad(f"shape {tuple(self.shape)} does not match the target's {tuple(expected_shape)}")
+        numel = self.numel
+        check_indexable(name, numel)
+        v = self.values
+        if v.dtype != self.dtype:
+            raise bad(f"values dtype {v.dtype} differs from the declared {self.dtype}")
+        if v.dim() != 1:
+            raise bad(f"values must be 1-D, got shape {tuple(v.shape)}")
+        if self.indices is None:
+            if v.numel() != numel:
+                raise bad(f"dense patch has {v.numel()} values for {numel} elements")
+        else:
+            idx = self.indices
+            if idx.dtype != torch.int32:
+                raise bad(f"indices dtype {idx.dtype}, expected torch.int32")
+            if idx.dim() != 1 or idx.numel() != v.numel():
+                raise bad(f"{idx.numel()} indices for {v.numel()} values")
+            if idx.numel():
+                first_bad = _first_true(idx < 0)
+                if first_bad is not None:
+                    raise bad(f"index {int(idx[first_bad])} is negative", first_bad)
+                first_bad = _first_true(idx >= numel)
+                if first_bad is not None:
+                    raise bad(f"index {int(idx[first_bad])} out of bounds for {numel} elements", first_bad)
+                if idx.numel() > 1:
+                    step = idx[1:] - idx[:-1]
+                    first_bad = _first_true(step == 0)
+                    if first_bad is not None:
+                        raise bad(f"duplicate index {int(idx[first_bad])}", first_bad + 1)
+                    first_bad = _first_true(step < 0)
+                    if first_bad is not None:
+                        raise bad(f"indices not increasing: {int(idx[first_bad])} then "
+                                  f"{int(idx[first_bad + 1])}", first_bad + 1)
+        if check_finite and v.numel():
+            first_bad = _first_true(~torch.isfinite(v))
+            if first_bad is not None:
+                where = first_bad if self.indices is None else int(self.indices[first_bad])
+                raise bad(f"non-finite value {float(v[first_bad])} at flat index {where}", first_bad)
+
+
+def _first_true(mask: torch.Tensor) -> int | None:
+    if not bool(mask.any()):
+        return None
+    return int(mask.to(torch.uint8).argmax())
+
+
+def apply_patch(target: torch.Tensor, patch: Patch) -> None:
+    """Write ``patch`` into ``target`` in place (a contiguous tensor of the patch's shape)."""
+    flat = target.view(-1)
+    if patch.dense:
+        flat.copy_(patch.values.to(flat.device))
+    elif patch.count:
+        flat.index_copy_(0, patch.indices.to(device=flat.device, dtype=torch.int64), patch.values.to(flat.device))

@@ -1,0 +1,123 @@
+"""Trainer-side snapshot of the last committed version, sharded by ownership.
+
+Each checkpoint tensor is *owned* by exactly one rank, assigned online in export order to the
+least-loaded rank by bytes (deterministic: every rank sees the same order and sizes, so every
+rank computes the same owner without communication). Only the owner keeps a snapshot of the
+tensor and diffs it, so snapshot memory per rank is about model/world.
+
+Invariant: ``self._base`` holds exactly the committed version ``self.version``. New values of an
+update are *staged* (a full copy for a seed, the patch for a delta: memory O(changed)) and folded
+in only by :meth:`commit`; :meth:`rollback` drops them, so the next diff is still against v-1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .diff import BitwiseDiff
+from .errors import PatchValidationError
+from .patch import Patch, check_indexable, dtype_name
+
+
+def dense_is_smaller(count: int, numel: int, element_size: int) -> bool:
+    """Dense encoding moves fewer bytes than int32 index + value (density > 1/3 for bf16)."""
+    return numel * element_size < count * (4 + element_size)
+
+
+@dataclass
+class _Staged:
+    patch: Patch
+    full: torch.Tensor | None = None  # seed / first sight of a tensor: the whole new value
+
+
+@dataclass
+class SnapshotStore:
+    rank: int = 0
+    world_size: int = 1
+    device: torch.device | str = "cpu"
+    differ: BitwiseDiff = field(default_factory=BitwiseDiff)
+
+    def __post_init__(self):
+        self.device = torch.device(self.device)
+        self.version: int | None = None
+        self._owner: dict[str, int] = {}
+        self._load = [0] * self.world_size
+        self._base: dict[str, torch.Tensor] = {}
+        self._staged: dict[str, _Staged] = {}
+
+    # ---- ownership -------------------------------------------------------------------------
+    def owner(self, name: str, nbytes: int) -> int:
+        """Owner rank of ``name``; assigned on first sight to the least-loaded rank."""
+        if name not in self._owner:
+            r = min(range(self.world_size), key=lambda i: (self._load[i], i))
+            self._owner[name] = r
+            self._load[r] += nbytes
+        return self._owner[name]
+
+    def owns(self, name: str, nbytes: int) -> bool:
+        return self.owner(name, nbytes) == self.rank
+
+    @property
+    def bytes_held(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._base.values())
+
+    # ---- prepare / commit ------------------------------------------------------------------
+    def prepare(self, name: str, tensor: torch.Tensor, *, full: bool = False) -> Patch:
+        """Stage ``tensor`` as the next value of ``name`` and return what must be sent.
+
+        A full patch when ``full`` is asked, when the tensor has no snapshot yet, or when dense
+        is smaller than sparse; otherwise the sparse bitwise diff against the snapshot.
+        ``tensor`` may alias a live parameter: the snapshot never keeps a reference to it.
+        """
+        if name in self._staged:
+            raise PatchValidationError(name, "tensor staged twice in one update")
+        check_indexable(name, tensor.numel())
+        dtype_name(tensor.dtype, tensor=name)
+        base = self._base.get(name)
+        new = tensor.detach()
+        if new.device != self.device:
+            new = new.to(self.device, non_blocking=False)
+        if base is not None and (base.shape != new.shape or base.dtype != new.dtype):
+            raise PatchValidationError(
+                name, f"shape/dtype changed from {tuple(base.shape)}/{base.dtype} to "
+                f"{tuple(new.shape)}/{new.dtype}; a changed model needs a new seed",
+                kept=f"snapshot v{self.version}")
+        if full or base is None:
+            copy = new.clone() if new.data_ptr() == tensor.data_ptr() else new.contiguous()
+            patch = Patch.full(name, copy)
+            self._staged[name] = _Staged(patch, copy)
+            return patch
+        patch = self.differ.diff(name, base, new)
+        if dense_is_smaller(patch.count, patch.numel, new.element_size()):
+            copy = new.clone() if new.data_ptr() == tensor.data_ptr() else new.contiguous()
+            patch = Patch.full(name, copy)
+            self._staged[name] = _Staged(patch, copy)
+        else:
+            self._staged[name] = _Staged(patch)
+        return patch
+
+    def commit(self, version: int) -> None:
+        """Fold every staged value into the snapshot: it now holds ``version``."""
+        for name, st in self._staged.items():
+            if st.full is not None:
+                self._base[name] = st.full.reshape(st.patch.shape)
+            elif st.patch.count:
+                flat = self._base[name].view(-1)
+                flat.index_copy_(0, st.patch.indices.to(torch.int64), st.patch.values)
+        self._staged.clear()
+        self.version = version
+
+    def rollback(self) -> None:
+        """Forget everything staged; the snapshot stays at the committed version."""
+        self._staged.clear()
+
+    def reset(self) -> None:
+        """Forget the snapshot too (engine needs a seed): the next prepare sends full tensors."""
+        self._staged.clear()
+        self._base.clear()
+        self.version = None
+
+    def snapshot_of(self, name: str) -> torch.Tensor | None:
+        return self._base.get(name)

@@ -1,0 +1,76 @@
+"""Spawn real processes for multi-rank tests (gloo on CPU), with a hard deadline.
+
+``run_ranks(fn, world, *args)`` starts ``world`` processes running ``fn(rank, world, port, *args)``
+and returns each rank's return value; an exception in any rank fails the test with that rank's
+traceback, and a rank that is still alive at the deadline fails it as a hang.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn, rank, world, port, args, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK="0", OMP_NUM_THREADS="1")
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        queue.put((rank, "ok", fn(rank, world, port, *args)))
+    except BaseException as e:  # report, never hang the parent
+        queue.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def run_ranks(fn, world: int, *args, timeout: float = 120.0, init_world: bool = True):
+    """Run ``fn`` on ``world`` spawned ranks; with ``init_world`` the default gloo group is set up."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    target = _with_world if init_world else fn
+    procs = [ctx.Process(target=_entry, args=(target, r, world, port, (fn, *args) if init_world else args, queue))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results, errors = {}, {}
+    import queue as q
+
+    try:
+        for _ in range(world):
+            try:
+                rank, status, value = queue.get(timeout=timeout)
+            except q.Empty:
+                alive = [i for i, p in enumerate(procs) if p.is_alive()]
+                raise AssertionError(f"ranks {alive} still running after {timeout}s: hang") from None
+            (results if status == "ok" else errors)[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise AssertionError("\n".join(f"rank {r} failed: {m}" for r, m in sorted(errors.items())))
+    return [results[r] for r in range(world)]
+
+
+def _with_world(rank, world, port, fn, *args):
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        return fn(rank, world, port, *args)
+    finally:
+        dist.destroy_process_group()

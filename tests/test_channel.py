@@ -1,0 +1,148 @@
+"""Trainer ranks -> gather -> sender -> channel -> receivers, over real gloo processes."""
+
+import datetime
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from delta_sync.channel import Channel
+from delta_sync.diff import int_view
+from delta_sync.digest import digest_tensor
+from delta_sync.errors import ChannelError
+from delta_sync.gather import Ordered, PatchGather
+from delta_sync.patch import apply_patch
+from delta_sync.snapshot import SnapshotStore
+from delta_sync.transfer import UpdateAborted, receive_update, send_abort, send_update
+
+from .multiproc import free_port, run_ranks
+
+VERSIONS = 22
+SPECS = [("model.embed", (300, 16), torch.bfloat16), ("layers.0.q", (64, 48), torch.float16),
+         ("layers.0.norm", (48,), torch.float32), ("layers.1.w", (97, 33), torch.bfloat16),
+         ("layers.1.b", (5,), torch.bfloat16), ("lm_head", (200, 16), torch.float32)]
+
+
+def model_at(version: int) -> dict[str, torch.Tensor]:
+    """Deterministic evolution: every pattern of change appears, including none and all."""
+    g = torch.Generator().manual_seed(1234)
+    state = {n: torch.randn(s, generator=g).to(d) for n, s, d in SPECS}
+    for v in range(1, version + 1):
+        g = torch.Generator().manual_seed(v)
+        for i, (n, _, _) in enumerate(SPECS):
+            t = state[n].view(-1)
+            mode = (v + i) % 5
+            if mode == 0:
+                continue  # untouched
+            if mode == 1:
+                t.copy_(torch.randn(t.numel(), generator=g).to(t.dtype))  # fully rewritten
+                continue
+            frac = [0.0005, 0.01, 0.2][mode - 2]
+            k = max(1, int(t.numel() * frac))
+            pos = torch.randint(0, t.numel(), (k,), generator=g)
+            t[pos] = (t[pos].float() + torch.randn(k, generator=g)).to(t.dtype)
+    return state
+
+
+def _node(rank, world, port, chan_port):
+    trainers = 2
+    if rank < trainers:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=trainers,
+                                timeout=datetime.timedelta(seconds=60))
+    chan = None
+    if rank == 0 or rank >= trainers:
+        crank = 0 if rank == 0 else rank - trainers + 1
+        chan = Channel.connect("127.0.0.1", chan_port, crank, world - trainers + 1, "s3cret", timeout_s=60)
+    if rank < trainers:
+        store = SnapshotStore(rank=rank, world_size=trainers)
+        gatherer = PatchGather()
+        kinds = []
+        for v in range(VERSIONS):
+            state = model_at(v)
+
+            def produce():
+                out = []
+                for seq, (n, _, _) in enumerate(SPECS):
+                    t = state[n]
+                    if store.owns(n, t.numel() * t.element_size()):
+                        out.append(Ordered(seq, store.prepare(n, t)))
+                return out
+            patches = gatherer.gather(produce)
+            kind = "seed" if store.version is None else "delta"
+            if rank == 0:
+                if v == 7:  # an aborted update: receivers must discard it, trainers roll back
+                    send_abort(chan, v, "validation failed on the trainer")
+                    store.rollback()
+                    dist.barrier()
+                    continue
+                stats = send_update(chan, v, kind, patches, bucket_bytes=4096)
+                kinds.append((kind, stats.elements))
+            dist.barrier()
+            store.commit(v)
+        return kinds
+    # receivers
+    recon: dict[str, torch.Tensor] = {}
+    seen = []
+    for v in range(VERSIONS):
+        try:
+            upd = receive_update(chan)
+        except UpdateAborted:
+            seen.append("aborted")
+            continue
+        assert upd.version == v
+        for p in upd.patches:
+            if p.name not in recon:
+                assert p.dense, f"first sight of {p.name} must be a seed"
+                recon[p.name] = torch.empty(p.shape, dtype=p.dtype)
+            apply_patch(recon[p.name], p)
+        seen.append(upd.kind)
+    final = model_at(VERSIONS - 1)
+    for n, t in final.items():
+        assert torch.equal(int_view(recon[n]), int_view(t)), n
+        assert digest_tensor(recon[n]) == digest_tensor(t)
+    return seen
+
+
+def test_twenty_versions_reconstruct_bit_for_bit():
+    results = run_ranks(_node, 4, free_port(), init_world=False, timeout=180)
+    kinds = results[0]
+    assert kinds[0][0] == "seed" and all(k == "delta" for k, _ in kinds[1:])
+    assert results[2] == results[3] and results[2][7] == "aborted" and results[2].count("delta") == VERSIONS - 2
+
+
+def _token_node(rank, world, port, chan_port):
+    import time
+    if rank == 2:  # intruder: wrong token, claims rank 1
+        time.sleep(1)  # let the sender host the store
+        with pytest.raises(ChannelError, match="rendezvous"):
+            Channel.connect("127.0.0.1", chan_port, 1, 2, "wrong", timeout_s=3)
+        return "refused"
+    chan = Channel.connect("127.0.0.1", chan_port, rank, 2, "right", timeout_s=30)
+    t = torch.arange(4, dtype=torch.int64) if rank == 0 else torch.zeros(4, dtype=torch.int64)
+    chan.broadcast(t)
+    time.sleep(6)  # the sender keeps hosting the store until the intruder gave up
+    return t.tolist()
+
+
+def test_token_keeps_strangers_out():
+    results = run_ranks(_token_node, 3, free_port(), init_world=False, timeout=90)
+    assert results == [[0, 1, 2, 3], [0, 1, 2, 3], "refused"]
+
+
+def _dup_node(rank, world, port, chan_port):
+    import time
+    if rank == 0:
+        chan = Channel.connect("127.0.0.1", chan_port, 0, 2, "tok", timeout_s=20)  # noqa: F841 (hosts the store)
+        time.sleep(5)  # keep hosting the store while the duplicate tries
+        return "sender"
+    if rank == 2:
+        time.sleep(2)  # arrives second with the same rank
+        with pytest.raises(ChannelError, match="already taken"):
+            Channel.connect("127.0.0.1", chan_port, 1, 2, "tok", timeout_s=5)
+        return "refused"
+    Channel.connect("127.0.0.1", chan_port, 1, 2, "tok", timeout_s=20)
+    return "joined"
+
+
+def test_duplicate_rank_is_refused():
+    assert run_ranks(_dup_node, 3, free_port(), init_world=False, timeout=90) == ["sender", "joined", "refused"]

@@ -1,0 +1,53 @@
+"""The core library stays engine-agnostic, picks backends in one place, and its bench runs."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from delta_sync import accelerator
+from delta_sync.errors import DeviceNotAvailable
+
+
+def test_core_imports_neither_vllm_nor_megatron():
+    code = ("import sys, delta_sync, delta_sync.bench, delta_sync.channel, delta_sync.gather, "
+            "delta_sync.transfer, delta_sync.snapshot\n"
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('vllm', 'megatron', 'patches', 'update_weight')]\n"
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_backend_per_family():
+    assert [accelerator.backend_for(f) for f in ("npu", "cuda", "cpu")] == ["hccl", "nccl", "gloo"]
+    assert accelerator.family_for_backend("hccl") == "npu"
+    with pytest.raises(ValueError, match="unknown collective backend 'mpi'"):
+        accelerator.family_for_backend("mpi")
+
+
+def test_npu_without_torch_npu_names_it():
+    try:
+        import torch_npu  # noqa: F401
+        pytest.skip("torch_npu present")
+    except ImportError:
+        pass
+    with pytest.raises(DeviceNotAvailable, match="torch_npu is not installed"):
+        accelerator.require_family("npu")
+    with pytest.raises(DeviceNotAvailable, match="torch_npu"):
+        accelerator.bind("npu")
+
+
+def test_cpu_binding_and_sync():
+    p = accelerator.bind("cpu")
+    assert p.device == torch.device("cpu") and p.backend == "gloo"
+    accelerator.synchronize("cpu")  # torch.accelerator.synchronize would raise here
+    assert accelerator.memory_free("cpu") > 0
+
+
+def test_diff_bench_prints_json_last_line():
+    out = subprocess.run([sys.executable, "-m", "delta_sync.bench", "diff", "--total-gib", "0.02",
+                          "--tensor-mib", "4", "--reps", "1"], check=True, capture_output=True, text=True)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["bench"] == "diff" and result["changed_elements"] > 0
+    assert result["diff_over_copy"] > 0

@@ -1,0 +1,123 @@
+"""Ordered gather to rank 0 over real gloo processes: many shapes of input, and failures."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from delta_sync.diff import int_view
+from delta_sync.errors import GatherError
+from delta_sync.gather import Ordered, PatchGather
+from delta_sync.patch import Patch
+
+from .multiproc import run_ranks
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+CASES = 24
+
+
+def _case_items(case: int, rank: int, world: int) -> list[Ordered]:
+    """Deterministic local patches of ``rank`` in ``case``; every rank can recompute any rank's."""
+    g = torch.Generator().manual_seed(case * 101 + rank)
+    kind = case % 6
+    if kind == 0 and rank % 2 == 1:
+        return []  # empty ranks
+    if kind == 1 and rank != world - 1:
+        return []  # only the last rank has anything
+    items = []
+    ntensors = int(torch.randint(1, 5, (1,), generator=g)) * (rank + 1)  # unequal per rank
+    for t in range(ntensors):
+        seq = t * world + rank  # interleaved export order
+        dtype = DTYPES[(case + t) % 3]
+        numel = int(torch.randint(1, 3000, (1,), generator=g))
+        if kind == 2 and t % 2 == 0:  # dense
+            vals = torch.randn(numel, generator=g).to(dtype)
+            items.append(Ordered(seq, Patch.full(f"c{case}.t{seq}", vals)))
+            continue
+        count = int(torch.randint(0, numel, (1,), generator=g))
+        idx = torch.randperm(numel, generator=g)[:count].sort().values.to(torch.int32)
+        vals = torch.randn(count, generator=g).to(dtype)
+        if kind == 3 and count > 1:  # non-contiguous inputs
+            idx = torch.stack([idx, idx]).t().reshape(-1)[::2]
+            vals = torch.stack([vals, vals], 1).reshape(-1)[::2]
+            assert not vals.is_contiguous()
+        items.append(Ordered(seq, Patch(f"c{case}.t{seq}", (numel,), dtype, idx, vals)))
+    if kind == 4:  # one tensor split across all ranks: rank r holds indices == r mod world
+        numel = 4000
+        idx = torch.arange(rank, numel, world, dtype=torch.int32)[: 50 + 10 * rank]
+        vals = (idx.float() / 7).to(torch.bfloat16)
+        items.append(Ordered(10_000, Patch(f"c{case}.split", (numel,), torch.bfloat16, idx, vals)))
+    return items
+
+
+def _expected(case: int, world: int) -> list[Patch]:
+    """Independent of the code under test: plain Python sort and merge."""
+    by_seq: dict[int, list[Patch]] = {}
+    for r in range(world):
+        for it in _case_items(case, r, world):
+            by_seq.setdefault(it.seq, []).append(it.patch)
+    out = []
+    for seq in sorted(by_seq):
+        parts = by_seq[seq]
+        if len(parts) == 1:
+            out.append(parts[0])
+            continue
+        pairs = sorted((int(i), v) for p in parts for i, v in zip(p.indices.tolist(), p.values))
+        out.append(Patch(parts[0].name, parts[0].shape, parts[0].dtype,
+                         torch.tensor([i for i, _ in pairs], dtype=torch.int32), torch.stack([v for _, v in pairs])))
+    return out
+
+
+def _same(a: Patch, b: Patch) -> bool:
+    if (a.name, a.shape, a.dtype, a.dense) != (b.name, b.shape, b.dtype, b.dense):
+        return False
+    if not a.dense and not torch.equal(a.indices, b.indices):
+        return False
+    return torch.equal(int_view(a.values.contiguous()), int_view(b.values.contiguous()))
+
+
+def _gather_cases(rank, world, port):
+    gatherer = PatchGather()  # one instance: receive buffers are reused across cases
+    checked = 0
+    for case in range(CASES):
+        got = gatherer.gather(lambda: _case_items(case, rank, world))
+        if rank != 0:
+            assert got is None
+            continue
+        want = _expected(case, world)
+        assert [p.name for p in got] == [p.name for p in want], case
+        for a, b in zip(got, want):
+            assert _same(a, b), (case, a.name)
+            a.validate()
+        checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_gather_combinations(world):
+    results = run_ranks(_gather_cases, world)
+    assert results[0] == CASES
+
+
+def _fail_on(rank, world, port, bad_rank, calls):
+    g = PatchGather()
+    outcomes = []
+    for call in range(calls):
+        def produce():
+            if rank == bad_rank and call == 1:
+                raise RuntimeError(f"export of layer.{call} failed on rank {rank}")
+            return _case_items(call, rank, world)
+        try:
+            got = g.gather(produce)
+            outcomes.append("ok" if rank or got is not None else "none")
+        except GatherError as e:
+            assert list(e.failures) == [bad_rank]
+            assert f"rank {bad_rank}: RuntimeError: export of layer.1 failed" in str(e)
+            outcomes.append("failed")
+    dist.barrier()  # nobody is stuck in a collective
+    return outcomes
+
+
+@pytest.mark.parametrize("bad_rank", [0, 3])
+def test_failure_on_one_rank_fails_all_ranks_without_hang(bad_rank):
+    results = run_ranks(_fail_on, 4, bad_rank, 3, timeout=90)
+    assert all(r == ["ok", "failed", "ok"] for r in results), results

@@ -1,0 +1,200 @@
+"""Single-process checks of the patch format, bitwise diff, snapshot store, digest and buckets."""
+
+import math
+
+import pytest
+import torch
+
+from delta_sync.bucket import BucketPacker, TensorAssembler
+from delta_sync.diff import BitwiseDiff, int_view
+from delta_sync.digest import Digest, digest_elements, digest_range, digest_tensor
+from delta_sync.errors import ChecksumMismatch, PatchValidationError
+from delta_sync.patch import Patch, apply_patch
+from delta_sync.snapshot import SnapshotStore
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def _ref_changed(a, b):
+    return (int_view(a) != int_view(b)).nonzero().squeeze(1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [0, 1, 3, 8, 9, 33, 1000, 4099])
+@pytest.mark.parametrize("chunk", [8, 64, 1 << 20])
+@pytest.mark.parametrize("offset", [0, 1])
+def test_diff_matches_reference(dtype, n, chunk, offset):
+    g = torch.Generator().manual_seed(n * 7 + chunk)
+    a = torch.randn(n + offset, generator=g).to(dtype)
+    b = a.clone()
+    if n:
+        k = torch.randint(0, n + offset, (max(1, n // 4),), generator=g)
+        b[k] = b[k] * 2 + 1
+    a, b = a[offset:], b[offset:]  # unaligned storage offset takes the element-width path
+    p = BitwiseDiff(chunk).diff("t", a, b)
+    ref = _ref_changed(a, b)
+    assert torch.equal(p.indices.to(torch.int64), ref)
+    assert torch.equal(int_view(p.values), int_view(b)[ref])
+    p.validate()
+    c = a.clone()
+    apply_patch(c, p)
+    assert torch.equal(int_view(c), int_view(b))
+
+
+def test_diff_is_bitwise_not_float():
+    nan, z = float("nan"), 0.0
+    a = torch.tensor([nan, z, 1.0, -z, nan, 5.0, 6.0, 7.0, 8.0], dtype=torch.bfloat16)
+    b = a.clone()
+    b[1] = -z
+    b.view(torch.int16)[4] = a.view(torch.int16)[4] ^ 1  # another NaN payload: still NaN, other bits
+    assert torch.isnan(b[4])
+    p = BitwiseDiff(8).diff("t", a, b)
+    # same NaN bits: unchanged; +0 -> -0: changed; NaN -> NaN with other payload bits: changed
+    assert p.indices.tolist() == [1, 4]
+
+
+def test_diff_rejects_mismatch():
+    with pytest.raises(ValueError, match="snapshot"):
+        BitwiseDiff().diff("t", torch.zeros(4), torch.zeros(5))
+
+
+def _bad(**kw):
+    base = dict(name="w", shape=(10,), dtype=torch.bfloat16,
+                indices=torch.tensor([1, 3, 5], dtype=torch.int32),
+                values=torch.ones(3, dtype=torch.bfloat16))
+    base.update(kw)
+    return Patch(**base)
+
+
+@pytest.mark.parametrize("patch,match,index", [
+    (_bad(indices=torch.tensor([1, 3, 10], dtype=torch.int32)), "out of bounds", 2),
+    (_bad(indices=torch.tensor([-1, 3, 5], dtype=torch.int32)), "negative", 0),
+    (_bad(indices=torch.tensor([1, 5, 3], dtype=torch.int32)), "not increasing", 2),
+    (_bad(indices=torch.tensor([1, 3, 3], dtype=torch.int32)), "duplicate index 3", 2),
+    (_bad(values=torch.tensor([1, float("nan"), 1], dtype=torch.bfloat16)), "non-finite", 1),
+    (_bad(values=torch.tensor([1, 1, float("inf")], dtype=torch.bfloat16)), "non-finite", 2),
+    (_bad(indices=torch.tensor([1, 3, 5], dtype=torch.int64)), "int32", None),
+    (_bad(values=torch.ones(3, dtype=torch.float32)), "differs from the declared", None),
+    (_bad(values=torch.ones(2, dtype=torch.bfloat16)), "3 indices for 2 values", None),
+    (_bad(dtype=torch.int8, values=torch.ones(3, dtype=torch.int8)), "not supported", None),
+])
+def test_validation_names_tensor_and_first_bad_index(patch, match, index):
+    with pytest.raises(PatchValidationError, match=match) as ei:
+        patch.validate()
+    assert ei.value.name == "w" and ei.value.index == index
+    assert "'w'" in str(ei.value)
+
+
+def test_validation_against_target():
+    p = _bad()
+    with pytest.raises(PatchValidationError, match="shape"):
+        p.validate(expected_shape=(11,))
+    with pytest.raises(PatchValidationError, match="dtype"):
+        p.validate(expected_dtype=torch.float16)
+    p.validate(expected_shape=(10,), expected_dtype=torch.bfloat16)
+
+
+def test_int32_overflow_is_refused_clearly():
+    p = Patch("huge", (2**31,), torch.bfloat16, torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.bfloat16))
+    with pytest.raises(PatchValidationError, match="do not fit int32"):
+        p.validate()
+
+
+def test_snapshot_stage_commit_rollback():
+    s = SnapshotStore()
+    w = torch.randn(64, 8).bfloat16()
+    p0 = s.prepare("w", w)  # first sight: full
+    assert p0.dense
+    with pytest.raises(PatchValidationError, match="staged twice"):
+        s.prepare("w", w)
+    s.commit(0)
+    w.view(-1)[[3, 70]] += 1  # the live tensor changes; the snapshot must not alias it
+    p1 = s.prepare("w", w)
+    assert p1.indices.tolist() == [3, 70]
+    s.rollback()  # engine failed: snapshot stays v0, next diff still sees both changes
+    assert s.version == 0
+    w.view(-1)[5] += 1
+    p2 = s.prepare("w", w)
+    assert p2.indices.tolist() == [3, 5, 70]
+    s.commit(1)
+    assert torch.equal(int_view(s.snapshot_of("w")), int_view(w))
+    assert s.prepare("w", w).count == 0
+    s.rollback()
+    w.mul_(3)  # nearly every element: dense is smaller than sparse
+    assert s.prepare("w", w).dense
+    with pytest.raises(PatchValidationError, match="shape/dtype changed"):
+        s.rollback(), s.prepare("w", torch.zeros(3))
+
+
+def test_ownership_balanced_by_bytes_and_deterministic():
+    sizes = [("a", 100), ("b", 10), ("c", 10), ("d", 60), ("e", 40)]
+    stores = [SnapshotStore(rank=r, world_size=2) for r in range(2)]
+    owners = [[s.owner(n, b) for n, b in sizes] for s in stores]
+    assert owners[0] == owners[1] == [0, 1, 1, 1, 1]  # loads 100 vs 120
+    assert stores[0]._load == [100, 120]
+
+
+def test_digest_additive_and_sensitive():
+    g = torch.Generator().manual_seed(1)
+    for dtype in DTYPES:
+        t = torch.randn(301, 37, generator=g).to(dtype)
+        d = digest_tensor(t)
+        flat = t.reshape(-1)
+        assert d == digest_range(flat[:1000], 0) + digest_range(flat[1000:], 1000)
+        idx = torch.arange(0, flat.numel(), 3)
+        rest = torch.ones(flat.numel(), dtype=torch.bool)
+        rest[idx] = False
+        rest = rest.nonzero().squeeze(1)
+        assert digest_elements(idx, flat[idx]) + digest_elements(rest, flat[rest]) == d
+        # a sign flip, a swap, a one-row shift: all change the digest
+        t2 = t.clone(); t2.view(-1)[17] = -t2.view(-1)[17]
+        t3 = t.clone(); t3.view(-1)[[5, 6]] = t.view(-1)[[6, 5]]
+        t4 = torch.roll(t, 1, 0)
+        for other in (t2, t3, t4):
+            assert digest_tensor(other) != d
+        assert Digest.parse(d.hex()) == d
+
+
+def test_digest_crosses_chunk_boundary(monkeypatch):
+    import delta_sync.digest as dg
+    t = torch.randn(5000).bfloat16()
+    d = dg.digest_tensor(t)
+    monkeypatch.setattr(dg, "CHUNK", 64)
+    monkeypatch.setattr(dg, "_tables", {})
+    assert dg.digest_tensor(t) == d
+    assert dg.digest_range(t[100:], 100) + dg.digest_range(t[:100], 0) == d
+
+
+@pytest.mark.parametrize("max_bytes", [64, 100, 1000, 1 << 20])
+def test_buckets_roundtrip_split_and_checksum(max_bytes):
+    g = torch.Generator().manual_seed(max_bytes)
+    tensors = {f"t{i}": torch.randn(17 * (i + 1), generator=g).to(DTYPES[i % 3]) for i in range(6)}
+    patches = []
+    for i, (n, t) in enumerate(tensors.items()):
+        if i % 3 == 0:
+            patches.append(Patch.full(n, t))
+        else:
+            k = torch.arange(0, t.numel(), 1 + i, dtype=torch.int32)
+            patches.append(Patch(n, tuple(t.shape), t.dtype, k, t[k.long()]))
+    patches.append(Patch("empty", (5,), torch.bfloat16, torch.zeros(0, dtype=torch.int32),
+                         torch.zeros(0, dtype=torch.bfloat16)))
+    buckets = list(BucketPacker(3, "delta", max_bytes).pack(patches))
+    assert buckets[-1].header["last"] and not any(b.header["last"] for b in buckets[:-1])
+    assert all(b.payload_bytes <= max(max_bytes, 6) for b in buckets)
+    asm = TensorAssembler()
+    for b in buckets:
+        asm.add(b)
+    got = {p.name: p for p in asm.patches()}
+    assert "empty" not in got  # nothing changed, nothing sent
+    for p in patches[:-1]:
+        q = got[p.name]
+        assert q.dense == p.dense and q.shape == p.shape and q.dtype == p.dtype
+        assert torch.equal(int_view(q.values), int_view(p.values))
+        if not p.dense:
+            assert torch.equal(q.indices, p.indices)
+    if len(buckets) > 1:
+        b = buckets[0]
+        vals = next(iter(b.values.values()))
+        vals.view(-1)[0] = vals.view(-1)[0] + 1
+        with pytest.raises(ChecksumMismatch, match="bucket 0 of version 3"):
+            TensorAssembler().add(b)
