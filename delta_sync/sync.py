@@ -1,0 +1,352 @@
+"""The sender: one object that keeps engines equal to a trainer, one call per training step.
+
+::
+
+    sync = WeightSync(["http://engine-0:8000"], mode="delta")
+    for step in range(steps):
+        train_step(model)
+        report = sync.update(model.named_parameters())   # every trainer rank calls this
+
+Every trainer rank calls :meth:`WeightSync.update` with the same names in the same order. Each
+tensor is diffed by its owner rank only (snapshot memory ~ model/world); patches are gathered to
+trainer rank 0, which drives every engine through pause -> start -> send -> finish -> resume.
+The snapshots are committed only after every engine acknowledged the version; any failure leaves
+them at v-1 (or, for a failed seed, resets them so the next update is a full seed).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+from .bucket import DEFAULT_BUCKET_BYTES
+from .channel import Channel
+from .digest import digest_tensor
+from .engines import EngineClient, as_engine
+from .errors import DeltaSyncError, GatherError
+from .gather import Ordered, PatchGather
+from .patch import Patch
+from .snapshot import SnapshotStore
+from .transfer import send_abort, send_update
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class UpdateReport:
+    version: int
+    kind: str  # "seed" | "delta" | "full"
+    tensors: int = 0
+    changed_elements: int = 0
+    total_elements: int = 0
+    payload_bytes: int = 0
+    buckets: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+    pause_window_s: float = 0.0
+    verified: bool = False
+
+    @property
+    def changed_fraction(self) -> float:
+        return self.changed_elements / self.total_elements if self.total_elements else 0.0
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["changed_fraction"] = self.changed_fraction
+        return d
+
+
+def default_name_map(name: str) -> str | None:
+    """Module names of a Hugging Face model are its checkpoint names (``_orig_mod.`` / ``module.`` stripped)."""
+    for prefix in ("_orig_mod.", "module."):
+        if name.startswith(prefix):
+            name = name[len(prefix):]
+    return name
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _materialize(t: torch.Tensor) -> torch.Tensor:
+    """Full tensor of a DTensor (FSDP2: a collective, one tensor at a time), else the tensor."""
+    full = getattr(t, "full_tensor", None)
+    return full() if callable(full) else t
+
+
+class WeightSync:
+    def __init__(self, engines: Iterable, *, mode: str = "delta", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 verify_every: int = 0, snapshot_device: str | torch.device = "cpu", pause_mode: str = "wait",
+                 name_map: Callable[[str], str | None] = default_name_map, group=None,
+                 host: str | None = None, port: int | None = None, backend: str | None = None,
+                 timeout_s: float = 300.0, dtype: torch.dtype | None = None, verify_seed: bool = True):
+        if mode not in ("delta", "full"):
+            raise ValueError(f"mode must be 'delta' or 'full', got {mode!r}")
+        if pause_mode not in ("wait", "abort", "keep"):
+            raise ValueError(f"pause_mode must be 'wait', 'abort' or 'keep', got {pause_mode!r}")
+        self.mode, self.bucket_bytes, self.verify_every = mode, bucket_bytes, verify_every
+        self.pause_mode, self.name_map, self.group, self.dtype = pause_mode, name_map, group, dtype
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        self.world = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.engines: list[EngineClient] = [as_engine(e) for e in engines] if self.rank == 0 else []
+        self.store = SnapshotStore(self.rank, self.world, snapshot_device)
+        self.gatherer = PatchGather(group) if self.world > 1 else None
+        self.host = host or "127.0.0.1"
+        self.port, self.backend, self.timeout_s = port, backend, timeout_s
+        self.channel: Channel | None = None
+        self.version = -1
+        self.needs_seed = True
+        self.history: list[UpdateReport] = []
+        self.verify_seed = verify_seed
+
+    # ---- channel ---------------------------------------------------------------------------------
+    def _connect(self) -> None:
+        if self.channel is not None:
+            return
+        workers = [len(e.report()) for e in self.engines]
+        world = 1 + sum(workers)
+        port = self.port or _free_port()
+        token = secrets.token_hex(16)
+        offsets = [1 + sum(workers[:i]) for i in range(len(workers))]
+        with ThreadPoolExecutor(max_workers=len(self.engines)) as pool:
+            futs = [pool.submit(e.init, {"host": self.host, "port": port, "world_size": world, "token": token,
+                                         "rank_offset": off, "backend": self.backend, "timeout_s": self.timeout_s})
+                    for e, off in zip(self.engines, offsets)]
+            self.channel = Channel.connect(self.host, port, 0, world, token, backend=self.backend,
+                                           timeout_s=self.timeout_s)
+            for f in futs:
+                f.result()
+        log.info("delta-sync channel: %d engine worker(s) on %s", world - 1, self.channel.backend)
+
+    def _drop_channel(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+        self.channel = None
+
+    # ---- one update ------------------------------------------------------------------------------
+    def update(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> UpdateReport:
+        """Sync one version. Every trainer rank calls this with the same names in the same order."""
+        t_start = time.perf_counter()
+        full = self.mode == "full" or self.needs_seed
+        version = self.version + 1
+        kind = "seed" if self.needs_seed else ("full" if full else "delta")
+        timings: dict[str, float] = {}
+        totals = {"elements": 0}
+
+        def produce() -> list[Ordered]:
+            out = []
+            t0 = time.perf_counter()
+            for seq, (mname, tensor) in enumerate(named_tensors):
+                name = self.name_map(mname)
+                if name is None:
+                    continue
+                t = _materialize(tensor.detach())
+                if self.dtype is not None and t.dtype != self.dtype:
+                    t = t.to(self.dtype)
+                totals["elements"] += t.numel()
+                if self.store.owns(name, t.numel() * t.element_size()):
+                    out.append(Ordered(seq, self.store.prepare(name, t, full=full)))
+            timings["diff_s"] = time.perf_counter() - t0
+            return out
+
+        try:
+            t0 = time.perf_counter()
+            if self.gatherer is not None:
+                patches = self.gatherer.gather(produce)
+            else:
+                patches = [o.patch for o in produce()]
+            timings["prepare_s"] = time.perf_counter() - t0
+            outcome = self._publish(version, kind, patches, timings) if self.rank == 0 else None
+        except GatherError:
+            self.store.rollback()
+            raise
+        except BaseException as e:  # rank 0 failed before publishing the outcome: tell the others
+            outcome = {"ok": False, "error": f"{type(e).__name__}: {e}", "needs_seed": self.needs_seed, "exc": e}
+            if self.world == 1:
+                self.store.rollback()
+                raise
+        outcome = self._share(outcome)
+        if not outcome["ok"]:
+            if outcome.get("needs_seed"):
+                self.store.reset()
+                self.needs_seed = True
+            else:
+                self.store.rollback()
+            exc = outcome.get("exc")
+            if exc is not None:
+                raise exc
+            raise DeltaSyncError(f"update v{version} failed on trainer rank 0: {outcome['error']}",
+                                 kept="trainer snapshot at the last committed version")
+        self.store.commit(version)
+        self.version, self.needs_seed = version, False
+        rep = UpdateReport(version, kind, **outcome["report"])
+        if (kind == "seed" and self.verify_seed) or (self.verify_every and version % self.verify_every == 0):
+            t0 = time.perf_counter()
+            self.verify()
+            rep.verified = True
+            timings["verify_s"] = time.perf_counter() - t0
+        rep.total_elements = totals["elements"]
+        rep.timings.update({k: round(v, 6) for k, v in timings.items()})
+        rep.timings["total_s"] = round(time.perf_counter() - t_start, 6)
+        self.history.append(rep)
+        return rep
+
+    def _share(self, outcome: dict | None) -> dict:
+        if self.world == 1:
+            return outcome  # type: ignore[return-value]
+        box = [None if outcome is None else {k: v for k, v in outcome.items() if k != "exc"}]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group)
+        shared = box[0]
+        if self.rank == 0 and outcome is not None and "exc" in outcome:
+            shared = dict(shared, exc=outcome["exc"])
+        return shared
+
+    def _publish(self, version: int, kind: str, patches: list[Patch], timings: dict) -> dict:
+        """Rank 0: validate, then pause -> start -> send -> finish -> resume on every engine."""
+        t0 = time.perf_counter()
+        for p in patches:
+            p.validate(kept=f"engines and trainer snapshot at v{self.version}")
+        timings["validate_s"] = time.perf_counter() - t0
+        self._connect()
+        t_pause = time.perf_counter()
+        started: list[EngineClient] = []
+        finished: list[EngineClient] = []
+        try:
+            for e in self.engines:
+                e.pause(self.pause_mode)
+            for e in self.engines:
+                e.start()
+                started.append(e)
+            stats = self._send(version, kind, patches, timings)
+            t2 = time.perf_counter()
+            for e in self.engines:
+                e.finish(version)
+                finished.append(e)
+            timings["finish_s"] = time.perf_counter() - t2
+            for e in self.engines:
+                e.reset_prefix_cache()
+                e.resume()
+        except BaseException as err:
+            # A failed seed, or engines left on different versions, can only be repaired by a seed.
+            needs_seed = kind == "seed" or 0 < len(finished) < len(self.engines)
+            for e in started:
+                if e in finished:
+                    continue
+                for step in (e.discard, lambda: e.finish(self.version)):
+                    try:
+                        step()  # ends the engine's session without applying v
+                    except Exception:
+                        pass
+            if not needs_seed:  # engines are on v-1 and consistent: serve again
+                for e in self.engines:
+                    try:
+                        e.reset_prefix_cache()
+                        e.resume()
+                    except Exception:
+                        pass
+            log.error("delta-sync v%d failed (%s); %s", version, err,
+                      "engines stay paused until a seed" if needs_seed else f"engines resumed on v{self.version}")
+            return {"ok": False, "error": f"{type(err).__name__}: {err}", "needs_seed": needs_seed, "exc": err}
+        return {"ok": True, "report": {"tensors": stats.tensors, "changed_elements": stats.elements,
+                                       "payload_bytes": stats.payload_bytes, "buckets": stats.buckets,
+                                       "pause_window_s": round(time.perf_counter() - t_pause, 6)}}
+
+    def _send(self, version: int, kind: str, patches: list[Patch], timings: dict):
+        """Broadcast every bucket while each engine's ``update`` RPC receives them, concurrently."""
+        t1 = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=len(self.engines)) as pool:
+            futs = [pool.submit(e.update, {"version": version}) for e in self.engines]
+            try:
+                stats = send_update(self.channel, version, kind, patches, self.bucket_bytes)
+            except BaseException as err:
+                try:
+                    send_abort(self.channel, version, f"sender failed: {type(err).__name__}: {err}")
+                except Exception:
+                    self._drop_channel()  # receivers time out and discard; the next update reconnects
+                for f in futs:
+                    f.exception()
+                raise
+            errors = [f.exception() for f in futs]
+        timings["send_s"] = time.perf_counter() - t1
+        timings["pack_s"] = stats.pack_s
+        for err in errors:
+            if err is not None:
+                if "ChannelError" in str(err) or "timed out" in str(err):
+                    self._drop_channel()
+                raise err
+        return stats
+
+    # ---- integrity -------------------------------------------------------------------------------
+    def verify(self) -> dict[str, str]:
+        """Compare every engine's per-tensor digests with the trainer snapshot (collective).
+
+        Each owner digests its snapshot shard; rank 0 compares. A mismatch is drift: raises
+        :class:`DriftDetected` on every rank and the next update is a full seed.
+        """
+        mine = {}
+        for name in list(self.store._owner):
+            snap = self.store.snapshot_of(name)
+            if snap is not None:
+                mine[name] = digest_tensor(snap).hex()
+        if self.world > 1:
+            parts: list = [None] * self.world
+            dist.all_gather_object(parts, mine, group=self.group)
+            want = {k: v for part in parts for k, v in part.items()}
+        else:
+            want = mine
+        problem = None
+        if self.rank == 0:
+            for e in self.engines:
+                got = combine_reports(e.report(digests=True))
+                bad = [n for n in want if n in got and got[n] != want[n]]
+                if bad:
+                    problem = f"engine {e.name}: digest mismatch for {len(bad)} tensor(s), first {bad[0]!r}"
+                    break
+        box = [problem]
+        if self.world > 1:
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0) if self.group else 0,
+                                       group=self.group)
+        if box[0]:
+            self.store.reset()
+            self.needs_seed = True
+            raise DriftDetected(f"after v{self.version}: {box[0]}; the next update is a full seed",
+                                kept="engines serving their current weights until the re-seed")
+        return want
+
+    def close(self) -> None:
+        self._drop_channel()
+
+
+class DriftDetected(DeltaSyncError):
+    """Engine digests differ from the trainer snapshot."""
+
+
+def combine_reports(reports: list[dict]) -> dict[str, str]:
+    from .digest import Digest
+
+    per: dict[str, list] = {}
+    for r in reports:
+        for name, (h, count, numel) in (r.get("digests") or {}).items():
+            per.setdefault(name, []).append((h, count, numel))
+    out = {}
+    for name, parts in per.items():
+        numel = parts[0][2]
+        if sum(c for _, c, _ in parts) == numel:
+            total = Digest()
+            for h, _, _ in parts:
+                total = total + Digest.parse(h)
+            out[name] = total.hex()
+        elif all(c == numel for _, c, _ in parts) and len({h for h, _, _ in parts}) == 1:
+            out[name] = parts[0][0]
+        else:
+            out[name] = "inconsistent"
+    return out

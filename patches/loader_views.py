@@ -1,0 +1,224 @@
+"""Checkpoint loader views: where each checkpoint element lives in the engine's parameters.
+
+vLLM's loaders fuse and shard checkpoint tensors (q/k/v -> ``qkv_proj``, gate/up ->
+``gate_up_proj``, experts -> ``w13``/``w2``, TP slices, padded vocab) and end in
+``param_slice.copy_(checkpoint_slice)``. Running the loader once per checkpoint name with a
+*probe* tensor and recording that final copy (without performing it) gives, per name, a list of
+:class:`Segment`: an affine map from checkpoint flat indices to offsets in a parameter's storage.
+
+Applying a patch is then O(changed elements): decompose each flat index along the source
+strides of a segment, keep those that fall inside it, and ``index_copy_`` into the parameter at
+the matching destination offsets. A loader whose write is not one plain strided ``copy_`` from the
+probe (a computed source, a custom write path) yields no view; such names fall back to vLLM's
+``load_checkpoint_weight_patches``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class Segment:
+    """``param_flat[dst_offset + sum(c_k * dst_stride_k)] = ckpt_flat[src_offset + sum(c_k * src_stride_k)]``
+    for every multi-index ``c`` within ``shape``. Strides and offsets are in elements."""
+
+    param: str
+    shape: tuple[int, ...]
+    src_offset: int
+    src_stride: tuple[int, ...]
+    dst_offset: int
+    dst_stride: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def _dims_by_src_stride(self):
+        return sorted((i for i in range(len(self.shape)) if self.shape[i] > 1),
+                      key=lambda i: -self.src_stride[i])
+
+    def map(self, flat_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(selector, dst_offsets)``: which of ``flat_idx`` (int64) land in this segment, and where."""
+        r = flat_idx - self.src_offset
+        ok = r >= 0
+        dst = torch.full_like(flat_idx, self.dst_offset)
+        for i in self._dims_by_src_stride():
+            s = self.src_stride[i]
+            c = torch.div(r, s, rounding_mode="floor")
+            ok &= (c >= 0) & (c < self.shape[i])
+            r = r - c * s
+            dst += c * self.dst_stride[i]
+        ok &= r == 0
+        sel = ok.nonzero().squeeze(1)
+        return sel, dst.index_select(0, sel)
+
+    def src_view(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat.as_strided(self.shape, self.src_stride, flat.storage_offset() + self.src_offset)
+
+    def dst_view(self, param_flat: torch.Tensor) -> torch.Tensor:
+        return param_flat.as_strided(self.shape, self.dst_stride, param_flat.storage_offset() + self.dst_offset)
+
+
+@dataclass
+class LoaderView:
+    """Every place checkpoint tensor ``name`` (of ``shape``) is written on this worker."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    segments: list[Segment] = field(default_factory=list)
+
+
+class UnsupportedLoader(Exception):
+    """The loader's write for a name is not a plain strided copy from the checkpoint tensor."""
+
+
+def param_storages(model: torch.nn.Module) -> dict[int, tuple[str, torch.Tensor]]:
+    """Storage data_ptr -> (parameter name, parameter) for every parameter (tied ones once)."""
+    out: dict[int, tuple[str, torch.Tensor]] = {}
+    for name, p in model.named_parameters(remove_duplicate=True):
+        if p.numel() == 0:
+            continue
+        out.setdefault(p.untyped_storage().data_ptr(), (name, p))
+    return out
+
+
+def probe_views(model: torch.nn.Module, names_shapes: list[tuple[str, tuple[int, ...], torch.dtype]],
+                load_fn=None) -> tuple[dict[str, LoaderView], dict[str, str]]:
+    """Record loader views for each checkpoint name by running the model's own loader on a probe.
+
+    Nothing is written to the parameters: the recorded ``copy_`` calls are skipped. Returns
+    ``(views, unsupported)`` where ``unsupported`` maps a name to the reason it has no view.
+    """
+    load_fn = load_fn or (lambda items: model.load_weights(items))
+    storages = param_storages(model)
+    views: dict[str, LoaderView] = {}
+    unsupported: dict[str, str] = {}
+    original_copy = torch.Tensor.copy_
+    current: dict = {}
+
+    def recording_copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False):
+        probe = current.get("probe")
+        if probe is None or src.untyped_storage().data_ptr() != probe.untyped_storage().data_ptr():
+            return original_copy(dst, src, non_blocking)
+        owner = storages.get(dst.untyped_storage().data_ptr())
+        if owner is None:
+            current["error"] = "the loader copied into a tensor that is not a parameter"
+            return dst
+        if tuple(dst.shape) != tuple(src.shape) or dst.dtype != src.dtype:
+            current["error"] = (f"final copy changes shape/dtype ({tuple(src.shape)}/{src.dtype} -> "
+                                f"{tuple(dst.shape)}/{dst.dtype})")
+            return dst
+        if any(s == 0 for s in src.stride()) and src.numel() > 1:
+            current["error"] = "the loader broadcasts the checkpoint tensor"
+            return dst
+        pname, param = owner
+        base = param.data
+        current["segments"].append(Segment(
+            pname, tuple(dst.shape), src.storage_offset() - probe.storage_offset(), tuple(src.stride()),
+            dst.storage_offset() - base.storage_offset(), tuple(dst.stride())))
+        return dst
+
+    torch.Tensor.copy_ = recording_copy
+    try:
+        for name, shape, dtype in names_shapes:
+            probe = torch.empty(shape, dtype=dtype)
+            current.clear()
+            current.update(probe=probe, segments=[])
+            try:
+                load_fn([(name, probe)])
+            except Exception as e:  # a loader that does math on the source, etc.
+                current.setdefault("error", f"{type(e).__name__}: {e}")
+            if "error" in current:
+                unsupported[name] = current["error"]
+            else:
+                views[name] = LoaderView(name, tuple(shape), dtype, list(current["segments"]))
+    finally:
+        torch.Tensor.copy_ = original_copy
+        current.clear()
+    return views, unsupported
+
+
+@dataclass
+class UndoLog:
+    """Old values at every position an apply wrote, restorable in reverse order."""
+
+    entries: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]] = field(default_factory=list)
+
+    def record_positions(self, flat: torch.Tensor, pos: torch.Tensor) -> None:
+        self.entries.append((flat, pos, None, flat.index_select(0, pos).clone()))
+
+    def record_view(self, view: torch.Tensor) -> None:
+        self.entries.append((view, None, None, view.clone()))  # type: ignore[arg-type]
+
+    def restore(self) -> None:
+        for target, pos, _, old in reversed(self.entries):
+            if pos is None:
+                target.copy_(old)
+            else:
+                target.index_copy_(0, pos, old)
+        self.entries.clear()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(o.numel() * o.element_size() + (0 if p is None else p.numel() * 8) for _, p, _, o in self.entries)
+
+
+def flat_param(param: torch.Tensor) -> torch.Tensor:
+    """The whole storage of ``param`` as a 1-D tensor starting at the parameter's first element."""
+    data = param.data
+    n = data.untyped_storage().nbytes() // data.element_size() - data.storage_offset()
+    return data.as_strided((n,), (1,), data.storage_offset())
+
+
+def apply_sparse(view: LoaderView, params: dict[str, torch.Tensor], indices: torch.Tensor,
+                 values: torch.Tensor, undo: UndoLog | None) -> int:
+    """Write ``values`` at checkpoint flat ``indices`` through ``view``; returns elements written."""
+    idx = indices.to(torch.int64)
+    written = 0
+    for seg in view.segments:
+        sel, dst = seg.map(idx)
+        if sel.numel() == 0:
+            continue
+        flat = flat_param(params[seg.param])
+        vals = values.index_select(0, sel).to(flat.dtype)
+        if undo is not None:
+            undo.record_positions(flat, dst)
+        flat.index_copy_(0, dst, vals)
+        written += sel.numel()
+    return written
+
+
+def apply_dense(view: LoaderView, params: dict[str, torch.Tensor], values: torch.Tensor,
+                undo: UndoLog | None) -> int:
+    """Copy a whole checkpoint tensor through ``view`` (strided copies, no loader)."""
+    src = values.reshape(-1)
+    written = 0
+    for seg in view.segments:
+        dst = seg.dst_view(flat_param(params[seg.param]))
+        if undo is not None:
+            undo.record_view(dst)
+        dst.copy_(seg.src_view(src))
+        written += seg.numel
+    return written
+
+
+def read_through(view: LoaderView, params: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(flat checkpoint indices, values)`` this worker holds for ``view`` (for digests)."""
+    idx_parts, val_parts = [], []
+    for seg in view.segments:
+        flat = flat_param(params[seg.param])
+        vals = seg.dst_view(flat).reshape(-1)
+        grids = torch.meshgrid(*[torch.arange(n) for n in seg.shape], indexing="ij") if seg.shape else []
+        idx = torch.full(seg.shape, seg.src_offset, dtype=torch.int64)
+        for g, s in zip(grids, seg.src_stride):
+            idx += g * s
+        idx_parts.append(idx.reshape(-1))
+        val_parts.append(vals)
+    if not idx_parts:
+        return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=view.dtype)
+    return torch.cat(idx_parts), torch.cat(val_parts)

@@ -1,0 +1,294 @@
+"""delta-sync's vLLM weight-transfer engine: stage + validate on update, apply at finish.
+
+Lifecycle (names match vLLM's wire protocol)::
+
+    init_transfer_engine  join the channel (rank_offset + this worker's rank), refuse layouts
+                          that in-place patching would corrupt
+    start_weight_update   check that no parameter's storage or strides changed since the views
+                          were built
+    update_weights        receive *all* buckets of version v, validate every patch (name, shape,
+                          dtype, bounds, order, duplicates, finite values, checksum) and stage it;
+                          nothing touches the weights yet
+    finish_weight_update  apply everything staged with an undo log; on failure restore v-1
+                          (a failed seed leaves ``needs_seed``)
+
+Loader views are recorded at the first seed (the seed names every checkpoint tensor and its
+shape). Names whose loader is not a plain strided copy go through vLLM's own loader instead:
+``model.load_weights`` for dense, ``load_checkpoint_weight_patches`` for sparse.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from delta_sync import accelerator
+from delta_sync.channel import Channel
+from delta_sync.digest import Digest, digest_elements
+from delta_sync.errors import DeltaSyncError, LayoutNotSupported, NeedsSeed, PatchValidationError
+from delta_sync.patch import Patch
+from delta_sync.transfer import receive_update
+
+from .loader_views import LoaderView, UndoLog, apply_dense, apply_sparse, probe_views, read_through
+
+from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
+                                                   WeightTransferUpdateInfo)
+
+log = logging.getLogger(__name__)
+BACKEND_NAME = "delta_sync"
+
+
+@dataclass
+class DeltaSyncInitInfo(WeightTransferInitInfo):
+    host: str
+    port: int
+    world_size: int
+    token: str
+    rank_offset: int = 1
+    backend: str | None = None
+    timeout_s: float = 300.0
+
+
+@dataclass
+class DeltaSyncUpdateInfo(WeightTransferUpdateInfo):
+    version: int | None = None  # if set, the version the sender announced out of band
+
+
+def check_layout_supported(vllm_config, model: torch.nn.Module, device: torch.device) -> None:
+    """Refuse settings under which checkpoint-layout writes would be wrong, naming the fix."""
+    mc, pc = vllm_config.model_config, vllm_config.parallel_config
+    if getattr(mc, "quantization", None):
+        raise LayoutNotSupported(f"quantized weights (quantization={mc.quantization!r}) cannot be patched "
+                                 "in checkpoint coordinates; serve the unquantized checkpoint")
+    if pc.pipeline_parallel_size > 1:
+        raise LayoutNotSupported(f"pipeline_parallel_size={pc.pipeline_parallel_size}: delta-sync receivers "
+                                 "need pipeline_parallel_size=1 (use TP/DP for the engine)")
+    if getattr(pc, "enable_eplb", False):
+        raise LayoutNotSupported("dynamic EPLB moves experts between ranks at run time: set enable_eplb=False")
+    for mname, module in model.named_modules():
+        for shadow in ("weight_fp32", "w13_weight_list", "w2_weight_list"):
+            if getattr(module, shadow, None) is not None:
+                raise LayoutNotSupported(f"{mname}.{shadow} is a second copy of the weights that a patch would "
+                                         "not update; disable the setting that creates it (precast_fp32_weight / "
+                                         "enable_fused_mc2 on Ascend)")
+    for pname, p in model.named_parameters():
+        if p.numel() == 0 and device.type == "cpu":
+            raise LayoutNotSupported(f"{pname} is empty: the CPU kernels repacked it. Start the engine with "
+                                     f"weight_transfer_config backend {BACKEND_NAME!r} so the checkpoint-layout "
+                                     "mode is active from load time")
+    if device.type == "npu":
+        from .vllm_ascend import check_ascend_layout
+
+        check_ascend_layout(vllm_config, model)
+
+
+def _fingerprint(model: torch.nn.Module) -> dict[str, tuple]:
+    return {n: (p.data_ptr(), tuple(p.stride()), tuple(p.shape), p.dtype) for n, p in model.named_parameters()}
+
+
+class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, DeltaSyncUpdateInfo]):
+    init_info_cls = DeltaSyncInitInfo
+    update_info_cls = DeltaSyncUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config, vllm_config, device, model):
+        super().__init__(config, vllm_config, device, model)
+        self.channel: Channel | None = None
+        self.version: int | None = None
+        self.needs_seed = False
+        self.views: dict[str, LoaderView] = {}
+        self.fallback: dict[str, str] = {}  # name -> why it has no view
+        self.shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        self._staged = None
+        self._fingerprint: dict | None = None
+        self.last_timings: dict[str, float] = {}
+        self.last_error: str | None = None
+
+    # ---- identity ------------------------------------------------------------------------------
+    def _worker_rank(self) -> int:
+        pc = self.parallel_config
+        try:
+            from vllm.distributed import get_tensor_model_parallel_rank
+
+            tp_rank = get_tensor_model_parallel_rank()
+        except Exception:  # no TP group initialised (uni executor without distributed init)
+            tp_rank = 0
+        return getattr(pc, "data_parallel_index", 0) * pc.tensor_parallel_size + tp_rank
+
+    def _kept(self) -> str:
+        return "engine weights at version " + ("none (needs a seed)" if self.version is None else f"v{self.version}")
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    def init_transfer_engine(self, init_info: DeltaSyncInitInfo) -> None:
+        check_layout_supported(self.vllm_config, self.model, self.device)
+        if self.channel is not None:
+            self.channel.close()
+        rank = init_info.rank_offset + self._worker_rank()
+        device = self.device if self.device.type != "cpu" else torch.device("cpu")
+        self.channel = Channel.connect(init_info.host, init_info.port, rank, init_info.world_size, init_info.token,
+                                       backend=init_info.backend, device=device, timeout_s=init_info.timeout_s)
+
+    def start_weight_update(self) -> None:
+        self._staged = None
+        if self._fingerprint is not None and self._fingerprint != _fingerprint(self.model):
+            changed = [n for n, f in _fingerprint(self.model).items() if self._fingerprint.get(n) != f]
+            self.views.clear()
+            self._fingerprint = None
+            self.version = None
+            self.needs_seed = True
+            raise NeedsSeed(f"parameter storage or layout changed since the loader views were built "
+                            f"({', '.join(changed[:3])}...); the next update must be a full seed",
+                            kept="weights as they are, version unknown")
+
+    def update_weights(self, update_info) -> None:
+        # The base class calls torch.accelerator.synchronize(), which raises on CPU.
+        self.receive_weights(self.parse_update_info(update_info or {}))
+        accelerator.synchronize(self.device)
+
+    def receive_weights(self, update_info: DeltaSyncUpdateInfo) -> None:
+        if self.channel is None:
+            raise DeltaSyncError("init_transfer_engine was not called", kept=self._kept())
+        t0 = time.perf_counter()
+        self._staged = None
+        try:
+            upd = receive_update(self.channel, kept=self._kept())
+            if update_info.version is not None and upd.version != update_info.version:
+                raise DeltaSyncError(f"received version {upd.version}, the sender announced {update_info.version}",
+                                     kept=self._kept())
+            if upd.kind != "seed" and (self.version is None or self.needs_seed):
+                raise NeedsSeed(f"delta v{upd.version} arrived but this engine has no base version",
+                                kept=self._kept())
+            for p in upd.patches:
+                self._validate(p, seed=upd.kind == "seed")
+        except Exception as e:
+            self.last_error = str(e)
+            raise
+        self._staged = upd
+        self.last_timings = {"receive_s": time.perf_counter() - t0}
+
+    def _validate(self, p: Patch, seed: bool) -> None:
+        known = self.shapes.get(p.name)
+        if known is None and not seed:
+            raise PatchValidationError(p.name, "unknown checkpoint name (never seeded on this engine)",
+                                       kept=self._kept())
+        shape, dtype = known if known is not None else (None, None)
+        p.validate(expected_shape=shape, expected_dtype=dtype, kept=self._kept())
+
+    def finish_weight_update(self) -> None:
+        upd, self._staged = self._staged, None
+        if upd is None:
+            return  # start/finish with nothing received (e.g. the sender aborted before sending)
+        t0 = time.perf_counter()
+        params = dict(self.model.named_parameters())
+        undo = UndoLog()
+        try:
+            with torch.no_grad():
+                if upd.kind == "seed":
+                    self._apply_seed(upd.patches, params, undo)
+                else:
+                    self._apply_delta(upd.patches, params, undo)
+        except Exception as e:
+            undo.restore()
+            if upd.kind == "seed":
+                self.version, self.needs_seed = None, True
+                kept = "engine paused with partially seeded weights; needs_seed: the next update must be a full seed"
+            else:
+                kept = self._kept() + " (undo log restored)"
+            self.last_error = f"apply of v{upd.version} failed: {type(e).__name__}: {e}"
+            raise DeltaSyncError(self.last_error, kept=kept) from e
+        self.version, self.needs_seed, self.last_error = upd.version, False, None
+        self._fingerprint = _fingerprint(self.model)
+        self.last_timings.update(apply_s=time.perf_counter() - t0, undo_bytes=float(undo.nbytes))
+
+    # ---- apply ---------------------------------------------------------------------------------
+    def _apply_seed(self, patches: list[Patch], params, undo: UndoLog) -> None:
+        new = [(p.name, p.shape, p.dtype) for p in patches if p.name not in self.views and p.name not in self.fallback]
+        if new:
+            views, unsupported = probe_views(self.model, new)
+            self.views.update(views)
+            self.fallback.update(unsupported)
+            for name, why in unsupported.items():
+                log.warning("delta-sync: %s has no loader view (%s); it uses vLLM's loader", name, why)
+        slow = []
+        for p in patches:
+            self.shapes[p.name] = (p.shape, p.dtype)
+            view = self.views.get(p.name)
+            if view is not None:
+                apply_dense(view, params, p.values, undo)
+            else:
+                slow.append(p)
+        if slow:
+            self._snapshot_all(params, undo)
+            self.model.load_weights([(p.name, p.values.reshape(p.shape)) for p in slow])
+
+    def _apply_delta(self, patches: list[Patch], params, undo: UndoLog) -> None:
+        slow = []
+        for p in patches:
+            view = self.views.get(p.name)
+            if view is None:
+                slow.append(p)
+            elif p.dense:
+                apply_dense(view, params, p.values, undo)
+            else:
+                apply_sparse(view, params, p.indices, p.values, undo)
+        if slow:
+            from vllm.model_executor.model_loader.checkpoint_weight_patch import (CheckpointWeightPatch,
+                                                                                  load_checkpoint_weight_patches)
+
+            self._snapshot_all(params, undo)
+            load_checkpoint_weight_patches(self.model, [
+                CheckpointWeightPatch(p.name, p.shape, p.dtype, p.values, p.indices) for p in slow])
+
+    @staticmethod
+    def _snapshot_all(params, undo: UndoLog) -> None:
+        """vLLM's loader may write anywhere: keep the old value of every parameter (fallback path only)."""
+        for p in params.values():
+            if p.numel():
+                undo.record_view(p.data)
+
+    # ---- reporting -----------------------------------------------------------------------------
+    def report(self, digests: bool = False, names: list[str] | None = None) -> dict:
+        out = {"version": self.version, "needs_seed": self.needs_seed or self.version is None,
+               "rank": self.channel.rank if self.channel else None, "views": len(self.views),
+               "fallback": sorted(self.fallback), "last_error": self.last_error,
+               "timings": dict(self.last_timings)}
+        if digests:
+            params = dict(self.model.named_parameters())
+            d = {}
+            for name in (names or sorted(self.views)):
+                view = self.views.get(name)
+                if view is None:
+                    continue
+                idx, vals = read_through(view, params)
+                d[name] = [digest_elements(idx, vals).hex(), int(idx.numel()), int(torch.Size(view.shape).numel())]
+            out["digests"] = d
+        return out
+
+    def shutdown(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+
+
+def combine_worker_digests(reports: list[dict]) -> dict[str, str]:
+    """One digest per tensor from every worker's report: shards add up; replicas must agree."""
+    per: dict[str, list[tuple[str, int, int]]] = {}
+    for r in reports:
+        for name, (hexd, count, numel) in (r.get("digests") or {}).items():
+            per.setdefault(name, []).append((hexd, count, numel))
+    out = {}
+    for name, parts in per.items():
+        numel = parts[0][2]
+        if sum(c for _, c, _ in parts) == numel:
+            total = Digest()
+            for h, _, _ in parts:
+                total = total + Digest.parse(h)
+            out[name] = total.hex()
+        elif all(c == numel for _, c, _ in parts) and len({h for h, _, _ in parts}) == 1:
+            out[name] = parts[0][0]
+        else:
+            out[name] = "inconsistent:" + ",".join(h for h, _, _ in parts)
+    return out

@@ -1,0 +1,88 @@
+"""Tiny Qwen3 / Qwen3-MoE checkpoints built locally (no hub), cached under ``.cache/``.
+
+Shapes are the smallest that still exercise every loader path vLLM has for the real models:
+2 layers, GQA (4 query heads, 2 kv heads), head_dim 32 (vLLM's CPU attention rejects 16), tied
+embeddings for the dense model (as Qwen3-0.6B), 8 experts with per-expert checkpoint names for
+the MoE model (as Qwen3-30B-A3B). Weights are N(0, 0.2) so greedy outputs are distinct.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1] / ".cache" / "checkpoints"
+CORPUS = (
+    "the quick brown fox jumps over the lazy dog. weights change a little every step of "
+    "reinforcement learning, and the engine must serve exactly the trained weights. "
+    "one two three four five six seven eight nine ten. alpha beta gamma delta epsilon. "
+    "def add(a, b): return a + b\nprint(add(2, 3))\n"
+)
+VOCAB = 384
+COMMON = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0,
+              vocab_size=VOCAB, torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2)
+
+
+def _tokenizer(path: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB - 8, special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([CORPUS] * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>", pad_token="<pad>")
+    fast.save_pretrained(path)
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+
+
+def build(kind: str, seed: int = 0) -> Path:
+    """Path of the cached checkpoint ``kind`` in {"dense", "moe"}; built once, under a lock."""
+    path = ROOT / f"qwen3-{kind}-s{seed}"
+    if (path / "done").exists():
+        return path
+    ROOT.mkdir(parents=True, exist_ok=True)
+    with open(ROOT / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (path / "done").exists():
+            return path
+        from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        if kind == "dense":
+            cfg = Qwen3Config(intermediate_size=256, tie_word_embeddings=True, **COMMON)
+            model = Qwen3ForCausalLM(cfg)
+        elif kind == "moe":
+            cfg = Qwen3MoeConfig(intermediate_size=256, moe_intermediate_size=64, num_experts=8,
+                                 num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+                                 mlp_only_layers=[], tie_word_embeddings=False, **COMMON)
+            model = Qwen3MoeForCausalLM(cfg)
+        else:
+            raise ValueError(kind)
+        _randomize(model, seed)
+        model = model.to(torch.bfloat16)
+        tmp = path.with_suffix(".tmp")
+        model.save_pretrained(tmp, safe_serialization=True)
+        _tokenizer(tmp)
+        if tmp.exists() and path.exists():
+            import shutil
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+        (path / "done").write_text(json.dumps({"kind": kind, "seed": seed}))
+    return path
