@@ -1,0 +1,71 @@
+"""Shared pieces of the engine tests: checkpoint evolution, fresh-engine oracle, patched export."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = ["the quick brown fox", "one two three four",
+           # a long prompt that sits in the prefix cache across updates
+           "weights change a little every step of reinforcement learning, and the engine must serve "
+           "exactly the trained weights. " * 3]
+
+
+def load_state(path: Path) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in load_file(str(path / "model.safetensors")).items()}
+
+
+def evolve(state: dict[str, torch.Tensor], version: int) -> None:
+    """Mixed densities: tensors untouched, fully rewritten, and sparse at several densities."""
+    g = torch.Generator().manual_seed(1000 + version)
+    for i, (name, t) in enumerate(sorted(state.items())):
+        flat = t.view(-1)
+        mode = (i + version) % 6
+        if mode == 0:
+            continue
+        if mode == 1 and version % 2 == 1:
+            flat.copy_((torch.randn(flat.numel(), generator=g) * 0.2).to(flat.dtype))
+            continue
+        frac = [0.0001, 0.002, 0.01, 0.05, 0.3][mode - 1]
+        k = max(1, int(flat.numel() * frac))
+        pos = torch.randint(0, flat.numel(), (k,), generator=g)
+        flat[pos] = (flat[pos].float() + 0.05 * torch.randn(k, generator=g)).to(flat.dtype)
+
+
+def export(state: dict[str, torch.Tensor], src: Path, dst: Path) -> Path:
+    if dst.exists():
+        shutil.rmtree(dst)
+    shutil.copytree(src, dst)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def fresh_engine(model: Path, prompts=PROMPTS, tp: int = 1, stock: bool = False) -> list[dict]:
+    cmd = [sys.executable, "-m", "tests.engine_runner", str(model), json.dumps(prompts), "--tp", str(tp)]
+    if stock:
+        cmd.append("--stock")
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="nobind"))
+    for line in out.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise AssertionError(f"fresh engine failed (rc {out.returncode}):\n{out.stderr[-4000:]}")
+
+
+def max_logprob_error(a: list[dict], b: list[dict]) -> float:
+    """Max |logprob difference| over the positions where both generated the same tokens so far."""
+    worst = 0.0
+    for ra, rb in zip(a, b):
+        for ta, tb, x, y in zip(ra["token_ids"], rb["token_ids"], ra["logprobs"], rb["logprobs"]):
+            worst = max(worst, abs(x - y))
+            if ta != tb:
+                break
+    return worst

@@ -1,0 +1,141 @@
+"""The receiver in a real vLLM engine (CPU, TP=1, in process): exactness, rejections, caches."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
+from delta_sync.bucket import Bucket  # noqa: E402
+from delta_sync.errors import EngineError, PatchValidationError  # noqa: E402
+from delta_sync.patch import Patch  # noqa: E402
+from delta_sync.sync import WeightSync  # noqa: E402
+from delta_sync.transfer import send_update  # noqa: E402
+
+from .checkpoints import build  # noqa: E402
+from .engine_helpers import PROMPTS, evolve, export, fresh_engine, load_state, max_logprob_error  # noqa: E402
+from .engine_runner import engine_kwargs, greedy  # noqa: E402
+
+VERSIONS = 5
+
+
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def engine(request):
+    from vllm import LLM
+
+    path = build(request.param)
+    llm = LLM(model=str(path), **engine_kwargs())
+    yield request.param, path, llm
+    del llm
+
+
+def test_seed_and_deltas_equal_fresh_engine(engine, tmp_path):
+    kind, path, llm = engine
+    state = load_state(path)
+    greedy(llm, PROMPTS)  # the long prompt is now in the prefix cache
+    sync = WeightSync([llm], mode="delta", verify_every=1)
+    seed = sync.update(state.items())
+    assert seed.kind == "seed" and seed.verified and seed.changed_fraction == 1.0
+    reports = []
+    for v in range(1, VERSIONS + 1):
+        evolve(state, v)
+        rep = sync.update(state.items())
+        assert rep.kind == "delta" and rep.verified  # digests of every tensor match the trainer
+        reports.append(rep)
+    assert all(0 < r.changed_fraction < 1 for r in reports)
+    status = llm.collective_rpc("delta_sync_report", args=("{}",))[0]
+    assert status["version"] == VERSIONS and not status["fallback"] and status["views"] == len(state)
+    live = greedy(llm, PROMPTS)
+    fresh = fresh_engine(export(state, path, tmp_path / "patched"))
+    assert [r["token_ids"] for r in live] == [r["token_ids"] for r in fresh]
+    assert live == fresh, f"max logprob error {max_logprob_error(live, fresh)}"
+    sync.close()
+
+
+def test_checkpoint_layout_mode_matches_stock_vllm_tokens(engine):
+    """Report (not hide) the difference between checkpoint-layout mode and stock CPU kernels."""
+    kind, path, _ = engine
+    ours, stock = fresh_engine(path), fresh_engine(path, stock=True)
+    err = max_logprob_error(ours, stock)
+    print(f"{kind}: checkpoint-layout vs stock vLLM max |logprob diff| = {err:.3g}")
+    assert [r["prompt_token_ids"] for r in ours] == [r["prompt_token_ids"] for r in stock]
+    assert all(o["token_ids"][0] == s["token_ids"][0] for o, s in zip(ours, stock))
+    assert err < 0.2  # bf16 summation order only; a wrong layout gives O(1) differences
+
+
+def _raw_update(sync: WeightSync, llm, patches, version, corrupt_checksum=False):
+    """Send patches that skipped the trainer-side validation, as a buggy or hostile sender would."""
+    sync._connect()
+    eng = sync.engines[0]
+    eng.start()
+    err = {}
+
+    def recv():
+        try:
+            eng.update({"version": version})
+        except Exception as e:
+            err["e"] = e
+    th = threading.Thread(target=recv)
+    th.start()
+    original = Bucket.payload_checksum
+    if corrupt_checksum:
+        Bucket.payload_checksum = lambda self: "0" * 16
+    try:
+        send_update(sync.channel, version, "delta", patches)
+    finally:
+        Bucket.payload_checksum = original
+    th.join(120)
+    for step in (eng.discard, lambda: eng.finish(version)):
+        try:
+            step()
+        except Exception:
+            pass
+    return err.get("e")
+
+
+def test_bad_updates_rejected_and_outputs_unchanged(engine):
+    kind, path, llm = engine
+    state = load_state(path)
+    sync = WeightSync([llm], mode="delta")
+    sync.update(state.items())
+    evolve(state, 1)
+    sync.update(state.items())
+    before = greedy(llm, PROMPTS)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    t = state[name]
+    i32 = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+    vals = lambda n, dt=t.dtype: torch.full((n,), 0.5, dtype=dt)  # noqa: E731
+    cases = {
+        "unknown name": Patch("model.layers.9.nope.weight", (4,), t.dtype, i32([0]), vals(1)),
+        "wrong shape": Patch(name, (t.shape[0] + 1, t.shape[1]), t.dtype, i32([0]), vals(1)),
+        "dtype": Patch(name, tuple(t.shape), torch.float16, i32([0]), vals(1, torch.float16)),
+        "out of bounds": Patch(name, tuple(t.shape), t.dtype, i32([1, t.numel()]), vals(2)),
+        "not increasing": Patch(name, tuple(t.shape), t.dtype, i32([5, 3]), vals(2)),
+        "duplicate": Patch(name, tuple(t.shape), t.dtype, i32([3, 3]), vals(2)),
+        "non-finite": Patch(name, tuple(t.shape), t.dtype, i32([1, 2]), torch.tensor([1.0, float("nan")]).to(t.dtype)),
+    }
+    for what, bad in cases.items():
+        good = Patch(name, tuple(t.shape), t.dtype, i32([7]), vals(1))  # would change outputs if applied
+        e = _raw_update(sync, llm, [good, bad], sync.version + 1)
+        assert isinstance(e, EngineError) and "PatchValidationError" in str(e), (what, e)
+        assert greedy(llm, PROMPTS) == before, what
+    e = _raw_update(sync, llm, [Patch(name, tuple(t.shape), t.dtype, i32([7]), vals(1))], sync.version + 1,
+                    corrupt_checksum=True)
+    assert isinstance(e, EngineError) and "ChecksumMismatch" in str(e)
+    assert greedy(llm, PROMPTS) == before
+    # the trainer side refuses a bad patch before anything is sent: engine and snapshot stay put
+    state[name].view(-1)[0] = float("inf")
+    with pytest.raises(PatchValidationError, match="non-finite"):
+        sync.update(state.items())
+    state[name].view(-1)[0] = 0.25
+    # after all of that, a normal update is still exact
+    evolve(state, 2)
+    rep = sync.update(state.items())
+    assert rep.kind == "delta"
+    sync.verify()
+    sync.close()
