@@ -18,7 +18,7 @@ fi
 
 echo "[setup] creating $venv" >&2
 [[ -x "$venv/bin/python" ]] || "$py" -m venv "$venv"
-pip=("$venv/bin/python" -m pip --disable-pip-version-check --no-warn-conflicts -q)
+pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
 
 # torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
 "${pip[@]}" install "torch==2.13.0"
@@ -29,7 +29,7 @@ pip=("$venv/bin/python" -m pip --disable-pip-version-check --no-warn-conflicts -
 "${pip[@]}" uninstall -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
 # Megatron: their declared deps (transformer-engine, transformers<5, wandb, ...) cannot
 # install on CPU; install without deps and add what the code paths we use import.
-"${pip[@]}" install --no-deps "megatron-core==0.16.1" "megatron-bridge==0.3.0"
+"${pip[@]}" install --no-deps --no-warn-conflicts "megatron-core==0.16.1" "megatron-bridge==0.3.0"
 "${pip[@]}" install einops omegaconf safetensors numpy pytest pytest-timeout tqdm
 # The project itself, editable, without re-resolving the stack above.
 "${pip[@]}" install --no-deps --no-build-isolation -e .
