@@ -31,7 +31,15 @@ def engine(request):
     path = build(request.param)
     llm = LLM(model=str(path), **engine_kwargs())
     yield request.param, path, llm
+    # vLLM keeps process-global parallel state: tear it down before the next engine in this process
+    import gc
+
+    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
     del llm
+    gc.collect()
+    destroy_model_parallel()
+    destroy_distributed_environment()
 
 
 def test_seed_and_deltas_equal_fresh_engine(engine, tmp_path):
@@ -82,14 +90,20 @@ def _raw_update(sync: WeightSync, llm, patches, version, corrupt_checksum=False)
             err["e"] = e
     th = threading.Thread(target=recv)
     th.start()
-    original = Bucket.payload_checksum
-    if corrupt_checksum:
-        Bucket.payload_checksum = lambda self: "0" * 16
+    chan = sync.channel
+    if corrupt_checksum:  # on this sender's channel only: the in-process receiver has its own
+        plain_send = chan.send_bucket
+
+        def send_corrupt(bucket: Bucket) -> None:
+            bucket.header["checksum"] = "0" * 16
+            plain_send(bucket)
+        chan.send_bucket = send_corrupt
     try:
-        send_update(sync.channel, version, "delta", patches)
+        send_update(chan, version, "delta", patches)
     finally:
-        Bucket.payload_checksum = original
-    th.join(120)
+        chan.__dict__.pop("send_bucket", None)
+    th.join(300)
+    assert not th.is_alive(), "engine update RPC still blocked after 300 s"
     for step in (eng.discard, lambda: eng.finish(version)):
         try:
             step()
@@ -122,7 +136,7 @@ def test_bad_updates_rejected_and_outputs_unchanged(engine):
     for what, bad in cases.items():
         good = Patch(name, tuple(t.shape), t.dtype, i32([7]), vals(1))  # would change outputs if applied
         e = _raw_update(sync, llm, [good, bad], sync.version + 1)
-        assert isinstance(e, EngineError) and "PatchValidationError" in str(e), (what, e)
+        assert isinstance(e, EngineError) and "PatchValidationError" in str(e), f"{what}: got {e!r}"
         assert greedy(llm, PROMPTS) == before, what
     e = _raw_update(sync, llm, [Patch(name, tuple(t.shape), t.dtype, i32([7]), vals(1))], sync.version + 1,
                     corrupt_checksum=True)
