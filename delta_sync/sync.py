@@ -331,6 +331,7 @@ class DriftDetected(DeltaSyncError):
 
 
 def combine_reports(reports: list[dict]) -> dict[str, str]:
+    """One digest per tensor from every engine worker's report: TP shards add up, replicas must agree."""
     from .digest import Digest
 
     per: dict[str, list] = {}

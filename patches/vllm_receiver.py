@@ -27,7 +27,7 @@ import torch
 
 from delta_sync import accelerator
 from delta_sync.channel import Channel
-from delta_sync.digest import Digest, digest_elements
+from delta_sync.digest import digest_elements
 from delta_sync.errors import DeltaSyncError, LayoutNotSupported, NeedsSeed, PatchValidationError
 from delta_sync.patch import Patch
 from delta_sync.transfer import receive_update
@@ -271,24 +271,3 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         if self.channel is not None:
             self.channel.close()
             self.channel = None
-
-
-def combine_worker_digests(reports: list[dict]) -> dict[str, str]:
-    """One digest per tensor from every worker's report: shards add up; replicas must agree."""
-    per: dict[str, list[tuple[str, int, int]]] = {}
-    for r in reports:
-        for name, (hexd, count, numel) in (r.get("digests") or {}).items():
-            per.setdefault(name, []).append((hexd, count, numel))
-    out = {}
-    for name, parts in per.items():
-        numel = parts[0][2]
-        if sum(c for _, c, _ in parts) == numel:
-            total = Digest()
-            for h, _, _ in parts:
-                total = total + Digest.parse(h)
-            out[name] = total.hex()
-        elif all(c == numel for _, c, _ in parts) and len({h for h, _, _ in parts}) == 1:
-            out[name] = parts[0][0]
-        else:
-            out[name] = "inconsistent:" + ",".join(h for h, _, _ in parts)
-    return out
