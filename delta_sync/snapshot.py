@@ -121,3 +121,7 @@ class SnapshotStore:
 
     def snapshot_of(self, name: str) -> torch.Tensor | None:
         return self._base.get(name)
+
+    def snapshots(self):
+        """``(name, tensor)`` of every committed snapshot this rank owns."""
+        return self._base.items()

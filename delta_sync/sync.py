@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from .bucket import DEFAULT_BUCKET_BYTES
 from .channel import Channel
-from .digest import digest_tensor
+from .digest import Digest, digest_tensor
 from .engines import EngineClient, as_engine
 from .errors import DeltaSyncError, GatherError
 from .gather import Ordered, PatchGather
@@ -200,12 +200,18 @@ class WeightSync:
         self.history.append(rep)
         return rep
 
+    def _from_rank0(self, obj):
+        """Trainer rank 0's ``obj`` on every trainer rank (a collective when world > 1)."""
+        if self.world == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group)
+        return box[0]
+
     def _share(self, outcome: dict | None) -> dict:
         if self.world == 1:
             return outcome  # type: ignore[return-value]
-        box = [None if outcome is None else {k: v for k, v in outcome.items() if k != "exc"}]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group)
-        shared = box[0]
+        shared = self._from_rank0(None if outcome is None else {k: v for k, v in outcome.items() if k != "exc"})
         if self.rank == 0 and outcome is not None and "exc" in outcome:
             shared = dict(shared, exc=outcome["exc"])
         return shared
@@ -280,8 +286,7 @@ class WeightSync:
         timings["pack_s"] = stats.pack_s
         for err in errors:
             if err is not None:
-                if "ChannelError" in str(err) or "timed out" in str(err):
-                    self._drop_channel()
+                self._drop_channel()  # the receivers may be out of step with the stream: reconnect next time
                 raise err
         return stats
 
@@ -292,11 +297,7 @@ class WeightSync:
         Each owner digests its snapshot shard; rank 0 compares. A mismatch is drift: raises
         :class:`DriftDetected` on every rank and the next update is a full seed.
         """
-        mine = {}
-        for name in list(self.store._owner):
-            snap = self.store.snapshot_of(name)
-            if snap is not None:
-                mine[name] = digest_tensor(snap).hex()
+        mine = {name: digest_tensor(snap).hex() for name, snap in self.store.snapshots()}
         if self.world > 1:
             parts: list = [None] * self.world
             dist.all_gather_object(parts, mine, group=self.group)
@@ -311,14 +312,11 @@ class WeightSync:
                 if bad:
                     problem = f"engine {e.name}: digest mismatch for {len(bad)} tensor(s), first {bad[0]!r}"
                     break
-        box = [problem]
-        if self.world > 1:
-            dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0) if self.group else 0,
-                                       group=self.group)
-        if box[0]:
+        problem = self._from_rank0(problem)
+        if problem:
             self.store.reset()
             self.needs_seed = True
-            raise DriftDetected(f"after v{self.version}: {box[0]}; the next update is a full seed",
+            raise DriftDetected(f"after v{self.version}: {problem}; the next update is a full seed",
                                 kept="engines serving their current weights until the re-seed")
         return want
 
@@ -332,8 +330,6 @@ class DriftDetected(DeltaSyncError):
 
 def combine_reports(reports: list[dict]) -> dict[str, str]:
     """One digest per tensor from every engine worker's report: TP shards add up, replicas must agree."""
-    from .digest import Digest
-
     per: dict[str, list] = {}
     for r in reports:
         for name, (h, count, numel) in (r.get("digests") or {}).items():

@@ -89,6 +89,7 @@ def main(argv: list[str]) -> dict:
             vals = (t.view(-1).index_select(0, idx.long()).float() + 0.01).to(t.dtype)
             patches.append((name, t, idx, vals))
         changed = sum(p[2].numel() for p in patches)
+        native = [CheckpointWeightPatch(n, tuple(t.shape), t.dtype, v, i) for n, t, i, v in patches]
         best_views = best_native = float("inf")
         with torch.no_grad():
             for _ in range(args.reps):
@@ -97,7 +98,6 @@ def main(argv: list[str]) -> dict:
                 for name, _, idx, vals in patches:
                     apply_sparse(views[name], params, idx, vals, undo)
                 best_views = min(best_views, time.perf_counter() - t0)
-                native = [CheckpointWeightPatch(n, tuple(t.shape), t.dtype, v, i) for n, t, i, v in patches]
                 t0 = time.perf_counter()
                 load_checkpoint_weight_patches(model, native)
                 best_native = min(best_native, time.perf_counter() - t0)

@@ -73,10 +73,6 @@ class LoaderView:
     segments: list[Segment] = field(default_factory=list)
 
 
-class UnsupportedLoader(Exception):
-    """The loader's write for a name is not a plain strided copy from the checkpoint tensor."""
-
-
 def param_storages(model: torch.nn.Module) -> dict[int, tuple[str, torch.Tensor]]:
     """Storage data_ptr -> (parameter name, parameter) for every parameter (tied ones once)."""
     out: dict[int, tuple[str, torch.Tensor]] = {}
@@ -147,16 +143,17 @@ def probe_views(model: torch.nn.Module, names_shapes: list[tuple[str, tuple[int,
 class UndoLog:
     """Old values at every position an apply wrote, restorable in reverse order."""
 
-    entries: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]] = field(default_factory=list)
+    #: (target, flat positions or None for the whole target, old values)
+    entries: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = field(default_factory=list)
 
     def record_positions(self, flat: torch.Tensor, pos: torch.Tensor) -> None:
-        self.entries.append((flat, pos, None, flat.index_select(0, pos).clone()))
+        self.entries.append((flat, pos, flat.index_select(0, pos)))
 
     def record_view(self, view: torch.Tensor) -> None:
-        self.entries.append((view, None, None, view.clone()))  # type: ignore[arg-type]
+        self.entries.append((view, None, view.clone()))
 
     def restore(self) -> None:
-        for target, pos, _, old in reversed(self.entries):
+        for target, pos, old in reversed(self.entries):
             if pos is None:
                 target.copy_(old)
             else:
@@ -165,7 +162,7 @@ class UndoLog:
 
     @property
     def nbytes(self) -> int:
-        return sum(o.numel() * o.element_size() + (0 if p is None else p.numel() * 8) for _, p, _, o in self.entries)
+        return sum(o.numel() * o.element_size() + (0 if p is None else p.numel() * 8) for _, p, o in self.entries)
 
 
 def flat_param(param: torch.Tensor) -> torch.Tensor:

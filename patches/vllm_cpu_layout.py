@@ -17,7 +17,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-BACKEND_NAME = "delta_sync"
+from . import BACKEND_NAME
 _installed = False
 
 

@@ -18,7 +18,7 @@ import json
 def register() -> None:
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    from .vllm_receiver import BACKEND_NAME
+    from . import BACKEND_NAME
 
     if BACKEND_NAME not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(BACKEND_NAME, "patches.vllm_receiver",

@@ -37,8 +37,9 @@ from .loader_views import LoaderView, UndoLog, apply_dense, apply_sparse, probe_
 from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
                                                    WeightTransferUpdateInfo)
 
+from . import BACKEND_NAME
+
 log = logging.getLogger(__name__)
-BACKEND_NAME = "delta_sync"
 
 
 @dataclass
