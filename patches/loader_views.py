@@ -15,6 +15,7 @@ probe (a computed source, a custom write path) yields no view; such names fall b
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -36,6 +37,18 @@ class Segment:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @functools.cached_property
+    def contiguous(self) -> bool:
+        """Both sides are one row-major run: checkpoint ``[src_offset, +numel)`` -> parameter
+        ``[dst_offset, +numel)`` (every segment at TP=1, row-sliced ones at TP>1)."""
+        row_major, step = [], 1
+        for n in reversed(self.shape):
+            row_major.append(step)
+            step *= n
+        row_major = tuple(reversed(row_major))
+        relevant = [i for i, n in enumerate(self.shape) if n > 1]
+        return all(self.src_stride[i] == row_major[i] == self.dst_stride[i] for i in relevant)
 
     def _dims_by_src_stride(self):
         return sorted((i for i in range(len(self.shape)) if self.shape[i] > 1),
@@ -99,9 +112,14 @@ def probe_views(model: torch.nn.Module, names_shapes: list[tuple[str, tuple[int,
 
     def recording_copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False):
         probe = current.get("probe")
-        if probe is None or src.untyped_storage().data_ptr() != probe.untyped_storage().data_ptr():
+        if probe is None:
             return original_copy(dst, src, non_blocking)
         owner = storages.get(dst.untyped_storage().data_ptr())
+        if src.untyped_storage().data_ptr() != probe.untyped_storage().data_ptr():
+            if owner is not None:  # a parameter written from a computed tensor: no view, and no write
+                current["error"] = "the loader writes a tensor computed from the checkpoint tensor"
+                return dst
+            return original_copy(dst, src, non_blocking)
         if owner is None:
             current["error"] = "the loader copied into a tensor that is not a parameter"
             return dst
@@ -174,19 +192,31 @@ def flat_param(param: torch.Tensor) -> torch.Tensor:
 
 def apply_sparse(view: LoaderView, params: dict[str, torch.Tensor], indices: torch.Tensor,
                  values: torch.Tensor, undo: UndoLog | None) -> int:
-    """Write ``values`` at checkpoint flat ``indices`` through ``view``; returns elements written."""
+    """Write ``values`` at checkpoint flat ``indices`` (increasing) through ``view``; returns elements written.
+
+    A contiguous segment takes its indices as one slice found by binary search (a handful of
+    torch ops per tensor, whatever the density); other segments decompose every index.
+    """
     idx = indices.to(torch.int64)
     written = 0
     for seg in view.segments:
-        sel, dst = seg.map(idx)
-        if sel.numel() == 0:
-            continue
+        if seg.contiguous:
+            bounds = torch.tensor([seg.src_offset, seg.src_offset + seg.numel], device=idx.device)
+            lo, hi = torch.searchsorted(idx, bounds).tolist()
+            if lo == hi:
+                continue
+            dst = idx[lo:hi] + (seg.dst_offset - seg.src_offset)
+            vals = values[lo:hi]
+        else:
+            sel, dst = seg.map(idx)
+            if sel.numel() == 0:
+                continue
+            vals = values.index_select(0, sel)
         flat = flat_param(params[seg.param])
-        vals = values.index_select(0, sel).to(flat.dtype)
         if undo is not None:
             undo.record_positions(flat, dst)
-        flat.index_copy_(0, dst, vals)
-        written += sel.numel()
+        flat.index_copy_(0, dst, vals.to(flat.dtype))
+        written += dst.numel()
     return written
 
 
