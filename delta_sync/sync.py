@@ -127,6 +127,15 @@ class WeightSync:
                 f.result()
         log.info("delta-sync channel: %d engine worker(s) on %s", world - 1, self.channel.backend)
 
+    def _engines_lost_base(self) -> bool:
+        """Rank 0: does any engine worker lack the version the trainer committed (restart, failed seed,
+        storage swapped under the views)? An unreachable engine counts as lost."""
+        try:
+            return any(r.get("needs_seed") or r.get("version") != self.version
+                       for e in self.engines for r in e.report())
+        except Exception:
+            return True
+
     def _drop_channel(self) -> None:
         if self.channel is not None:
             self.channel.close()
@@ -136,6 +145,9 @@ class WeightSync:
     def update(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> UpdateReport:
         """Sync one version. Every trainer rank calls this with the same names in the same order."""
         t_start = time.perf_counter()
+        if not self.needs_seed and self._from_rank0(self.rank == 0 and self._engines_lost_base()):
+            self.store.reset()  # an engine restarted or lost its base: only a seed can repair it
+            self.needs_seed = True
         full = self.mode == "full" or self.needs_seed
         version = self.version + 1
         kind = "seed" if self.needs_seed else ("full" if full else "delta")
@@ -243,7 +255,7 @@ class WeightSync:
                 e.resume()
         except BaseException as err:
             # A failed seed, or engines left on different versions, can only be repaired by a seed.
-            needs_seed = kind == "seed" or 0 < len(finished) < len(self.engines)
+            needs_seed = kind == "seed" or 0 < len(finished) < len(self.engines) or self._engines_lost_base()
             for e in started:
                 if e in finished:
                     continue

@@ -153,3 +153,116 @@ def test_bad_updates_rejected_and_outputs_unchanged(engine):
     assert rep.kind == "delta"
     sync.verify()
     sync.close()
+
+
+def _worker_engine(llm):
+    return llm.llm_engine.model_executor.driver_worker.worker.weight_transfer_engine
+
+
+def _seeded(llm, path):
+    state = load_state(path)
+    sync = WeightSync([llm], mode="delta")
+    sync.update(state.items())
+    return state, sync
+
+
+def test_apply_failure_midway_restores_previous_version(engine, monkeypatch):
+    import patches.vllm_receiver as receiver
+
+    kind, path, llm = engine
+    state, sync = _seeded(llm, path)
+    evolve(state, 1)
+    sync.update(state.items())
+    before = greedy(llm, PROMPTS)
+    calls = {"n": 0}
+    real = receiver.apply_sparse
+
+    def failing(*args, **kwargs):  # writes some tensors for real, then fails
+        calls["n"] += 1
+        if calls["n"] == 6:
+            raise RuntimeError("injected failure in the middle of apply")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(receiver, "apply_sparse", failing)
+    evolve(state, 2)
+    with pytest.raises(EngineError, match="injected failure.*undo log restored"):
+        sync.update(state.items())
+    assert calls["n"] == 6 and sync.version == 1 and not sync.needs_seed
+    assert _worker_engine(llm).version == 1
+    assert greedy(llm, PROMPTS) == before
+    monkeypatch.setattr(receiver, "apply_sparse", real)
+    rep = sync.update(state.items())  # the snapshot stayed at v1: this delta carries v1 -> v2 again
+    assert rep.kind == "delta" and rep.version == 2
+    sync.verify()
+    sync.close()
+
+
+def test_seed_failure_leaves_needs_seed_and_next_update_reseeds(engine, monkeypatch):
+    import patches.vllm_receiver as receiver
+
+    kind, path, llm = engine
+    state, sync = _seeded(llm, path)
+    sync.close()
+    fresh = WeightSync([llm], mode="delta")  # a new trainer: its first update is a seed
+    real = receiver.apply_dense
+    calls = {"n": 0}
+
+    def failing(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected seed failure")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(receiver, "apply_dense", failing)
+    with pytest.raises(EngineError, match="injected seed failure.*needs_seed"):
+        fresh.update(state.items())
+    assert fresh.needs_seed and _worker_engine(llm).needs_seed
+    monkeypatch.setattr(receiver, "apply_dense", real)
+    rep = fresh.update(state.items())
+    assert rep.kind == "seed" and rep.verified and not _worker_engine(llm).needs_seed
+    fresh.close()
+
+
+def test_lost_engine_state_forces_a_seed(engine):
+    """A restarted engine reports version none; swapped parameter storage is caught at start."""
+    kind, path, llm = engine
+    state, sync = _seeded(llm, path)
+    worker_engine = _worker_engine(llm)
+    worker_engine.version = None  # what a restarted engine reports
+    evolve(state, 1)
+    assert sync.update(state.items()).kind == "seed"
+    # storage swapped under the views (e.g. a parameter re-registered): refused at start
+    param = next(p for n, p in llm.llm_engine.model_executor.driver_worker.worker.model_runner.model.named_parameters()
+                 if n.endswith("input_layernorm.weight"))
+    param.data = param.data.clone()
+    evolve(state, 2)
+    with pytest.raises(EngineError, match="NeedsSeed"):
+        sync.update(state.items())
+    assert sync.needs_seed
+    rep = sync.update(state.items())
+    assert rep.kind == "seed" and rep.verified  # engine digests equal the trainer's again
+    sync.close()
+
+
+def test_unsupported_layouts_are_refused_with_the_setting_to_change():
+    from types import SimpleNamespace
+
+    from delta_sync.errors import LayoutNotSupported
+    from patches.vllm_receiver import check_layout_supported
+
+    def cfg(quantization=None, pp=1, eplb=False):
+        return SimpleNamespace(model_config=SimpleNamespace(quantization=quantization),
+                               parallel_config=SimpleNamespace(pipeline_parallel_size=pp, enable_eplb=eplb))
+    plain = torch.nn.Linear(2, 2)
+    cpu = torch.device("cpu")
+    check_layout_supported(cfg(), plain, cpu)
+    cases = [(cfg(quantization="fp8"), plain, "quantization='fp8'"),
+             (cfg(pp=2), plain, "pipeline_parallel_size=1"),
+             (cfg(eplb=True), plain, "enable_eplb=False")]
+    shadow = torch.nn.Linear(2, 2)
+    shadow.weight_fp32 = torch.zeros(2, 2)
+    cases.append((cfg(), shadow, "weight_fp32"))
+    repacked = torch.nn.Linear(2, 2)
+    repacked.weight = torch.nn.Parameter(torch.empty(0))
+    cases.append((cfg(), repacked, "repacked"))
+    for c, model, match in cases:
+        with pytest.raises(LayoutNotSupported, match=match):
+            check_layout_supported(c, model, cpu)
