@@ -108,3 +108,42 @@ def _prompt_ids(base: str) -> list[dict]:
         r = _post(base + "/tokenize", {"model": "m", "prompt": p})
         out.append({"prompt_token_ids": r["tokens"]})
     return out
+
+
+def test_two_engines_share_one_channel():
+    """Data parallel: an HTTP server (TP=2, workers at channel ranks 1-2) and an in-process engine
+    (rank 3) receive every bucket of the same broadcast; both match the trainer's digests."""
+    from vllm import LLM
+
+    from .engine_runner import engine_kwargs, greedy
+
+    path = build("dense")
+    proc, base = _start_server(path, "http-dp.log")
+    llm = None
+    try:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        llm = LLM(model=str(path), **engine_kwargs())
+        http = HttpEngine(base)
+        state = load_state(path)
+        sync = WeightSync([http, llm], mode="delta", verify_every=1)
+        sync.update(state.items())
+        for v in range(1, 3):
+            evolve(state, v)
+            rep = sync.update(state.items())
+            assert rep.verified and rep.changed_elements > 0
+        ranks = sorted(r["rank"] for r in http.report()) + [r["rank"] for r in sync.engines[1].report()]
+        assert ranks == [1, 2, 3]
+        assert {r["version"] for r in http.report() + sync.engines[1].report()} == {2}
+        assert greedy(llm, PROMPTS)  # still serving
+        sync.close()
+    finally:
+        _stop(proc)
+        if llm is not None:
+            import gc
+
+            from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+            del llm
+            gc.collect()
+            destroy_model_parallel()
+            destroy_distributed_environment()
