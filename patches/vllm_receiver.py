@@ -19,6 +19,7 @@ shape). Names whose loader is not a plain strided copy go through vLLM's own loa
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -208,7 +209,8 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
     def _apply_seed(self, patches: list[Patch], params, undo: UndoLog) -> None:
         new = [(p.name, p.shape, p.dtype) for p in patches if p.name not in self.views and p.name not in self.fallback]
         if new:
-            views, unsupported = probe_views(self.model, new)
+            with self._loader_layout():
+                views, unsupported = probe_views(self.model, new)
             self.views.update(views)
             self.fallback.update(unsupported)
             for name, why in unsupported.items():
@@ -223,7 +225,8 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
                 slow.append(p)
         if slow:
             self._snapshot_all(params, undo)
-            self.model.load_weights([(p.name, p.values.reshape(p.shape)) for p in slow])
+            with self._loader_layout():
+                self.model.load_weights([(p.name, p.values.reshape(p.shape)) for p in slow])
 
     def _apply_delta(self, patches: list[Patch], params, undo: UndoLog) -> None:
         slow = []
@@ -240,8 +243,17 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
                                                                                   load_checkpoint_weight_patches)
 
             self._snapshot_all(params, undo)
-            load_checkpoint_weight_patches(self.model, [
-                CheckpointWeightPatch(p.name, p.shape, p.dtype, p.values, p.indices) for p in slow])
+            with self._loader_layout():
+                load_checkpoint_weight_patches(self.model, [
+                    CheckpointWeightPatch(p.name, p.shape, p.dtype, p.values, p.indices) for p in slow])
+
+    def _loader_layout(self):
+        """The parameter layout vLLM's loader expects: on Ascend, MoE weights transposed back."""
+        if self.device.type == "npu":
+            from .vllm_ascend import checkpoint_layout
+
+            return checkpoint_layout(self.model)
+        return contextlib.nullcontext()
 
     @staticmethod
     def _snapshot_all(params, undo: UndoLog) -> None:
