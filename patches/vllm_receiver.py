@@ -244,8 +244,11 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
 
             self._snapshot_all(params, undo)
             with self._loader_layout():
-                load_checkpoint_weight_patches(self.model, [
-                    CheckpointWeightPatch(p.name, p.shape, p.dtype, p.values, p.indices) for p in slow])
+                for dense in (True, False):  # vLLM refuses dense and sparse patches in one call
+                    group = [CheckpointWeightPatch(p.name, p.shape, p.dtype, p.values, p.indices)
+                             for p in slow if p.dense == dense]
+                    if group:
+                        load_checkpoint_weight_patches(self.model, group)
 
     def _loader_layout(self):
         """The parameter layout vLLM's loader expects: on Ascend, MoE weights transposed back."""

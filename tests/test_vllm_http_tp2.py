@@ -71,9 +71,10 @@ def _stop(proc) -> None:
         proc.wait(10)
 
 
-def test_http_tp2_seed_and_deltas_equal_fresh_engine(tmp_path):
-    """Live server (TP=2) after seed + 3 deltas == a fresh server (TP=2) on an independent export."""
-    path = build("moe")
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_http_tp2_seed_and_deltas_equal_fresh_engine(kind, tmp_path):
+    """Live server (TP=2) after seed + 5 deltas == a fresh server (TP=2) on an independent export."""
+    path = build(kind)
     proc, base = _start_server(path, "http-live.log")
     try:
         engine = HttpEngine(base)
@@ -83,12 +84,12 @@ def test_http_tp2_seed_and_deltas_equal_fresh_engine(tmp_path):
         state = load_state(path)
         sync = WeightSync([engine], mode="delta", pause_mode="wait", verify_every=1)
         sync.update(state.items())
-        for v in range(1, 4):
+        for v in range(1, 6):
             evolve(state, v)
             rep = sync.update(state.items())
             assert rep.kind == "delta" and rep.verified and rep.changed_elements > 0
         reports = engine.report()
-        assert [r["version"] for r in reports] == [3, 3] and {r["rank"] for r in reports} == {1, 2}
+        assert [r["version"] for r in reports] == [5, 5] and {r["rank"] for r in reports} == {1, 2}
         live = _complete(base, tok_ids)
         sync.close()
     finally:

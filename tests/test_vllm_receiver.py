@@ -266,3 +266,24 @@ def test_unsupported_layouts_are_refused_with_the_setting_to_change():
     for c, model, match in cases:
         with pytest.raises(LayoutNotSupported, match=match):
             check_layout_supported(c, model, cpu)
+
+
+def test_names_without_a_view_go_through_vllms_loader(engine, tmp_path):
+    """The fallback path (vLLM's load_checkpoint_weight_patches) gives the same weights."""
+    kind, path, llm = engine
+    state, sync = _seeded(llm, path)
+    worker_engine = _worker_engine(llm)
+    moved = ["model.layers.0.self_attn.k_proj.weight", "model.norm.weight"]
+    for name in moved:
+        worker_engine.fallback[name] = "moved to the fallback by the test"
+        del worker_engine.views[name]
+    for v in range(1, 3):
+        evolve(state, v)
+        state["model.norm.weight"].view(-1)[v] += 1  # both moved names change every version
+        state[moved[0]].view(-1)[v] += 1
+        sync.update(state.items())
+    assert sorted(worker_engine.report()["fallback"]) == sorted(moved)
+    live = greedy(llm, PROMPTS)
+    fresh = fresh_engine(export(state, path, tmp_path / "patched"))
+    assert live == fresh, f"max logprob error {max_logprob_error(live, fresh)}"
+    sync.close()
