@@ -7,10 +7,15 @@ import os
 import shutil
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from .engine_runner import MAX_TOKENS
+from .multiproc import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["the quick brown fox", "one two three four",
@@ -60,6 +65,19 @@ def fresh_engine(model: Path, prompts=PROMPTS, tp: int = 1, stock: bool = False)
     raise AssertionError(f"fresh engine failed (rc {out.returncode}):\n{out.stderr[-4000:]}")
 
 
+def close_llm(llm) -> None:
+    """Shut an in-process engine down, with vLLM's process-global parallel state, so that the next
+    engine in this process can start."""
+    import gc
+
+    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+    del llm
+    gc.collect()
+    destroy_model_parallel()
+    destroy_distributed_environment()
+
+
 def max_logprob_error(a: list[dict], b: list[dict]) -> float:
     """Max |logprob difference| over the positions where both generated the same tokens so far."""
     worst = 0.0
@@ -69,3 +87,63 @@ def max_logprob_error(a: list[dict], b: list[dict]) -> float:
             if ta != tb:
                 break
     return worst
+
+
+# ---- vLLM's OpenAI server as a test engine ------------------------------------------------
+
+
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        return json.loads(r.read())
+
+
+def complete(base: str, prompt_ids: list[list[int]]) -> list[dict]:
+    out = []
+    for ids in prompt_ids:
+        r = _post(base + "/v1/completions", {"model": "m", "prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0,
+                                             "logprobs": 0, "return_token_ids": True})
+        c = r["choices"][0]
+        out.append({"token_ids": c["token_ids"], "logprobs": c["logprobs"]["token_logprobs"]})
+    return out
+
+
+def start_server(path, log_name: str, tp: int = 2):
+    port = free_port()
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path), "--served-model-name", "m",
+           "--port", str(port), "--host", "127.0.0.1", "--dtype", "bfloat16", "--enforce-eager",
+           "--max-model-len", "256", "--kv-cache-memory-bytes", str(64 << 20), "--tensor-parallel-size", str(tp),
+           "--distributed-executor-backend", "mp", "--seed", "0", "--enable-prefix-caching",
+           "--weight-transfer-config", json.dumps({"backend": "delta_sync"})]
+    log = open(ROOT / ".cache" / log_name, "w")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 420
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited rc={proc.returncode}; see .cache/{log_name}")
+        try:
+            urllib.request.urlopen(base + "/health", timeout=2)
+            return proc, base
+        except Exception:
+            time.sleep(2)
+    proc.kill()
+    raise AssertionError(f"server did not come up in 420 s; see .cache/{log_name}")
+
+
+def stop_server(proc) -> None:
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
+def prompt_ids(base: str) -> list[dict]:
+    out = []
+    for p in PROMPTS:
+        r = _post(base + "/tokenize", {"model": "m", "prompt": p})
+        out.append({"prompt_token_ids": r["tokens"]})
+    return out

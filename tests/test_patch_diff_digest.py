@@ -1,7 +1,5 @@
 """Single-process checks of the patch format, bitwise diff, snapshot store, digest and buckets."""
 
-import math
-
 import pytest
 import torch
 

@@ -17,8 +17,9 @@ from delta_sync.patch import Patch  # noqa: E402
 from delta_sync.sync import WeightSync  # noqa: E402
 from delta_sync.transfer import send_update  # noqa: E402
 
-from .checkpoints import build  # noqa: E402
-from .engine_helpers import PROMPTS, evolve, export, fresh_engine, load_state, max_logprob_error  # noqa: E402
+from launchers.checkpoints import build  # noqa: E402
+from .engine_helpers import (PROMPTS, close_llm, evolve, export, fresh_engine, load_state,  # noqa: E402
+                             max_logprob_error)
 from .engine_runner import engine_kwargs, greedy  # noqa: E402
 
 VERSIONS = 5
@@ -31,15 +32,7 @@ def engine(request):
     path = build(request.param)
     llm = LLM(model=str(path), **engine_kwargs())
     yield request.param, path, llm
-    # vLLM keeps process-global parallel state: tear it down before the next engine in this process
-    import gc
-
-    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
-
-    del llm
-    gc.collect()
-    destroy_model_parallel()
-    destroy_distributed_environment()
+    close_llm(llm)
 
 
 def test_seed_and_deltas_equal_fresh_engine(engine, tmp_path):

@@ -46,7 +46,7 @@ def _checkpoint(root: Path, layers: int) -> Path:
     (path / "config.json").write_text(json.dumps(cfg))
     import shutil
 
-    from tests.checkpoints import build  # the tiny tokenizer is enough: the bench never decodes text
+    from .checkpoints import build  # the tiny tokenizer is enough: the bench never decodes text
 
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(build("dense") / f, path / f)
@@ -67,7 +67,7 @@ def main(argv: list[str]) -> dict:
     from vllm.model_executor.model_loader.checkpoint_weight_patch import (CheckpointWeightPatch,
                                                                           load_checkpoint_weight_patches)
 
-    from .loader_views import UndoLog, apply_sparse, probe_views
+    from patches.loader_views import UndoLog, apply_sparse, probe_views
 
     path = _checkpoint(Path(args.cache), args.layers)
     llm = LLM(model=str(path), dtype="bfloat16", enforce_eager=True, max_model_len=128,
