@@ -1,0 +1,83 @@
+"""Launcher flags -> updater, and both updaters (full baseline, delta) into a real engine."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import pytest
+
+from update_weight import UpdateWeightFromHCCL, UpdateWeightFromSparseHCCL, add_update_weight_args, build_updater
+from update_weight.args import resolve_update_weight_args
+
+from .engine_helpers import close_llm, evolve, load_state
+
+
+def _args(*argv):
+    return add_update_weight_args(argparse.ArgumentParser()).parse_args(list(argv))
+
+
+def test_defaults_follow_this_machine():
+    cfg = resolve_update_weight_args(_args())
+    assert (cfg.mode, cfg.transport, cfg.backend, cfg.buffer_size) == ("delta", "sparse_gloo", "gloo", 512 << 20)
+    cfg = resolve_update_weight_args(_args("--update-weight-mode", "full", "--update-weight-buffer-size", "64MiB"))
+    assert (cfg.transport, cfg.buffer_size) == ("gloo", 64 << 20)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--update-weight-mode", "delta", "--update-weight-transport", "gloo"], "use --update-weight-transport sparse_gloo"),
+    (["--update-weight-mode", "full", "--update-weight-transport", "sparse_gloo"], "use --update-weight-transport gloo"),
+    (["--update-weight-transport", "sparse_hccl"], "needs NPU devices.*use sparse_gloo"),
+    (["--update-weight-mode", "full", "--update-weight-transport", "nccl"], "needs CUDA devices.*use gloo"),
+    (["--update-weight-verify-every", "-1"], ">= 0"),
+    (["--update-weight-buffer-size", "1KiB"], "too small"),
+])
+def test_contradictions_fail_at_start_with_what_to_use(argv, message):
+    with pytest.raises(SystemExit, match=message):
+        resolve_update_weight_args(_args(*argv))
+
+
+def test_bad_buffer_size_is_an_argument_error():
+    with pytest.raises(SystemExit):
+        _args("--update-weight-buffer-size", "lots")
+
+
+@pytest.fixture(scope="module")
+def llm():
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM
+
+    from launchers.checkpoints import build
+
+    from .engine_runner import engine_kwargs
+
+    engine = LLM(model=str(build("dense")), **engine_kwargs())
+    yield engine
+    close_llm(engine)
+
+
+@pytest.mark.parametrize("mode,transport,cls", [("full", "gloo", UpdateWeightFromHCCL),
+                                                ("delta", "sparse_gloo", UpdateWeightFromSparseHCCL)])
+def test_updaters_keep_the_engine_exact(llm, mode, transport, cls):
+    from launchers.checkpoints import build
+
+    path = build("dense")
+    updater = build_updater(_args("--update-weight-mode", mode, "--update-weight-transport", transport,
+                                  "--update-weight-verify-every", "1", "--update-weight-buffer-size", "256KiB"), [llm])
+    assert type(updater) is cls
+    state = load_state(path)
+    total = sum(t.numel() for t in state.values())
+    reports = [updater.update_weights(state.items())]
+    for v in range(1, 4):
+        evolve(state, v)
+        reports.append(updater.update_weights(state.items()))
+    updater.close()
+    assert all(r.verified for r in reports)  # engine digests == trainer digests every version
+    assert reports[0].kind == "seed" and reports[0].buckets > 1  # 256 KiB buckets split the seed
+    later = reports[1:]
+    if mode == "full":
+        assert all(r.kind == "full" and r.changed_elements == total for r in later)
+    else:
+        assert all(r.kind == "delta" and 0 < r.changed_elements < total for r in later)
+        assert all(r.payload_bytes < reports[0].payload_bytes for r in later)
+    assert all({"diff_s", "prepare_s", "send_s", "pack_s", "finish_s", "total_s"} <= set(r.timings) for r in later)
