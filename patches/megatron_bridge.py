@@ -1,0 +1,152 @@
+"""Megatron-Bridge 0.3.0 + megatron-core 0.16.1 on this stack (transformers 5, no Transformer
+Engine, CPU). One explicit call, :func:`install`, applies every adaptation; each names the upstream
+behaviour it corrects. Nothing in ``delta_sync`` or ``update_weight`` knows about them.
+
+1. ``import megatron.bridge`` reaches modules that hard-import ``transformer_engine.pytorch``
+   (peft LoRA layers) and ``triton`` (inference kernels). They are imported once with stand-in
+   modules present, the stand-ins are removed again, and every ``HAVE_TE`` / ``HAVE_TRITON`` flag
+   those imports set is reset: TE stays absent everywhere else (a permanent fake package would flip
+   Megatron's TE code paths on). Megatron-core modules that probe TE are imported *before* the
+   window, so their flags are computed honestly.
+2. transformers 5 moved ``rope_theta`` into ``config.rope_parameters``; Bridge reads
+   ``hf_config.rope_theta`` (:func:`hf_config_compat`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+
+_installed = False
+#: megatron-core modules that probe TE/triton: imported before the stand-in window
+_HONEST_FIRST = (
+    "megatron.core", "megatron.core.parallel_state", "megatron.core.extensions.transformer_engine",
+    "megatron.core.fp8_utils", "megatron.core.fp4_utils", "megatron.core.models.gpt",
+    "megatron.core.models.gpt.gpt_layer_specs", "megatron.core.transformer.attention",
+    "megatron.core.transformer.multi_latent_attention",
+    "megatron.core.models.gpt.heterogeneous.heterogeneous_layer_specs",
+    "megatron.core.transformer.heterogeneous.linear_replacements", "megatron.core.post_training.modelopt.layers",
+    "megatron.core.models.multimodal.llava_model",
+    "megatron.core.models.gpt.experimental_attention_variant_module_specs",
+)
+_STAND_INS = ("transformer_engine", "transformer_engine.pytorch", "triton", "triton.language")
+_FLAGS = ("HAVE_TE", "HAVE_TRITON")
+
+
+class _Absent:
+    """Any attribute of an absent optional package: usable as a base class, decorator or annotation."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __call__(self, *args, **kwargs):
+        return args[0] if len(args) == 1 and callable(args[0]) and not kwargs else self
+
+    def __getattr__(self, name):
+        return _Absent()
+
+    def __getitem__(self, key):
+        return self
+
+    def __mro_entries__(self, bases):
+        return (object,)
+
+
+class _StandIn(types.ModuleType):
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Absent()
+
+
+def _stand_in(name: str) -> types.ModuleType:
+    m = _StandIn(name)
+    m.__path__ = []
+    m.__version__ = "0.0.0"  # so is_te_min_version(...) is False during the window
+    return m
+
+
+def install() -> None:
+    """Make ``from megatron.bridge import AutoBridge`` work without TE or triton (idempotent)."""
+    global _installed
+    if _installed:
+        return
+    for name in _HONEST_FIRST:
+        importlib.import_module(name)
+    if any(n in sys.modules for n in _STAND_INS if not isinstance(sys.modules.get(n), _StandIn)):
+        importlib.import_module("megatron.bridge")  # the real packages are installed: nothing to adapt
+        _installed = True
+        return
+    before = set(sys.modules)
+    sys.modules.update({n: _stand_in(n) for n in _STAND_INS})
+    try:
+        importlib.import_module("megatron.bridge")
+    finally:
+        for n in _STAND_INS:
+            sys.modules.pop(n, None)
+    for name in set(sys.modules) - before:
+        namespace = getattr(sys.modules.get(name), "__dict__", {})  # no getattr: lazy modules would import
+        for flag in _FLAGS:
+            if namespace.get(flag) is True:
+                namespace[flag] = False
+    _installed = True
+
+
+def hf_config_compat(hf_config) -> None:
+    """transformers 5 keeps ``rope_theta`` under ``rope_parameters``; Bridge 0.3.0 reads the attribute."""
+    if getattr(hf_config, "rope_theta", None) is None:
+        params = getattr(hf_config, "rope_parameters", None) or {}
+        if "rope_theta" in params:
+            hf_config.rope_theta = params["rope_theta"]
+
+
+# ---- CPU training -------------------------------------------------------------------------------
+class _CudaOnCpu:
+    """``torch.cuda`` as seen by a CPU-only process: ``current_device()`` is the CPU."""
+
+    def __init__(self, real):
+        self._real = real
+
+    def current_device(self):
+        return "cpu"
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+class _TorchOnCpu(types.ModuleType):
+    """``torch`` with ``torch.cuda.current_device()`` answering "cpu"; everything else is torch."""
+
+    def __init__(self, real):
+        super().__init__("torch")
+        self._real = real
+        self.cuda = _CudaOnCpu(real.cuda)
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+def install_cpu() -> None:
+    """megatron-core 0.16.1 calls ``torch.cuda.current_device()`` to place tensors (RoPE, the MoE router,
+    the global memory buffer of attention, ...) even when initialised on CPU. Every loaded
+    ``megatron.*`` module whose source does so sees a ``torch`` whose current device is the CPU; no
+    other module, and not torch itself, changes. Idempotent: call it again after building a model
+    so modules imported since are covered."""
+    import inspect
+
+    import torch
+
+    install()
+    if torch.cuda.is_available():
+        return
+    proxy = _TorchOnCpu(torch)
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("megatron.") or module is None or module.__dict__.get("torch") is not torch:
+            continue
+        try:
+            source = inspect.getsource(module)
+        except (OSError, TypeError):
+            continue
+        if "cuda.current_device()" in source:
+            module.torch = proxy

@@ -1,0 +1,62 @@
+"""An oracle receiver: joins the channel like an engine worker and rebuilds full checkpoint tensors
+from seed + patches. Not an engine stand-in (engine tests run real vLLM): it answers "did the
+trainer side send exactly the model?" independently of any engine's loaders."""
+
+from __future__ import annotations
+
+import torch
+
+from delta_sync.channel import Channel
+from delta_sync.digest import digest_tensor
+from delta_sync.patch import apply_patch
+from delta_sync.transfer import receive_update
+
+
+class ReferenceReceiver:
+    name = "reference-receiver"
+
+    def __init__(self):
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.version: int | None = None
+        self.channel: Channel | None = None
+        self._staged = None
+
+    def init(self, info: dict) -> None:
+        if self.channel is not None:
+            self.channel.close()
+        self.channel = Channel.connect(info["host"], info["port"], info["rank_offset"], info["world_size"],
+                                       info["token"], backend=info.get("backend"), timeout_s=info["timeout_s"])
+
+    def pause(self, mode: str = "wait") -> None:
+        pass
+
+    def resume(self) -> None:
+        pass
+
+    def start(self) -> None:
+        self._staged = None
+
+    def update(self, update_info: dict) -> None:
+        self._staged = receive_update(self.channel)
+
+    def finish(self, version: int) -> None:
+        upd, self._staged = self._staged, None
+        if upd is None:
+            return
+        for p in upd.patches:
+            if p.name not in self.tensors:
+                self.tensors[p.name] = torch.empty(p.shape, dtype=p.dtype)
+            apply_patch(self.tensors[p.name], p)
+        self.version = upd.version
+
+    def discard(self) -> None:
+        self._staged = None
+
+    def reset_prefix_cache(self) -> None:
+        pass
+
+    def report(self, digests: bool = False) -> list[dict]:
+        out = {"version": self.version, "needs_seed": self.version is None, "rank": None}
+        if digests:
+            out["digests"] = {n: [digest_tensor(t).hex(), t.numel(), t.numel()] for n, t in self.tensors.items()}
+        return [out]
