@@ -8,6 +8,7 @@ import torch
 
 from delta_sync.channel import Channel
 from delta_sync.digest import digest_tensor
+from delta_sync.errors import EngineError
 from delta_sync.patch import apply_patch
 from delta_sync.transfer import receive_update
 
@@ -37,7 +38,10 @@ class ReferenceReceiver:
         self._staged = None
 
     def update(self, update_info: dict) -> None:
-        self._staged = receive_update(self.channel)
+        try:
+            self._staged = receive_update(self.channel)
+        except Exception as e:  # what an engine client reports for a failed update RPC
+            raise EngineError(self.name, f"{type(e).__name__}: {e}", kind="update") from e
 
     def finish(self, version: int) -> None:
         upd, self._staged = self._staged, None
