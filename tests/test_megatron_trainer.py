@@ -57,3 +57,53 @@ def test_tp_trainer_reconstruction_equals_independent_export(tp):
     assert all(0 < c < total for _, c, total in kinds[1:]), kinds
     assert n_tensors == 24 and mismatched == []
     assert all(r[0] == kinds for r in results)  # every rank reports the same updates
+
+
+def _train_into_engine(rank, world, port, path, url, out, steps):
+    import argparse
+    import shutil
+
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    from launchers.megatron_trainer import MegatronTrainer
+    from update_weight import add_update_weight_args, build_updater
+    from update_weight.megatron_source import BridgeExportSource
+
+    trainer = MegatronTrainer.from_hf(path, tp=world, lr=1e-4)
+    source = BridgeExportSource(trainer.bridge, trainer.model)
+    args = add_update_weight_args(argparse.ArgumentParser()).parse_args(["--update-weight-transport", "sparse_gloo"])
+    updater = build_updater(args, [url])
+    reports = []
+    for _ in range(steps):
+        trainer.step(BATCH)
+        rep = updater.update_weights(source)
+        reports.append((rep.kind, rep.changed_elements, rep.payload_bytes))
+    updater.close()
+    exported = {n: t.clone() for n, t in BridgeExportSource(trainer.bridge, trainer.model)}  # independent export
+    if rank == 0:
+        shutil.copytree(path, out, ignore=shutil.ignore_patterns("model.safetensors", "done"))
+        save_file(exported, f"{out}/model.safetensors", metadata={"format": "pt"})
+    dist.barrier()
+    return reports
+
+
+def test_tp2_trainer_into_vllm_equals_fresh_engine(tmp_path):
+    from .engine_helpers import complete, max_logprob_error, prompt_ids, start_server, stop_server
+
+    path = str(build("dense"))
+    proc, base = start_server(path, "megatron-live.log", tp=1)
+    try:
+        ids = [r["prompt_token_ids"] for r in prompt_ids(base)]
+        reports = run_ranks(_train_into_engine, 2, path, base, str(tmp_path / "export"), 4, timeout=600)[0]
+        live = complete(base, ids)
+    finally:
+        stop_server(proc)
+    assert [k for k, _, _ in reports] == ["seed", "delta", "delta", "delta"]
+    assert all(c > 0 for _, c, _ in reports[1:]) and all(b < reports[0][2] for _, _, b in reports[1:])
+    proc, base = start_server(tmp_path / "export", "megatron-fresh.log", tp=1)
+    try:
+        fresh = complete(base, ids)
+    finally:
+        stop_server(proc)
+    assert live == fresh, f"max logprob error {max_logprob_error(live, fresh)}"
