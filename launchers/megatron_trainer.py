@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from patches.megatron_bridge import hf_config_compat, install_cpu
+from patches.megatron_bridge import fix_sequential_expert_export, hf_config_compat, install_cpu
 
 _FUSIONS = ("bias_activation_fusion", "masked_softmax_fusion", "persist_layer_norm", "bias_dropout_fusion",
             "apply_rope_fusion", "gradient_accumulation_fusion", "cross_entropy_loss_fusion")
@@ -29,6 +29,7 @@ class MegatronTrainer:
     def from_hf(cls, path, tp: int = 1, lr: float = 1e-6) -> "MegatronTrainer":
         """Every rank of the default gloo group calls this (model parallel state is initialised here)."""
         install_cpu()
+        fix_sequential_expert_export()
         from megatron.bridge import AutoBridge
         from megatron.bridge.models.gpt_provider import local_layer_spec
         from megatron.core import parallel_state
@@ -48,6 +49,10 @@ class MegatronTrainer:
             if hasattr(provider, name):
                 setattr(provider, name, False)
         provider.hidden_dropout = provider.attention_dropout = 0.0
+        if getattr(provider, "num_moe_experts", None):
+            provider.moe_grouped_gemm = False  # grouped GEMM and permute fusion need TE / CUDA
+            provider.moe_permute_fusion = False
+            provider.moe_token_dispatcher_type = "allgather"  # alltoall creates a CUDA stream
         provider.finalize()
         model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)
         install_cpu()  # modules imported while building the model
@@ -91,4 +96,4 @@ class MegatronTrainer:
         with torch.no_grad():
             for p, mp in zip(self.params(), self.master):
                 p.copy_(mp)  # bf16 model weights = round(fp32 master)
-        return float(loss)
+        return float(loss.detach())

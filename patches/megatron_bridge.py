@@ -10,6 +10,9 @@ behaviour it corrects. Nothing in ``delta_sync`` or ``update_weight`` knows abou
    window, so their flags are computed honestly.
 2. transformers 5 moved ``rope_theta`` into ``config.rope_parameters``; Bridge reads
    ``hf_config.rope_theta`` (:func:`hf_config_compat`).
+3. CPU: megatron-core places tensors with ``torch.cuda.current_device()`` and references an
+   undefined ``te_general_gemm`` in the MoE router (:func:`install_cpu`).
+4. SequentialMLP expert names crash Bridge's export (:func:`fix_sequential_expert_export`).
 """
 
 from __future__ import annotations
@@ -138,6 +141,9 @@ def install_cpu() -> None:
     import torch
 
     install()
+    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    # mcore 0.16.1 imports te_general_gemm only when TE is present but tests it unconditionally
+    moe_utils.__dict__.setdefault("te_general_gemm", None)
     if torch.cuda.is_available():
         return
     proxy = _TorchOnCpu(torch)
@@ -150,3 +156,36 @@ def install_cpu() -> None:
             continue
         if "cuda.current_device()" in source:
             module.torch = proxy
+
+
+# ---- SequentialMLP expert names ------------------------------------------------------------------
+def fix_sequential_expert_export() -> None:
+    """Bridge 0.3.0 reads the expert number of an exported MoE weight from a grouped-GEMM name
+    (``...linear_fc1.weight7``); without TE, experts are a SequentialMLP (``...local_experts.7.
+    linear_fc1.weight``) and ``int('')`` crashes the export (fixed upstream in 0.6.x). The number is
+    handed over in the grouped form for the duration of the call."""
+    import re
+
+    install()
+    from megatron.bridge.models.conversion import param_mapping
+
+    cls = param_mapping.MegatronParamMapping
+    original = cls.gather_from_ep_ranks
+    if getattr(original, "_delta_sync_fixed", False):
+        return
+    pattern = re.compile(r"local_experts\.(\d+)\.")
+
+    def gather_from_ep_ranks(self, *args, **kwargs):
+        name = self.megatron_param
+        m = pattern.search(name)
+        if m is None:
+            return original(self, *args, **kwargs)
+        suffix = ".weight" if ".weight" in name else ".bias"
+        self.megatron_param = pattern.sub("", name, count=1).split(suffix)[0] + suffix + m.group(1)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            self.megatron_param = name
+
+    gather_from_ep_ranks._delta_sync_fixed = True
+    cls.gather_from_ep_ranks = gather_from_ep_ranks

@@ -48,14 +48,14 @@ def _train_and_sync(rank, world, port, path, tp, steps, transport):
     return kinds, mismatched, n_tensors
 
 
-@pytest.mark.parametrize("tp", [2])
-def test_tp_trainer_reconstruction_equals_independent_export(tp):
-    path = str(build("dense"))
-    results = run_ranks(_train_and_sync, tp, path, tp, 3, "sparse_gloo", timeout=600)
+@pytest.mark.parametrize("kind,tp,tensors", [("dense", 2, 24), ("moe", 1, 69)])  # MoE: DP=2, experts at EP=1
+def test_trainer_reconstruction_equals_independent_export(kind, tp, tensors):
+    path = str(build(kind))
+    results = run_ranks(_train_and_sync, 2, path, tp, 3, "sparse_gloo", timeout=600)
     kinds, mismatched, n_tensors = results[0]
     assert [k for k, _, _ in kinds] == ["seed", "delta", "delta"]
     assert all(0 < c < total for _, c, total in kinds[1:]), kinds
-    assert n_tensors == 24 and mismatched == []
+    assert n_tensors == tensors and mismatched == []
     assert all(r[0] == kinds for r in results)  # every rank reports the same updates
 
 
