@@ -1,0 +1,178 @@
+"""Fresh-checkpoint equivalence: the live-synced engine vs a fresh engine on an independent export.
+
+Zero tolerance: identical generated token ids and every generated-token logprob; a missing or
+non-finite logprob fails. Artifacts written to ``--out``:
+
+* ``baseline.json``            prompts as exact token ids + sampling parameters
+* ``sparse-inference.json``    the synced engine's outputs (and whether a repeat was identical)
+* ``checkpoint-inference.json`` the fresh engine's outputs
+* ``comparison.json``          per-field equality, max |logprob error|, first differing token,
+                               changed-element counts of each update
+
+CLI: ``python -m launchers.equivalence --synced URL --checkpoint DIR --out DIR [--prompt ...]``
+(starts the fresh engine itself; the synced engine must be running).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+DEFAULT_PROMPTS = ["the quick brown fox", "one two three four", "def add(a, b):",
+                   "weights change a little every step of reinforcement learning"]
+SAMPLING = {"temperature": 0.0, "max_tokens": 12, "logprobs": 0, "seed": 0}
+
+
+def _post(url: str, body: dict, timeout: float = 300) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def tokenize(base: str, prompts: list[str], model: str = "m") -> list[list[int]]:
+    return [_post(base + "/tokenize", {"model": model, "prompt": p})["tokens"] for p in prompts]
+
+
+def greedy(base: str, prompt_ids: list[list[int]], model: str = "m") -> list[dict]:
+    out = []
+    for ids in prompt_ids:
+        r = _post(base + "/v1/completions", dict(SAMPLING, model=model, prompt=ids, return_token_ids=True))
+        c = r["choices"][0]
+        out.append({"prompt_token_ids": ids, "token_ids": c.get("token_ids"),
+                    "logprobs": (c.get("logprobs") or {}).get("token_logprobs")})
+    return out
+
+
+def compare(synced: list[dict], fresh: list[dict]) -> dict:
+    """Per-field equality and the first differing token; missing/non-finite logprobs are failures."""
+    fields = {"prompt_token_ids": True, "token_ids": True, "logprobs": True, "logprobs_present_and_finite": True}
+    first_diff = None
+    worst = 0.0
+    for i, (a, b) in enumerate(zip(synced, fresh)):
+        for side in (a, b):
+            lps = side.get("logprobs")
+            if lps is None or len(lps) != len(side.get("token_ids") or []) or \
+                    any(x is None or not math.isfinite(x) for x in lps):
+                fields["logprobs_present_and_finite"] = False
+        fields["prompt_token_ids"] &= a["prompt_token_ids"] == b["prompt_token_ids"]
+        fields["token_ids"] &= a["token_ids"] == b["token_ids"]
+        fields["logprobs"] &= a["logprobs"] == b["logprobs"]
+        for j, (ta, tb) in enumerate(zip(a["token_ids"] or [], b["token_ids"] or [])):
+            la, lb = (a["logprobs"] or [None] * (j + 1))[j], (b["logprobs"] or [None] * (j + 1))[j]
+            if la is not None and lb is not None:
+                worst = max(worst, abs(la - lb))
+            if first_diff is None and (ta != tb or la != lb):
+                first_diff = {"prompt": i, "position": j, "synced_token": ta, "fresh_token": tb,
+                              "synced_logprob": la, "fresh_logprob": lb}
+            if ta != tb:
+                break
+        if first_diff is None and len(a["token_ids"] or []) != len(b["token_ids"] or []):
+            first_diff = {"prompt": i, "position": min(len(a["token_ids"]), len(b["token_ids"])),
+                          "reason": "different lengths"}
+    equal = all(fields.values()) and len(synced) == len(fresh)
+    return {"equal": equal, "fields": fields, "max_abs_logprob_error": worst, "first_difference": first_diff}
+
+
+def start_engine(model: str | Path, port: int, log: Path, extra: list[str] | None = None) -> subprocess.Popen:
+    """A vLLM OpenAI server on 127.0.0.1 with the options the synced engine uses (checkpoint layout)."""
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name",
+           "m", "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--enforce-eager",
+           "--max-model-len", "512", "--kv-cache-memory-bytes", str(64 << 20), "--seed", "0",
+           "--enable-prefix-caching", "--weight-transfer-config", json.dumps({"backend": "delta_sync"})]
+    return subprocess.Popen(cmd + (extra or []), env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+
+
+def wait_ready(proc: subprocess.Popen, base: str, log: Path, timeout: float = 420) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"engine exited with rc={proc.returncode}; see {log}")
+        try:
+            urllib.request.urlopen(base + "/health", timeout=2)
+            return
+        except Exception:
+            time.sleep(1)
+    proc.kill()
+    raise RuntimeError(f"engine not ready after {timeout:.0f} s; see {log}")
+
+
+def stop_engine(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_check(synced_base: str, checkpoint: Path, out: Path, prompts: list[str] | None = None,
+              updates: list[dict] | None = None, stop_synced=None) -> dict:
+    """Steps (2)-(5): greedy on the synced engine, repeat, (stop it), fresh engine, compare, write artifacts."""
+    out.mkdir(parents=True, exist_ok=True)
+    prompts = prompts or DEFAULT_PROMPTS
+    prompt_ids = tokenize(synced_base, prompts)
+    (out / "baseline.json").write_text(json.dumps({"prompts": prompts, "prompt_token_ids": prompt_ids,
+                                                   "sampling": SAMPLING}, indent=1))
+    synced = greedy(synced_base, prompt_ids)
+    repeat = greedy(synced_base, prompt_ids)
+    repeatable = synced == repeat
+    (out / "sparse-inference.json").write_text(json.dumps({"outputs": synced, "repeat_identical": repeatable},
+                                                          indent=1))
+    if stop_synced is not None:
+        stop_synced()
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    proc = start_engine(checkpoint, port, out / "fresh-engine.log")
+    try:
+        wait_ready(proc, base, out / "fresh-engine.log")
+        fresh = greedy(base, prompt_ids)
+    finally:
+        stop_engine(proc)
+    (out / "checkpoint-inference.json").write_text(json.dumps({"outputs": fresh}, indent=1))
+    result = compare(synced, fresh)
+    result["fields"]["synced_engine_repeatable"] = repeatable
+    result["equal"] = result["equal"] and repeatable
+    result["updates"] = updates or []
+    (out / "comparison.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def verdict(result: dict) -> str:
+    if result["equal"]:
+        return (f"EQUAL: synced engine == fresh engine on the exported checkpoint "
+                f"({', '.join(k for k in result['fields'])}; max |logprob error| {result['max_abs_logprob_error']})")
+    bad = [k for k, v in result["fields"].items() if not v]
+    return f"DIFFERENT: {', '.join(bad)}; first difference {result['first_difference']}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--synced", required=True, help="URL of the live-synced engine")
+    ap.add_argument("--checkpoint", required=True, help="independently exported checkpoint directory")
+    ap.add_argument("--out", default="runs/equivalence")
+    ap.add_argument("--prompt", action="append", help="repeatable; default: a built-in set")
+    args = ap.parse_args(argv)
+    result = run_check(args.synced, Path(args.checkpoint), Path(args.out), args.prompt)
+    print(json.dumps(result, indent=1))
+    print(verdict(result))
+    return 0 if result["equal"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

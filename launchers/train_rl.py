@@ -1,0 +1,246 @@
+"""A small but real GRPO-style RL loop: vLLM rollouts -> verifiable reward -> policy gradient on a
+Megatron model (Bridge-loaded) -> weight sync every step -> fresh-checkpoint equivalence check.
+
+``python -m launchers.train_rl`` runs the embedded default on this machine: the tiny Qwen3-MoE
+checkpoint, two trainer ranks over gloo (DP=2; experts at EP=1), one local vLLM server, delta
+sync over ``sparse_gloo``, a few steps, then the equivalence check and its verdict. Choose the
+sync with ``--update-weight-mode`` / ``--update-weight-transport`` / ``--update-weight-*``.
+
+Optimizer: Adam on fp32 master weights with bf16 model weights, as Megatron's mixed precision
+does; a small learning rate keeps the per-step changes sparse, and each step reports the changed
+fraction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from update_weight import add_update_weight_args
+from update_weight.args import resolve_update_weight_args
+
+from . import equivalence
+from .checkpoints import build
+
+PROMPTS = ["one two three", "the quick brown fox", "alpha beta gamma", "def add(a, b):"]
+COLUMNS = ("step", "mode", "ver", "changed", "changed%", "MiB", "diff_s", "send_s", "finish_s", "pause_s", "reward")
+
+
+def reward_of(token_ids: list[int]) -> float:
+    """Verifiable and deterministic: the fraction of generated tokens with an even id."""
+    return sum(1 for t in token_ids if t % 2 == 0) / max(1, len(token_ids))
+
+
+def group_advantages(rewards: list[float], group: int) -> list[float]:
+    out = []
+    for g in range(0, len(rewards), group):
+        r = torch.tensor(rewards[g:g + group])
+        out += ((r - r.mean()) / (r.std(unbiased=False) + 1e-6)).tolist()
+    return out
+
+
+def rollout(base: str, prompt_ids: list[list[int]], group: int, step: int, max_tokens: int) -> list[dict]:
+    samples = []
+    for i, ids in enumerate(prompt_ids):
+        r = equivalence._post(base + "/v1/completions", {
+            "model": "m", "prompt": ids, "n": group, "temperature": 1.0, "max_tokens": max_tokens,
+            "seed": 1000 * step + i, "logprobs": 0, "return_token_ids": True})
+        for c in r["choices"]:
+            samples.append({"prompt": ids, "completion": c["token_ids"]})
+    return samples
+
+
+def pack(samples: list[dict], advantages: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded input ids and per-position loss weights (advantage on completion-token targets)."""
+    length = max(len(s["prompt"]) + len(s["completion"]) for s in samples)
+    ids = torch.zeros(len(samples), length, dtype=torch.long)
+    weights = torch.zeros(len(samples), length)
+    for k, (s, a) in enumerate(zip(samples, advantages)):
+        seq = s["prompt"] + s["completion"]
+        ids[k, :len(seq)] = torch.tensor(seq)
+        p = len(s["prompt"])
+        weights[k, p - 1:len(seq) - 1] = a  # position t predicts token t+1
+    return ids, weights
+
+
+def _row(step, rep, reward) -> str:
+    t = rep.timings
+    vals = (step, rep.kind, rep.version, rep.changed_elements, f"{100 * rep.changed_fraction:.3f}",
+            f"{rep.payload_bytes / 2**20:.2f}", f"{t.get('diff_s', 0):.3f}", f"{t.get('send_s', 0):.3f}",
+            f"{t.get('finish_s', 0):.3f}", f"{rep.pause_window_s:.3f}", "-" if reward is None else f"{reward:.3f}")
+    return " | ".join(str(v).rjust(len(c)) for v, c in zip(vals, COLUMNS))
+
+
+def _trainer(rank: int, world: int, master_port: int, opts: dict, queue) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{master_port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=600))
+    try:
+        queue.put((rank, "ok", _train(rank, world, opts)))
+    except BaseException as e:  # report, never leave the launcher waiting
+        import traceback
+
+        queue.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(rank: int, world: int, opts: dict) -> list[dict]:
+    import shutil
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from safetensors.torch import save_file
+
+    from update_weight import build_updater
+    from update_weight.args import UpdateWeightConfig
+    from update_weight.megatron_source import BridgeExportSource
+
+    from .megatron_trainer import MegatronTrainer
+
+    trainer = MegatronTrainer.from_hf(opts["model"], tp=opts["tp"], lr=opts["lr"])
+    source = BridgeExportSource(trainer.bridge, trainer.model)
+    updater = build_updater(UpdateWeightConfig(**opts["sync"]), [opts["engine"]] if rank == 0 else [])
+    dp_rank, dp = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    prompt_ids = equivalence.tokenize(opts["engine"], PROMPTS) if rank == 0 else None
+    rows, reward = [], None
+    bar = None
+    if rank == 0:
+        from tqdm import tqdm
+
+        bar = tqdm(total=opts["steps"] + 1, desc="rl", file=sys.stderr)
+        print(" | ".join(COLUMNS), flush=True)
+    for step in range(opts["steps"] + 1):
+        rep = updater.update_weights(source)  # step 0: the seed; then one delta per training step
+        if rank == 0:
+            rows.append(dict(rep.as_dict(), step=step, reward=reward))
+            print(_row(step, rep, reward), flush=True)
+            bar.update(1)
+        if step == opts["steps"]:
+            break
+        box = [None]
+        if rank == 0:
+            samples = rollout(opts["engine"], prompt_ids, opts["group"], step, opts["max_tokens"])
+            rewards = [reward_of(s["completion"]) for s in samples]
+            reward = sum(rewards) / len(rewards)
+            box = [pack(samples, group_advantages(rewards, opts["group"]))]
+        dist.broadcast_object_list(box, src=0)
+        ids, weights = box[0]
+        trainer.step(ids[dp_rank::dp], weights[dp_rank::dp])
+    updater.close()
+    if bar is not None:
+        bar.close()
+    # (1) an independent export: a complete Bridge conversion, no patches or snapshots involved
+    exported = {name: t.clone() for name, t in BridgeExportSource(trainer.bridge, trainer.model)}
+    if rank == 0:
+        out = Path(opts["export"])
+        if out.exists():
+            shutil.rmtree(out)
+        shutil.copytree(opts["model"], out, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json", "done"))
+        save_file(exported, str(out / "model.safetensors"), metadata={"format": "pt"})
+    dist.barrier()
+    return rows
+
+
+def _run_trainers(world: int, opts: dict, timeout: float) -> list[dict]:
+    import queue as q
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = equivalence.free_port()
+    procs = [ctx.Process(target=_trainer, args=(r, world, port, opts, results)) for r in range(world)]
+    for p in procs:
+        p.start()
+    out, errors = {}, {}
+    try:
+        for _ in range(world):
+            try:
+                rank, status, value = results.get(timeout=timeout)
+            except q.Empty:
+                raise SystemExit(f"trainer ranks did not finish within {timeout:.0f} s") from None
+            (out if status == "ok" else errors)[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise SystemExit("\n".join(f"trainer rank {r} failed: {m}" for r, m in sorted(errors.items())))
+    return out[0]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m launchers.train_rl", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="HF checkpoint dir (default: the tiny MoE built locally)")
+    ap.add_argument("--tiny", choices=("moe", "dense"), default="moe", help="which built-in tiny checkpoint")
+    ap.add_argument("--trainer-ranks", type=int, default=2)
+    ap.add_argument("--tp", type=int, default=1, help="trainer tensor parallel size (the rest is DP)")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--group-size", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--engine-url", default=None, help="a running engine (VLLM_SERVER_DEV_MODE=1, backend "
+                    "delta_sync); default: start one locally")
+    ap.add_argument("--out", default="runs/rl", help="artifacts: export/, *.json")
+    ap.add_argument("--no-check", action="store_true", help="skip the equivalence check")
+    ap.add_argument("--timeout", type=float, default=1800)
+    add_update_weight_args(ap)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    cfg = resolve_update_weight_args(args)  # contradictions and missing devices fail here, before any work
+    if args.trainer_ranks % args.tp:
+        raise SystemExit(f"--trainer-ranks {args.trainer_ranks} is not a multiple of --tp {args.tp}")
+    model = Path(args.model) if args.model else build(args.tiny)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"delta-sync RL: model {model}, trainer ranks {args.trainer_ranks} (TP={args.tp}), "
+          f"sync {cfg.mode}/{cfg.transport}, {args.steps} steps", flush=True)
+    proc = None
+    engine = args.engine_url
+    if engine is None:
+        port = equivalence.free_port()
+        engine = f"http://127.0.0.1:{port}"
+        proc = equivalence.start_engine(model, port, out / "engine.log")
+    try:
+        if proc is not None:
+            equivalence.wait_ready(proc, engine, out / "engine.log")
+        opts = {"model": str(model), "tp": args.tp, "lr": args.lr, "steps": args.steps, "group": args.group_size,
+                "max_tokens": args.max_tokens, "engine": engine, "export": str(out / "export"),
+                "sync": {"mode": cfg.mode, "transport": cfg.transport, "backend": cfg.backend,
+                         "buffer_size": cfg.buffer_size, "verify_every": cfg.verify_every}}
+        t0 = time.perf_counter()
+        rows = _run_trainers(args.trainer_ranks, opts, args.timeout)
+        (out / "updates.json").write_text(json.dumps(rows, indent=1))
+        print(f"training + sync: {time.perf_counter() - t0:.1f} s", flush=True)
+        if args.no_check:
+            return 0
+        updates = [{"version": r["version"], "kind": r["kind"], "changed_elements": r["changed_elements"],
+                    "changed_fraction": r["changed_fraction"], "payload_bytes": r["payload_bytes"]} for r in rows]
+        stop = (lambda: equivalence.stop_engine(proc)) if proc is not None else None
+        result = equivalence.run_check(engine, out / "export", out, updates=updates, stop_synced=stop)
+    finally:
+        if proc is not None and proc.poll() is None:
+            equivalence.stop_engine(proc)
+    print(json.dumps(result, indent=1))
+    print(equivalence.verdict(result), flush=True)
+    return 0 if result["equal"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

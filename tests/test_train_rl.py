@@ -1,0 +1,95 @@
+"""The main job end to end (RL loop + equivalence check) and the equivalence check's teeth."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from launchers import equivalence
+from launchers.checkpoints import build
+
+from .engine_helpers import ROOT, export, load_state
+
+
+def _run(tmp_path, *argv):
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "launchers.train_rl", "--out", str(out), *argv], cwd=ROOT,
+                          capture_output=True, text=True, timeout=1200)
+    return proc, out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("argv", [
+    ["--update-weight-mode", "delta", "--update-weight-transport", "sparse_gloo"],  # default: tiny MoE, DP=2
+    ["--tiny", "dense", "--tp", "2"],
+    ["--update-weight-mode", "full", "--update-weight-transport", "gloo"],
+], ids=["moe-delta", "dense-tp2-delta", "moe-full"])
+def test_main_job_is_exact(tmp_path, argv):
+    proc, out = _run(tmp_path, *argv)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "EQUAL:" in proc.stdout
+    comparison = json.loads((out / "comparison.json").read_text())
+    assert comparison["equal"] and all(comparison["fields"].values()) and comparison["max_abs_logprob_error"] == 0
+    for name in ("baseline.json", "sparse-inference.json", "checkpoint-inference.json"):
+        assert (out / name).exists()
+    updates = comparison["updates"]
+    assert updates[0]["kind"] == "seed"
+    later = updates[1:]
+    assert len(later) >= 2 and all(u["changed_elements"] > 0 for u in later)
+    if "full" in argv:
+        assert all(u["kind"] == "full" and u["changed_fraction"] == 1.0 for u in later)
+    else:  # sparse per-step changes, as in real RL runs (0.1-3%)
+        assert all(u["kind"] == "delta" and 0 < u["changed_fraction"] < 0.05 for u in later), later
+
+
+def test_sparse_hccl_without_npus_fails_at_start(tmp_path):
+    proc, _ = _run(tmp_path, "--update-weight-transport", "sparse_hccl")
+    assert proc.returncode != 0
+    assert "sparse_hccl needs NPU devices" in proc.stderr and "use sparse_gloo" in proc.stderr
+
+
+@pytest.mark.slow
+def test_corrupted_sync_fails_and_names_the_first_differing_token(tmp_path):
+    """Sync the checkpoint faithfully, then flip one element on the engine only; the export stays true."""
+    from delta_sync.sync import WeightSync
+
+    path = build("dense")
+    state = load_state(path)
+    port = equivalence.free_port()
+    base = f"http://127.0.0.1:{port}"
+    proc = equivalence.start_engine(path, port, tmp_path / "engine.log")
+    try:
+        equivalence.wait_ready(proc, base, tmp_path / "engine.log")
+        sync = WeightSync([base])
+        sync.update(state.items())
+        corrupted = {n: t.clone() for n, t in state.items()}
+        corrupted["model.norm.weight"].view(-1)[0] = -corrupted["model.norm.weight"].view(-1)[0]
+        sync.update(corrupted.items())  # the engine now differs from the checkpoint in one element
+        sync.close()
+        checkpoint = export(state, path, tmp_path / "true-export")
+        result = equivalence.run_check(base, checkpoint, tmp_path / "check",
+                                       stop_synced=lambda: equivalence.stop_engine(proc))
+    finally:
+        if proc.poll() is None:
+            equivalence.stop_engine(proc)
+    assert not result["equal"] and not result["fields"]["logprobs"]
+    first = result["first_difference"]
+    assert first is not None and first["prompt"] == 0 and "synced_token" in first
+    assert "first difference" in equivalence.verdict(result)
+    assert json.loads((tmp_path / "check" / "comparison.json").read_text())["first_difference"] == first
+
+
+def test_compare_refuses_missing_or_non_finite_logprobs():
+    a = [{"prompt_token_ids": [1], "token_ids": [5, 6], "logprobs": [-1.0, float("nan")]}]
+    b = [{"prompt_token_ids": [1], "token_ids": [5, 6], "logprobs": [-1.0, float("nan")]}]
+    assert not equivalence.compare(a, b)["equal"]
+    c = [{"prompt_token_ids": [1], "token_ids": [5, 6], "logprobs": None}]
+    assert not equivalence.compare(c, c)["equal"]
+    ok = [{"prompt_token_ids": [1], "token_ids": [5, 6], "logprobs": [-1.0, -2.0]}]
+    assert equivalence.compare(ok, [dict(ok[0])])["equal"]
+    off = [{"prompt_token_ids": [1], "token_ids": [5, 7], "logprobs": [-1.0, -2.0]}]
+    diff = equivalence.compare(ok, off)
+    assert not diff["equal"] and diff["first_difference"]["position"] == 1
