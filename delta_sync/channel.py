@@ -28,6 +28,15 @@ from .patch import DTYPES
 log = logging.getLogger(__name__)
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now (for the channel store, or any local server)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
 def _namespace(token: str) -> str:
     return "delta-sync/" + hashlib.sha256(token.encode()).hexdigest()[:32]
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import secrets
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -28,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .bucket import DEFAULT_BUCKET_BYTES
-from .channel import Channel
+from .channel import Channel, free_port
 from .digest import Digest, digest_tensor
 from .engines import EngineClient, as_engine
 from .errors import DeltaSyncError, GatherError
@@ -71,12 +70,6 @@ def default_name_map(name: str) -> str | None:
     return name
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 def _materialize(t: torch.Tensor) -> torch.Tensor:
     """Full tensor of a DTensor (FSDP2: a collective, one tensor at a time), else the tensor."""
     full = getattr(t, "full_tensor", None)
@@ -114,7 +107,7 @@ class WeightSync:
             return
         workers = [len(e.report()) for e in self.engines]
         world = 1 + sum(workers)
-        port = self.port or _free_port()
+        port = self.port or free_port(self.host)
         token = secrets.token_hex(16)
         offsets = [1 + sum(workers[:i]) for i in range(len(workers))]
         with ThreadPoolExecutor(max_workers=len(self.engines)) as pool:

@@ -25,6 +25,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from delta_sync.channel import free_port
+
 DEFAULT_PROMPTS = ["the quick brown fox", "one two three four", "def add(a, b):",
                    "weights change a little every step of reinforcement learning"]
 SAMPLING = {"temperature": 0.0, "max_tokens": 12, "logprobs": 0, "seed": 0}
@@ -80,13 +82,15 @@ def compare(synced: list[dict], fresh: list[dict]) -> dict:
     return {"equal": equal, "fields": fields, "max_abs_logprob_error": worst, "first_difference": first_diff}
 
 
-def start_engine(model: str | Path, port: int, log: Path, extra: list[str] | None = None) -> subprocess.Popen:
+def start_engine(model: str | Path, port: int, log: Path, tp: int = 1,
+                 extra: list[str] | None = None) -> subprocess.Popen:
     """A vLLM OpenAI server on 127.0.0.1 with the options the synced engine uses (checkpoint layout)."""
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name",
            "m", "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--enforce-eager",
            "--max-model-len", "512", "--kv-cache-memory-bytes", str(64 << 20), "--seed", "0",
-           "--enable-prefix-caching", "--weight-transfer-config", json.dumps({"backend": "delta_sync"})]
+           "--enable-prefix-caching", "--tensor-parallel-size", str(tp),
+           "--weight-transfer-config", json.dumps({"backend": "delta_sync"})]
     return subprocess.Popen(cmd + (extra or []), env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
 
 
@@ -111,14 +115,6 @@ def stop_engine(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(10)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_check(synced_base: str, checkpoint: Path, out: Path, prompts: list[str] | None = None,

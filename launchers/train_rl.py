@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from delta_sync.channel import free_port
 from update_weight import add_update_weight_args
 from update_weight.args import resolve_update_weight_args
 
@@ -160,7 +161,7 @@ def _run_trainers(world: int, opts: dict, timeout: float) -> list[dict]:
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = equivalence.free_port()
+    port = free_port()
     procs = [ctx.Process(target=_trainer, args=(r, world, port, opts, results)) for r in range(world)]
     for p in procs:
         p.start()
@@ -214,7 +215,7 @@ def main(argv=None) -> int:
     proc = None
     engine = args.engine_url
     if engine is None:
-        port = equivalence.free_port()
+        port = free_port()
         engine = f"http://127.0.0.1:{port}"
         proc = equivalence.start_engine(model, port, out / "engine.log")
     try:

@@ -7,15 +7,14 @@ import os
 import shutil
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from .engine_runner import MAX_TOKENS
-from .multiproc import free_port
+from delta_sync.channel import free_port
+from launchers.equivalence import greedy as complete  # noqa: F401 (re-exported for the tests)
+from launchers.equivalence import start_engine, stop_engine as stop_server, tokenize, wait_ready  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["the quick brown fox", "one two three four",
@@ -89,61 +88,16 @@ def max_logprob_error(a: list[dict], b: list[dict]) -> float:
     return worst
 
 
-# ---- vLLM's OpenAI server as a test engine ------------------------------------------------
-
-
-def _post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as r:
-        return json.loads(r.read())
-
-
-def complete(base: str, prompt_ids: list[list[int]]) -> list[dict]:
-    out = []
-    for ids in prompt_ids:
-        r = _post(base + "/v1/completions", {"model": "m", "prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0,
-                                             "logprobs": 0, "return_token_ids": True})
-        c = r["choices"][0]
-        out.append({"token_ids": c["token_ids"], "logprobs": c["logprobs"]["token_logprobs"]})
-    return out
+# ---- vLLM's OpenAI server as a test engine (the launcher's own helpers) ----------------------
 
 
 def start_server(path, log_name: str, tp: int = 2):
     port = free_port()
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path), "--served-model-name", "m",
-           "--port", str(port), "--host", "127.0.0.1", "--dtype", "bfloat16", "--enforce-eager",
-           "--max-model-len", "256", "--kv-cache-memory-bytes", str(64 << 20), "--tensor-parallel-size", str(tp),
-           "--distributed-executor-backend", "mp", "--seed", "0", "--enable-prefix-caching",
-           "--weight-transfer-config", json.dumps({"backend": "delta_sync"})]
-    log = open(ROOT / ".cache" / log_name, "w")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc = start_engine(path, port, ROOT / ".cache" / log_name, tp=tp)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 420
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited rc={proc.returncode}; see .cache/{log_name}")
-        try:
-            urllib.request.urlopen(base + "/health", timeout=2)
-            return proc, base
-        except Exception:
-            time.sleep(2)
-    proc.kill()
-    raise AssertionError(f"server did not come up in 420 s; see .cache/{log_name}")
+    wait_ready(proc, base, ROOT / ".cache" / log_name)
+    return proc, base
 
 
-def stop_server(proc) -> None:
-    proc.terminate()
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
-
-
-def prompt_ids(base: str) -> list[dict]:
-    out = []
-    for p in PROMPTS:
-        r = _post(base + "/tokenize", {"model": "m", "prompt": p})
-        out.append({"prompt_token_ids": r["tokens"]})
-    return out
+def prompt_ids(base: str) -> list[list[int]]:
+    return tokenize(base, PROMPTS)

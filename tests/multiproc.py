@@ -8,16 +8,11 @@ traceback, and a rank that is still alive at the deadline fails it as a hang.
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from delta_sync.channel import free_port
 
 
 def _entry(fn, rank, world, port, args, queue):

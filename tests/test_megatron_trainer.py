@@ -94,7 +94,7 @@ def test_tp2_trainer_into_vllm_equals_fresh_engine(tmp_path):
     path = str(build("dense"))
     proc, base = start_server(path, "megatron-live.log", tp=1)
     try:
-        ids = [r["prompt_token_ids"] for r in prompt_ids(base)]
+        ids = prompt_ids(base)
         reports = run_ranks(_train_into_engine, 2, path, base, str(tmp_path / "export"), 4, timeout=600)[0]
         live = complete(base, ids)
     finally:

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from delta_sync.channel import free_port
 from launchers import equivalence
 from launchers.checkpoints import build
 
@@ -58,7 +59,7 @@ def test_corrupted_sync_fails_and_names_the_first_differing_token(tmp_path):
 
     path = build("dense")
     state = load_state(path)
-    port = equivalence.free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     proc = equivalence.start_engine(path, port, tmp_path / "engine.log")
     try:

@@ -25,7 +25,7 @@ def test_http_tp2_seed_and_deltas_equal_fresh_engine(kind, tmp_path):
     try:
         engine = HttpEngine(base)
         assert len(engine.report()) == 2  # two TP workers answer collective_rpc
-        tok_ids = [r["prompt_token_ids"] for r in prompt_ids(base)]
+        tok_ids = prompt_ids(base)
         complete(base, tok_ids)  # prompts in the prefix cache before any update
         state = load_state(path)
         sync = WeightSync([engine], mode="delta", pause_mode="wait", verify_every=1)
