@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from patches.megatron_bridge import fix_sequential_expert_export, hf_config_compat, install_cpu
+from patches.megatron_bridge import apply_all, hf_config_compat, install_cpu
 
 _FUSIONS = ("bias_activation_fusion", "masked_softmax_fusion", "persist_layer_norm", "bias_dropout_fusion",
             "apply_rope_fusion", "gradient_accumulation_fusion", "cross_entropy_loss_fusion")
@@ -28,8 +28,7 @@ class MegatronTrainer:
     @classmethod
     def from_hf(cls, path, tp: int = 1, lr: float = 1e-6) -> "MegatronTrainer":
         """Every rank of the default gloo group calls this (model parallel state is initialised here)."""
-        install_cpu()
-        fix_sequential_expert_export()
+        apply_all()
         from megatron.bridge import AutoBridge
         from megatron.bridge.models.gpt_provider import local_layer_spec
         from megatron.core import parallel_state

@@ -13,6 +13,9 @@ behaviour it corrects. Nothing in ``delta_sync`` or ``update_weight`` knows abou
 3. CPU: megatron-core places tensors with ``torch.cuda.current_device()`` and references an
    undefined ``te_general_gemm`` in the MoE router (:func:`install_cpu`).
 4. SequentialMLP expert names crash Bridge's export (:func:`fix_sequential_expert_export`).
+5. Row-parallel weights load wrong at TP>1 over gloo: non-contiguous scatter chunks (:func:`fix_tp_scatter`).
+
+:func:`apply_all` applies every one of them.
 """
 
 from __future__ import annotations
@@ -189,3 +192,33 @@ def fix_sequential_expert_export() -> None:
 
     gather_from_ep_ranks._delta_sync_fixed = True
     cls.gather_from_ep_ranks = gather_from_ep_ranks
+
+
+# ---- TP scatter over gloo ------------------------------------------------------------------------
+def fix_tp_scatter() -> None:
+    """Bridge 0.3.0 scatters column chunks of row-parallel weights (``o_proj``, ``down_proj``) as
+    non-contiguous views; gloo sends the underlying storage and the receiving ranks silently load
+    wrong values (no error). Chunks are made contiguous before the scatter."""
+    install()
+    from megatron.bridge.models.conversion import param_mapping
+
+    cls = param_mapping.MegatronParamMapping
+    original = cls.scatter_to_tp_ranks
+    if getattr(original, "_delta_sync_fixed", False):
+        return
+
+    def scatter_to_tp_ranks(self, splits, *args, **kwargs):
+        if splits:
+            splits = [s.contiguous() for s in splits]
+        return original(self, splits, *args, **kwargs)
+
+    scatter_to_tp_ranks._delta_sync_fixed = True
+    cls.scatter_to_tp_ranks = scatter_to_tp_ranks
+
+
+def apply_all() -> None:
+    """Every adaptation above, in one explicit call (idempotent)."""
+    install()
+    install_cpu()
+    fix_sequential_expert_export()
+    fix_tp_scatter()

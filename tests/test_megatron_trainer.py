@@ -25,8 +25,14 @@ def _train_and_sync(rank, world, port, path, tp, steps, transport):
 
     from .reference_receiver import ReferenceReceiver
 
+    from safetensors.torch import load_file
+
     trainer = MegatronTrainer.from_hf(path, tp=tp, lr=1e-4)
     source = BridgeExportSource(trainer.bridge, trainer.model)
+    # the load itself is exact: before training, the export is the checkpoint (row-parallel
+    # weights used to load wrong at TP>1 over gloo, silently)
+    ckpt = load_file(f"{path}/model.safetensors")
+    load_errors = [n for n, t in source if not torch.equal(t.view(torch.int16), ckpt[n].view(torch.int16))]
     receiver = ReferenceReceiver() if rank == 0 else None
     args = add_update_weight_args(argparse.ArgumentParser()).parse_args(
         ["--update-weight-transport", transport, "--update-weight-mode", "delta" if transport.startswith("sparse")
@@ -45,14 +51,15 @@ def _train_and_sync(rank, world, port, path, tp, steps, transport):
     n_tensors = len(receiver.tensors) if rank == 0 else None
     updater.close()
     dist.barrier()
-    return kinds, mismatched, n_tensors
+    return kinds, mismatched, n_tensors, load_errors
 
 
 @pytest.mark.parametrize("kind,tp,tensors", [("dense", 2, 24), ("moe", 1, 69)])  # MoE: DP=2, experts at EP=1
 def test_trainer_reconstruction_equals_independent_export(kind, tp, tensors):
     path = str(build(kind))
     results = run_ranks(_train_and_sync, 2, path, tp, 3, "sparse_gloo", timeout=600)
-    kinds, mismatched, n_tensors = results[0]
+    kinds, mismatched, n_tensors, load_errors = results[0]
+    assert load_errors == []
     assert [k for k, _, _ in kinds] == ["seed", "delta", "delta"]
     assert all(0 < c < total for _, c, total in kinds[1:]), kinds
     assert n_tensors == tensors and mismatched == []
