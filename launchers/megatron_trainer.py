@@ -2,7 +2,9 @@
 CPU over gloo with Megatron-style mixed precision: bf16 model weights, fp32 master weights in the
 optimizer (with bf16-only Adam, updates below half an ulp vanish and nothing ever changes).
 
-Only what the tests and the launcher need: TP (and DP) on CPU; PP and EP are not driven yet.
+Only what the tests and the launcher need: TP, DP and PP (one microbatch, driven by hand) on CPU;
+EP is not driven yet, and tied embeddings at PP>1 are not supported on CPU (core moves the shared
+weight with ``.cuda()``).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ class MegatronTrainer:
     opt: torch.optim.Optimizer
 
     @classmethod
-    def from_hf(cls, path, tp: int = 1, lr: float = 1e-6) -> "MegatronTrainer":
+    def from_hf(cls, path, tp: int = 1, lr: float = 1e-6, pp: int = 1) -> "MegatronTrainer":
         """Every rank of the default gloo group calls this (model parallel state is initialised here)."""
         apply_all()
         from megatron.bridge import AutoBridge
@@ -35,7 +37,7 @@ class MegatronTrainer:
         from megatron.core.tensor_parallel.random import initialize_rng_tracker
 
         if not parallel_state.model_parallel_is_initialized():
-            parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+            parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
         initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
         bridge = AutoBridge.from_hf_pretrained(str(path), torch_dtype=torch.bfloat16)
         hf_config_compat(bridge.hf_pretrained.config)
@@ -43,7 +45,7 @@ class MegatronTrainer:
         provider.transformer_layer_spec = local_layer_spec
         provider.kv_channels = bridge.hf_pretrained.config.head_dim  # Bridge 0.3.0 keeps 128
         provider.tensor_model_parallel_size = tp
-        provider.pipeline_model_parallel_size = 1
+        provider.pipeline_model_parallel_size = pp
         for name in _FUSIONS:
             if hasattr(provider, name):
                 setattr(provider, name, False)
@@ -72,11 +74,7 @@ class MegatronTrainer:
         pos = torch.arange(s).unsqueeze(0).expand_as(input_ids)
         mask = torch.triu(torch.ones(s, s), diagonal=1).bool()[None, None]  # core's default mask is on "cuda"
         labels = torch.roll(input_ids, -1, dims=1)
-        token_loss = model(input_ids, pos, mask, labels=labels).float()  # [b, s]
-        weights = torch.ones_like(token_loss) if loss_weights is None else loss_weights.float()
-        weights[:, -1] = 0
-        loss = (token_loss * weights).sum() / weights.abs().sum().clamp(min=1)
-        loss.backward()
+        loss = self._forward_backward(model, input_ids, pos, mask, labels, loss_weights)
         tp_group = parallel_state.get_tensor_model_parallel_group()
         dp_group = parallel_state.get_data_parallel_group()
         dp = dist.get_world_size(dp_group)
@@ -95,4 +93,39 @@ class MegatronTrainer:
         with torch.no_grad():
             for p, mp in zip(self.params(), self.master):
                 p.copy_(mp)  # bf16 model weights = round(fp32 master)
-        return float(loss.detach())
+        return loss
+
+    @staticmethod
+    def _forward_backward(model, input_ids, pos, mask, labels, loss_weights) -> float:
+        """One microbatch through the pipeline by hand (Megatron's schedules hard-code CUDA):
+        receive the previous stage's activations, forward, send them on; the last stage computes
+        the weighted token loss; gradients travel back the same way. Returns the loss on the last
+        stage, NaN elsewhere."""
+        from megatron.core import parallel_state as ps
+
+        first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+        b, s = input_ids.shape
+        hidden = (s, b, model.config.hidden_size)
+        received = None
+        if not first:
+            received = torch.empty(hidden, dtype=model.config.params_dtype)
+            dist.recv(received, ps.get_pipeline_model_parallel_prev_rank())
+            received.requires_grad_(True)
+            model.set_input_tensor(received)
+        out = model(input_ids, pos, mask, labels=labels if last else None)
+        loss_value = float("nan")
+        if last:
+            token_loss = out.float()  # [b, s]
+            weights = torch.ones_like(token_loss) if loss_weights is None else loss_weights.float()
+            weights[:, -1] = 0
+            loss = (token_loss * weights).sum() / weights.abs().sum().clamp(min=1)
+            loss.backward()
+            loss_value = float(loss.detach())
+        else:
+            dist.send(out.detach().contiguous(), ps.get_pipeline_model_parallel_next_rank())
+            grad = torch.empty_like(out)
+            dist.recv(grad, ps.get_pipeline_model_parallel_next_rank())
+            out.backward(grad)
+        if not first:
+            dist.send(received.grad.contiguous(), ps.get_pipeline_model_parallel_prev_rank())
+        return loss_value
