@@ -141,6 +141,7 @@ class WeightSync:
         if not self.needs_seed and self._from_rank0(self.rank == 0 and self._engines_lost_base()):
             self.store.reset()  # an engine restarted or lost its base: only a seed can repair it
             self.needs_seed = True
+            self._drop_channel()  # a restarted engine also left the channel: rejoin everyone
         full = self.mode == "full" or self.needs_seed
         version = self.version + 1
         kind = "seed" if self.needs_seed else ("full" if full else "delta")
