@@ -2,9 +2,10 @@
 CPU over gloo with Megatron-style mixed precision: bf16 model weights, fp32 master weights in the
 optimizer (with bf16-only Adam, updates below half an ulp vanish and nothing ever changes).
 
-Only what the tests and the launcher need: TP, DP and PP (one microbatch, driven by hand) on CPU;
-EP is not driven yet, and tied embeddings at PP>1 are not supported on CPU (core moves the shared
-weight with ``.cuda()``).
+Only what the tests and the launcher need: TP, DP, PP (one microbatch, driven by hand) and EP
+(SequentialMLP experts; their gradients are averaged over expert-data-parallel replicas only) on CPU.
+Not supported on CPU: TP>1 for MoE (needs sequence parallelism, i.e. TE/apex norms) and tied
+embeddings at PP>1 (core moves the shared weight with ``.cuda()``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ class MegatronTrainer:
     opt: torch.optim.Optimizer
 
     @classmethod
-    def from_hf(cls, path, tp: int = 1, lr: float = 1e-6, pp: int = 1) -> "MegatronTrainer":
+    def from_hf(cls, path, tp: int = 1, lr: float = 1e-6, pp: int = 1, ep: int = 1) -> "MegatronTrainer":
         """Every rank of the default gloo group calls this (model parallel state is initialised here)."""
         apply_all()
         from megatron.bridge import AutoBridge
@@ -37,7 +38,8 @@ class MegatronTrainer:
         from megatron.core.tensor_parallel.random import initialize_rng_tracker
 
         if not parallel_state.model_parallel_is_initialized():
-            parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+            parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                                     expert_model_parallel_size=ep)
         initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
         bridge = AutoBridge.from_hf_pretrained(str(path), torch_dtype=torch.bfloat16)
         hf_config_compat(bridge.hf_pretrained.config)
@@ -46,6 +48,8 @@ class MegatronTrainer:
         provider.kv_channels = bridge.hf_pretrained.config.head_dim  # Bridge 0.3.0 keeps 128
         provider.tensor_model_parallel_size = tp
         provider.pipeline_model_parallel_size = pp
+        provider.expert_model_parallel_size = ep
+        provider.expert_tensor_parallel_size = 1
         for name in _FUSIONS:
             if hasattr(provider, name):
                 setattr(provider, name, False)
@@ -77,15 +81,16 @@ class MegatronTrainer:
         loss = self._forward_backward(model, input_ids, pos, mask, labels, loss_weights)
         tp_group = parallel_state.get_tensor_model_parallel_group()
         dp_group = parallel_state.get_data_parallel_group()
-        dp = dist.get_world_size(dp_group)
+        edp_group = parallel_state.get_expert_data_parallel_group()  # replicas of *this rank's* experts
         named = [(n, p) for chunk in self.model for n, p in chunk.named_parameters()]
         for (name, p), mp in zip(named, self.master):
             g = p.grad.float() if p.grad is not None else torch.zeros_like(mp)
             if ("q_layernorm" in name or "k_layernorm" in name) and dist.get_world_size(tp_group) > 1:
                 dist.all_reduce(g, group=tp_group)  # per-head norms see only this rank's heads
-            if dp > 1:
-                dist.all_reduce(g, group=dp_group)
-                g /= dp
+            group = edp_group if ".local_experts." in name else dp_group
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(g, group=group)
+                g /= dist.get_world_size(group)
             mp.grad = g
             p.grad = None
         self.opt.step()

@@ -14,6 +14,8 @@ behaviour it corrects. Nothing in ``delta_sync`` or ``update_weight`` knows abou
    undefined ``te_general_gemm`` in the MoE router (:func:`install_cpu`).
 4. SequentialMLP expert names crash Bridge's export (:func:`fix_sequential_expert_export`).
 5. Row-parallel weights load wrong at TP>1 over gloo: non-contiguous scatter chunks (:func:`fix_tp_scatter`).
+6. SequentialMLP experts keep local numbers at EP>1: every EP rank loads the same experts
+   (:func:`fix_sequential_expert_numbering`).
 
 :func:`apply_all` applies every one of them.
 """
@@ -221,4 +223,35 @@ def apply_all() -> None:
     install()
     install_cpu()
     fix_sequential_expert_export()
+    fix_sequential_expert_numbering()
     fix_tp_scatter()
+
+
+# ---- SequentialMLP experts at EP>1 --------------------------------------------------------------
+def fix_sequential_expert_numbering() -> None:
+    """Bridge 0.3.0 renumbers experts from local to global only in grouped-GEMM names; SequentialMLP
+    names (``mlp.experts.local_experts.N.``) kept their local N, so every EP rank loaded (and
+    exported) experts 0..E/ep-1. The local number is made global here too (fixed upstream in 0.6.x)."""
+    import re
+
+    install()
+    from megatron.bridge.models.conversion import model_bridge
+    from megatron.core import parallel_state
+
+    original = model_bridge._megatron_local_name_to_global
+    if getattr(original, "_delta_sync_fixed", False):
+        return
+    pattern = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)\.")
+
+    def _megatron_local_name_to_global(models, config, param_name, vp_stage=None):
+        name = original(models, config, param_name, vp_stage)
+        ep = parallel_state.get_expert_model_parallel_world_size()
+        m = pattern.search(name)
+        if m is None or ep == 1 or ".adapter." in name:
+            return name
+        per_rank = config.num_moe_experts // ep
+        global_number = per_rank * parallel_state.get_expert_model_parallel_rank() + int(m.group(2))
+        return name[:m.start()] + f"{m.group(1)}{global_number}." + name[m.end():]
+
+    _megatron_local_name_to_global._delta_sync_fixed = True
+    model_bridge._megatron_local_name_to_global = _megatron_local_name_to_global

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 BATCH = torch.tensor([[1, 17, 45, 99, 130, 7, 250, 3, 60, 61], [1, 60, 61, 62, 200, 201, 9, 2, 17, 45]])
 
 
-def _train_and_sync(rank, world, port, path, tp, steps, transport, pp=1):
+def _train_and_sync(rank, world, port, path, tp, steps, transport, pp=1, ep=1):
     import argparse
 
     import torch.distributed as dist
@@ -27,7 +27,7 @@ def _train_and_sync(rank, world, port, path, tp, steps, transport, pp=1):
 
     from safetensors.torch import load_file
 
-    trainer = MegatronTrainer.from_hf(path, tp=tp, pp=pp, lr=1e-4)
+    trainer = MegatronTrainer.from_hf(path, tp=tp, pp=pp, ep=ep, lr=1e-4)
     source = BridgeExportSource(trainer.bridge, trainer.model)
     # the load itself is exact: before training, the export is the checkpoint (row-parallel
     # weights used to load wrong at TP>1 over gloo, silently)
@@ -54,15 +54,16 @@ def _train_and_sync(rank, world, port, path, tp, steps, transport, pp=1):
     return kinds, mismatched, n_tensors, load_errors
 
 
-@pytest.mark.parametrize("kind,world,tp,pp,tensors", [
-    ("dense", 2, 2, 1, 24),   # TP=2
-    ("moe", 2, 1, 1, 69),     # DP=2, experts at EP=1
-    ("moe", 2, 1, 2, 69),     # PP=2: tensors owned by the second stage too
-    ("moe", 4, 1, 2, 69),     # PP=2 x DP=2 on four ranks
-], ids=["dense-tp2", "moe-dp2", "moe-pp2", "moe-pp2dp2"])
-def test_trainer_reconstruction_equals_independent_export(kind, world, tp, pp, tensors):
+@pytest.mark.parametrize("kind,world,tp,pp,ep,tensors", [
+    ("dense", 2, 2, 1, 1, 24),  # TP=2
+    ("moe", 2, 1, 1, 1, 69),    # DP=2
+    ("moe", 2, 1, 2, 1, 69),    # PP=2: tensors owned by the second stage too
+    ("moe", 2, 1, 1, 2, 69),    # EP=2: each rank trains half of the experts
+    ("moe", 4, 1, 2, 2, 69),    # PP=2 x EP=2 (ETP=1) on four ranks
+], ids=["dense-tp2", "moe-dp2", "moe-pp2", "moe-ep2", "moe-pp2ep2"])
+def test_trainer_reconstruction_equals_independent_export(kind, world, tp, pp, ep, tensors):
     path = str(build(kind))
-    results = run_ranks(_train_and_sync, world, path, tp, 3, "sparse_gloo", pp, timeout=600)
+    results = run_ranks(_train_and_sync, world, path, tp, 3, "sparse_gloo", pp, ep, timeout=600)
     kinds, mismatched, n_tensors, load_errors = results[0]
     assert all(r[3] == [] for r in results)  # every rank loaded exactly
     assert load_errors == []
