@@ -2,7 +2,9 @@
 
 ``diff``: bitwise diff throughput against ``dst.copy_(src)`` on the same tensors. Bytes counted
 the same way for both: copy reads N and writes N, diff reads 2N (snapshot and new), so each
-side "moves" 2N bytes per pass. Last line: one JSON object with ``diff_over_copy``.
+side "moves" 2N bytes per pass. Last line: one JSON object with ``diff_over_copy`` (the path the
+library uses here: the host kernel of :mod:`delta_sync.native` when it builds) and
+``torch_ops_over_copy`` (the portable torch-op path, what a device snapshot runs).
 
 Other subcommands (``apply``) are contributed by packages that know an engine, through the
 ``delta_sync.bench`` entry-point group, so this core module never imports vLLM.
@@ -18,6 +20,7 @@ from importlib.metadata import entry_points
 
 import torch
 
+from . import native
 from .diff import BitwiseDiff
 
 
@@ -54,6 +57,7 @@ def bench_diff(argv: list[str]) -> dict:
         olds.append(old), news.append(new), dsts.append(torch.empty_like(old))
     total = sum(t.numel() * t.element_size() for t in news)
     differ = BitwiseDiff()
+    portable = BitwiseDiff(use_native=False)
 
     def run_copy():
         for d, s in zip(dsts, news):
@@ -61,15 +65,19 @@ def bench_diff(argv: list[str]) -> dict:
 
     produced = []
 
-    def run_diff():
-        produced.clear()
-        for i, (o, n) in enumerate(zip(olds, news)):
-            produced.append(differ.diff(f"t{i}", o, n))
+    def diff_with(d: BitwiseDiff):
+        def run():
+            produced.clear()
+            for i, (o, n) in enumerate(zip(olds, news)):
+                produced.append(d.diff(f"t{i}", o, n))
+        return run
 
-    run_copy(), run_diff()  # warm up allocations and page faults
-    t_copy = t_diff = float("inf")
-    for _ in range(args.reps):  # interleaved, so both see the same machine state
+    run_diff, run_portable = diff_with(differ), diff_with(portable)
+    run_copy(), run_diff(), run_portable()  # warm up allocations and page faults
+    t_copy = t_diff = t_portable = float("inf")
+    for _ in range(args.reps):  # interleaved, so all see the same machine state
         t_copy = min(t_copy, _best(run_copy, 1))
+        t_portable = min(t_portable, _best(run_portable, 1))
         t_diff = min(t_diff, _best(run_diff, 1))
     found = sum(p.count for p in produced)
     if found != changed:
@@ -78,9 +86,11 @@ def bench_diff(argv: list[str]) -> dict:
     diff_gbps = 2 * total / t_diff / 1e9
     return {"bench": "diff", "dtype": "bfloat16", "tensors": count, "total_bytes": total,
             "density": args.density, "changed_elements": changed, "threads": torch.get_num_threads(),
+            "kernel": "native" if native.supports(news[0]) else "torch-ops",
             "diff_s": round(t_diff, 4), "copy_s": round(t_copy, 4),
             "diff_gbps": round(diff_gbps, 2), "copy_gbps": round(copy_gbps, 2),
-            "diff_elements_per_s": round(changed / t_diff), "diff_over_copy": round(diff_gbps / copy_gbps, 3)}
+            "diff_elements_per_s": round(changed / t_diff), "torch_ops_over_copy": round(t_copy / t_portable, 3),
+            "diff_over_copy": round(diff_gbps / copy_gbps, 3)}
 
 
 BUILTIN = {"diff": bench_diff}

@@ -13,12 +13,16 @@ The scan is memory-bound, so it is shaped to read each input once and write as l
    values come out of the gathered words, not from another pass over the tensor.
 
 Indices come out strictly increasing, as the patch format requires.
+
+For host tensors a compiled one-pass kernel (:mod:`delta_sync.native`) replaces steps 1-3 when a
+C compiler is present; the torch-op path is the portable reference and the fallback.
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import native
 from .patch import Patch, check_indexable
 
 _INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -34,10 +38,11 @@ def int_view(t: torch.Tensor) -> torch.Tensor:
 class BitwiseDiff:
     """Reusable scanner: holds its bounded scratch mask across calls."""
 
-    def __init__(self, chunk_words: int = DEFAULT_CHUNK_WORDS):
+    def __init__(self, chunk_words: int = DEFAULT_CHUNK_WORDS, use_native: bool = True):
         if chunk_words <= 0 or chunk_words % 8:
             raise ValueError(f"chunk_words must be a positive multiple of 8, got {chunk_words}")
         self.chunk_words = chunk_words
+        self.use_native = use_native
         self._mask: torch.Tensor | None = None
 
     def _scratch(self, n: int, device: torch.device) -> torch.Tensor:
@@ -67,10 +72,13 @@ class BitwiseDiff:
         if nwords:
             o64 = o[: nwords * lanes].view(torch.int64)
             n64 = n[: nwords * lanes].view(torch.int64)
-            for start in range(0, nwords, self.chunk_words):
-                stop = min(start + self.chunk_words, nwords)
-                self._scan_chunk(o64[start:stop], n64[start:stop], start, lanes, o.dtype,
-                                 idx_parts, val_parts)
+            if self.use_native and native.supports(o):
+                idx_parts, val_parts = native.changed_words(o64, n64, lanes)
+            else:
+                for start in range(0, nwords, self.chunk_words):
+                    stop = min(start + self.chunk_words, nwords)
+                    self._scan_chunk(o64[start:stop], n64[start:stop], start, lanes, o.dtype,
+                                     idx_parts, val_parts)
         tail = nwords * lanes
         if tail < numel:  # unaligned or ragged end: element-width compare
             hit = (o[tail:] != n[tail:]).nonzero().squeeze(1)

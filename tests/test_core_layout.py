@@ -50,4 +50,5 @@ def test_diff_bench_prints_json_last_line():
                           "--tensor-mib", "4", "--reps", "1"], check=True, capture_output=True, text=True)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["bench"] == "diff" and result["changed_elements"] > 0
-    assert result["diff_over_copy"] > 0
+    assert result["diff_over_copy"] > 0 and result["torch_ops_over_copy"] > 0
+    assert result["kernel"] == "native"

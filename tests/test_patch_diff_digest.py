@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from delta_sync import native
 from delta_sync.bucket import BucketPacker, TensorAssembler
 from delta_sync.diff import BitwiseDiff, int_view
 from delta_sync.digest import Digest, digest_elements, digest_range, digest_tensor
@@ -21,7 +22,8 @@ def _ref_changed(a, b):
 @pytest.mark.parametrize("n", [0, 1, 3, 8, 9, 33, 1000, 4099])
 @pytest.mark.parametrize("chunk", [8, 64, 1 << 20])
 @pytest.mark.parametrize("offset", [0, 1])
-def test_diff_matches_reference(dtype, n, chunk, offset):
+@pytest.mark.parametrize("use_native", [False, True], ids=["torch", "native"])
+def test_diff_matches_reference(dtype, n, chunk, offset, use_native):
     g = torch.Generator().manual_seed(n * 7 + chunk)
     a = torch.randn(n + offset, generator=g).to(dtype)
     b = a.clone()
@@ -29,7 +31,7 @@ def test_diff_matches_reference(dtype, n, chunk, offset):
         k = torch.randint(0, n + offset, (max(1, n // 4),), generator=g)
         b[k] = b[k] * 2 + 1
     a, b = a[offset:], b[offset:]  # unaligned storage offset takes the element-width path
-    p = BitwiseDiff(chunk).diff("t", a, b)
+    p = BitwiseDiff(chunk, use_native=use_native).diff("t", a, b)
     ref = _ref_changed(a, b)
     assert torch.equal(p.indices.to(torch.int64), ref)
     assert torch.equal(int_view(p.values), int_view(b)[ref])
@@ -39,14 +41,57 @@ def test_diff_matches_reference(dtype, n, chunk, offset):
     assert torch.equal(int_view(c), int_view(b))
 
 
-def test_diff_is_bitwise_not_float():
+def test_native_kernel_builds_here():
+    """The CI machine has a C compiler: a silent fallback would hide a broken kernel."""
+    assert native.kernel() is not None
+    assert native.supports(torch.zeros(8, dtype=torch.bfloat16))
+    assert not native.supports(torch.zeros(8, dtype=torch.float64))  # torch-op path
+
+
+@pytest.mark.parametrize("env", [{"DELTA_SYNC_NATIVE_DIFF": "0"}, {"CC": "/nonexistent/cc"}])
+def test_native_kernel_falls_back_to_torch_ops(monkeypatch, tmp_path, caplog, env):
+    monkeypatch.setenv("DELTA_SYNC_CACHE_DIR", str(tmp_path))  # force a fresh build
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    native.kernel.cache_clear()
+    try:
+        assert native.kernel() is None and not native.supports(torch.zeros(8, dtype=torch.bfloat16))
+        a = torch.zeros(64, dtype=torch.bfloat16)
+        b = a.clone()
+        b[[3, 40]] = 1
+        assert BitwiseDiff().diff("t", a, b).indices.tolist() == [3, 40]
+        if "CC" in env:
+            assert "using the torch-op diff" in caplog.text
+    finally:
+        native.kernel.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("density", [0.0, 0.001, 0.3, 1.0])
+def test_native_diff_threads_and_bounded_scratch(monkeypatch, dtype, density):
+    """Several threads, and scratch far smaller than the output: same patch as the torch ops."""
+    monkeypatch.setattr(native, "MIN_WORDS_PER_THREAD", 64)
+    monkeypatch.setattr(native, "SCRATCH_ENTRIES", 64)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    g = torch.Generator().manual_seed(int(density * 1000))
+    a = torch.randn(20011, generator=g).to(dtype)
+    b = torch.where(torch.rand(a.shape, generator=g) < density, a * 3 + 1, a)
+    b.view(-1)[-1] = -b.view(-1)[-1]  # ragged tail word and a changed sign
+    got = BitwiseDiff(use_native=True).changed(a, b)
+    ref = BitwiseDiff(use_native=False).changed(a, b)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    assert bool((got[0][1:] > got[0][:-1]).all())
+
+
+@pytest.mark.parametrize("use_native", [False, True], ids=["torch", "native"])
+def test_diff_is_bitwise_not_float(use_native):
     nan, z = float("nan"), 0.0
     a = torch.tensor([nan, z, 1.0, -z, nan, 5.0, 6.0, 7.0, 8.0], dtype=torch.bfloat16)
     b = a.clone()
     b[1] = -z
     b.view(torch.int16)[4] = a.view(torch.int16)[4] ^ 1  # another NaN payload: still NaN, other bits
     assert torch.isnan(b[4])
-    p = BitwiseDiff(8).diff("t", a, b)
+    p = BitwiseDiff(8, use_native=use_native).diff("t", a, b)
     # same NaN bits: unchanged; +0 -> -0: changed; NaN -> NaN with other payload bits: changed
     assert p.indices.tolist() == [1, 4]
 
