@@ -2,10 +2,12 @@
 CPU over gloo with Megatron-style mixed precision: bf16 model weights, fp32 master weights in the
 optimizer (with bf16-only Adam, updates below half an ulp vanish and nothing ever changes).
 
-Only what the tests and the launcher need: TP, DP, PP (one microbatch, driven by hand) and EP
-(SequentialMLP experts; their gradients are averaged over expert-data-parallel replicas only) on CPU.
-Not supported on CPU: TP>1 for MoE (needs sequence parallelism, i.e. TE/apex norms) and tied
-embeddings at PP>1 (core moves the shared weight with ``.cuda()``).
+Only what the tests and the launcher need: TP (with sequence parallelism for MoE, as mcore
+requires), DP, PP (one microbatch, driven by hand), EP (SequentialMLP experts, ETP=1) and tied
+embeddings across pipeline stages. Gradients are reduced by hand the way Megatron's DDP and
+``finalize_model_grads`` do: sequence-parallel and q/k-norm grads summed over TP, the tied
+embedding's grad summed over the embedding group (first and last stage), then averaged over
+data-parallel replicas (expert-data-parallel for experts).
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ class MegatronTrainer:
     opt: torch.optim.Optimizer
 
     @classmethod
-    def from_hf(cls, path, tp: int = 1, lr: float = 1e-6, pp: int = 1, ep: int = 1) -> "MegatronTrainer":
-        """Every rank of the default gloo group calls this (model parallel state is initialised here)."""
+    def from_hf(cls, path, tp: int = 1, lr: float = 1e-6, pp: int = 1, ep: int = 1,
+                sequence_parallel: bool | None = None) -> "MegatronTrainer":
+        """Every rank of the default gloo group calls this (model parallel state is initialised here).
+        ``sequence_parallel`` defaults to on for MoE at TP>1 (mcore refuses to train it without)."""
         apply_all()
         from megatron.bridge import AutoBridge
         from megatron.bridge.models.gpt_provider import local_layer_spec
@@ -39,7 +43,8 @@ class MegatronTrainer:
 
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                                     expert_model_parallel_size=ep)
+                                                     expert_model_parallel_size=ep,
+                                                     expert_tensor_parallel_size=1)
         initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
         bridge = AutoBridge.from_hf_pretrained(str(path), torch_dtype=torch.bfloat16)
         hf_config_compat(bridge.hf_pretrained.config)
@@ -54,7 +59,9 @@ class MegatronTrainer:
             if hasattr(provider, name):
                 setattr(provider, name, False)
         provider.hidden_dropout = provider.attention_dropout = 0.0
-        if getattr(provider, "num_moe_experts", None):
+        moe = bool(getattr(provider, "num_moe_experts", None))
+        provider.sequence_parallel = (moe and tp > 1) if sequence_parallel is None else sequence_parallel
+        if moe:
             provider.moe_grouped_gemm = False  # grouped GEMM and permute fusion need TE / CUDA
             provider.moe_permute_fusion = False
             provider.moe_token_dispatcher_type = "allgather"  # alltoall creates a CUDA stream
@@ -74,6 +81,13 @@ class MegatronTrainer:
         from megatron.core import parallel_state
 
         model = self.model[0]
+        loss_weights = torch.ones(input_ids.shape) if loss_weights is None else loss_weights.float().clone()
+        loss_weights[:, -1] = 0  # the last position has no next token (labels wrap around)
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        if model.config.sequence_parallel and input_ids.shape[1] % tp:  # SP splits the sequence over TP
+            pad = tp - input_ids.shape[1] % tp
+            input_ids = torch.nn.functional.pad(input_ids, (0, pad))
+            loss_weights = torch.nn.functional.pad(loss_weights, (0, pad))
         s = input_ids.shape[1]
         pos = torch.arange(s).unsqueeze(0).expand_as(input_ids)
         mask = torch.triu(torch.ones(s, s), diagonal=1).bool()[None, None]  # core's default mask is on "cuda"
@@ -82,11 +96,15 @@ class MegatronTrainer:
         tp_group = parallel_state.get_tensor_model_parallel_group()
         dp_group = parallel_state.get_data_parallel_group()
         edp_group = parallel_state.get_expert_data_parallel_group()  # replicas of *this rank's* experts
+        tied = self._tied_embedding()
         named = [(n, p) for chunk in self.model for n, p in chunk.named_parameters()]
         for (name, p), mp in zip(named, self.master):
             g = p.grad.float() if p.grad is not None else torch.zeros_like(mp)
-            if ("q_layernorm" in name or "k_layernorm" in name) and dist.get_world_size(tp_group) > 1:
-                dist.all_reduce(g, group=tp_group)  # per-head norms see only this rank's heads
+            if tp > 1 and (getattr(p, "sequence_parallel", False) and model.config.sequence_parallel
+                           or "q_layernorm" in name or "k_layernorm" in name):
+                dist.all_reduce(g, group=tp_group)  # partial: this rank's tokens (SP) or heads (q/k norm)
+            if p is tied:  # first stage's embedding and last stage's output layer: one weight
+                dist.all_reduce(g, group=parallel_state.get_embedding_group())
             group = edp_group if ".local_experts." in name else dp_group
             if dist.get_world_size(group) > 1:
                 dist.all_reduce(g, group=group)
@@ -100,6 +118,17 @@ class MegatronTrainer:
                 p.copy_(mp)  # bf16 model weights = round(fp32 master)
         return loss
 
+    def _tied_embedding(self) -> torch.Tensor | None:
+        """The copy of a tied embedding this rank holds when it is split over pipeline stages."""
+        from megatron.core import parallel_state
+
+        model = getattr(self.model[0], "module", self.model[0])  # inside Float16Module
+        if (not model.share_embeddings_and_output_weights
+                or parallel_state.get_pipeline_model_parallel_world_size() == 1
+                or not parallel_state.is_rank_in_embedding_group()):
+            return None
+        return model.shared_embedding_or_output_weight()
+
     @staticmethod
     def _forward_backward(model, input_ids, pos, mask, labels, loss_weights) -> float:
         """One microbatch through the pipeline by hand (Megatron's schedules hard-code CUDA):
@@ -110,6 +139,8 @@ class MegatronTrainer:
 
         first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
         b, s = input_ids.shape
+        if model.config.sequence_parallel:  # stages exchange this rank's sequence shard
+            s //= ps.get_tensor_model_parallel_world_size()
         hidden = (s, b, model.config.hidden_size)
         received = None
         if not first:
@@ -121,8 +152,7 @@ class MegatronTrainer:
         loss_value = float("nan")
         if last:
             token_loss = out.float()  # [b, s]
-            weights = torch.ones_like(token_loss) if loss_weights is None else loss_weights.float()
-            weights[:, -1] = 0
+            weights = loss_weights
             loss = (token_loss * weights).sum() / weights.abs().sum().clamp(min=1)
             loss.backward()
             loss_value = float(loss.detach())

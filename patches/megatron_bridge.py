@@ -219,12 +219,14 @@ def fix_tp_scatter() -> None:
 
 
 def apply_all() -> None:
-    """Every adaptation above, in one explicit call (idempotent)."""
+    """Every adaptation in this module, in one explicit call (idempotent)."""
     install()
     install_cpu()
     fix_sequential_expert_export()
     fix_sequential_expert_numbering()
     fix_tp_scatter()
+    cpu_tied_embeddings()
+    sequence_parallel_torch_norm()
 
 
 # ---- SequentialMLP experts at EP>1 --------------------------------------------------------------
@@ -255,3 +257,66 @@ def fix_sequential_expert_numbering() -> None:
 
     _megatron_local_name_to_global._delta_sync_fixed = True
     model_bridge._megatron_local_name_to_global = _megatron_local_name_to_global
+
+
+# ---- tied embeddings at PP>1 on CPU -------------------------------------------------------------
+def cpu_tied_embeddings() -> None:
+    """With tied embeddings and PP>1, the last stage holds a copy of the word embeddings that
+    ``LanguageModule.setup_embeddings_and_output_layer`` initialises by an all-reduce over the
+    embedding group, after ``weight.data = weight.data.cuda()``: on a machine without CUDA that
+    call raises. Without CUDA, ``Tensor.cuda`` leaves the tensor where it is for the duration of
+    that method only (the all-reduce then runs on the CPU backend)."""
+    import torch
+
+    install()
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    original = LanguageModule.setup_embeddings_and_output_layer
+    if getattr(original, "_delta_sync_fixed", False):
+        return
+
+    def setup_embeddings_and_output_layer(self, *args, **kwargs):
+        if torch.cuda.is_available():
+            return original(self, *args, **kwargs)
+        cuda = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda t, *a, **k: t
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            torch.Tensor.cuda = cuda
+
+    setup_embeddings_and_output_layer._delta_sync_fixed = True
+    LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
+
+
+# ---- sequence parallelism without TE / apex norms -----------------------------------------------
+def sequence_parallel_torch_norm() -> None:
+    """mcore 0.16.1 requires sequence parallelism for MoE at TP>1 in training, but its torch norm
+    (the only one without TE or apex) refuses ``sequence_parallel``. A per-token norm needs nothing
+    from other sequence shards; what SP changes is that each TP rank sees only its tokens, so the
+    norm's weight gradient is partial. TE's and apex's norms mark their parameters
+    ``sequence_parallel`` and Megatron sums those gradients over TP (finalize_model_grads): the torch
+    norm is built the same way here, with the same mark. Trainers that reduce gradients by hand
+    must honour it (``launchers.megatron_trainer`` does)."""
+    import copy
+
+    install()
+    from megatron.core.transformer import torch_norm
+
+    cls = torch_norm.WrappedTorchNorm
+    original = cls.__new__
+    if getattr(original, "_delta_sync_fixed", False):
+        return
+
+    def __new__(klass, config, *args, **kwargs):
+        if not config.sequence_parallel:
+            return original(klass, config, *args, **kwargs)
+        local = copy.copy(config)
+        local.sequence_parallel = False
+        norm = original(klass, local, *args, **kwargs)
+        for p in norm.parameters():
+            p.sequence_parallel = True
+        return norm
+
+    __new__._delta_sync_fixed = True
+    cls.__new__ = __new__

@@ -8,6 +8,7 @@ traceback, and a rank that is still alive at the deadline fails it as a hang.
 from __future__ import annotations
 
 import os
+import time
 import traceback
 
 import torch.multiprocessing as mp
@@ -40,13 +41,19 @@ def run_ranks(fn, world: int, *args, timeout: float = 120.0, init_world: bool = 
     results, errors = {}, {}
     import queue as q
 
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world):
+        while len(results) + len(errors) < world:
             try:
-                rank, status, value = queue.get(timeout=timeout)
+                rank, status, value = queue.get(timeout=1.0)
             except q.Empty:
                 alive = [i for i, p in enumerate(procs) if p.is_alive()]
-                raise AssertionError(f"ranks {alive} still running after {timeout}s: hang") from None
+                if not alive:  # every rank exited; one died without reporting (crash, kill)
+                    codes = {i: p.exitcode for i, p in enumerate(procs)}
+                    raise AssertionError(f"ranks exited without a result, exit codes {codes}") from None
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"ranks {alive} still running after {timeout}s: hang") from None
+                continue
             (results if status == "ok" else errors)[rank] = value
     finally:
         for p in procs:
