@@ -101,6 +101,16 @@ def install() -> None:
     _installed = True
 
 
+def _wrap_once(owner, attr: str, wrap) -> None:
+    """``owner.attr = wrap(original)``, once: a second call (or a second ``apply_all``) is a no-op."""
+    original = getattr(owner, attr)
+    if getattr(original, "_delta_sync_fixed", False):
+        return
+    fixed = wrap(original)
+    fixed._delta_sync_fixed = True
+    setattr(owner, attr, fixed)
+
+
 def hf_config_compat(hf_config) -> None:
     """transformers 5 keeps ``rope_theta`` under ``rope_parameters``; Bridge 0.3.0 reads the attribute."""
     if getattr(hf_config, "rope_theta", None) is None:
@@ -175,25 +185,25 @@ def fix_sequential_expert_export() -> None:
     from megatron.bridge.models.conversion import param_mapping
 
     cls = param_mapping.MegatronParamMapping
-    original = cls.gather_from_ep_ranks
-    if getattr(original, "_delta_sync_fixed", False):
-        return
-    pattern = re.compile(r"local_experts\.(\d+)\.")
 
-    def gather_from_ep_ranks(self, *args, **kwargs):
-        name = self.megatron_param
-        m = pattern.search(name)
-        if m is None:
-            return original(self, *args, **kwargs)
-        suffix = ".weight" if ".weight" in name else ".bias"
-        self.megatron_param = pattern.sub("", name, count=1).split(suffix)[0] + suffix + m.group(1)
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            self.megatron_param = name
+    def wrap(original):
+        pattern = re.compile(r"local_experts\.(\d+)\.")
 
-    gather_from_ep_ranks._delta_sync_fixed = True
-    cls.gather_from_ep_ranks = gather_from_ep_ranks
+        def gather_from_ep_ranks(self, *args, **kwargs):
+            name = self.megatron_param
+            m = pattern.search(name)
+            if m is None:
+                return original(self, *args, **kwargs)
+            suffix = ".weight" if ".weight" in name else ".bias"
+            self.megatron_param = pattern.sub("", name, count=1).split(suffix)[0] + suffix + m.group(1)
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                self.megatron_param = name
+
+        return gather_from_ep_ranks
+
+    _wrap_once(cls, "gather_from_ep_ranks", wrap)
 
 
 # ---- TP scatter over gloo ------------------------------------------------------------------------
@@ -205,17 +215,16 @@ def fix_tp_scatter() -> None:
     from megatron.bridge.models.conversion import param_mapping
 
     cls = param_mapping.MegatronParamMapping
-    original = cls.scatter_to_tp_ranks
-    if getattr(original, "_delta_sync_fixed", False):
-        return
 
-    def scatter_to_tp_ranks(self, splits, *args, **kwargs):
-        if splits:
-            splits = [s.contiguous() for s in splits]
-        return original(self, splits, *args, **kwargs)
+    def wrap(original):
+        def scatter_to_tp_ranks(self, splits, *args, **kwargs):
+            if splits:
+                splits = [s.contiguous() for s in splits]
+            return original(self, splits, *args, **kwargs)
 
-    scatter_to_tp_ranks._delta_sync_fixed = True
-    cls.scatter_to_tp_ranks = scatter_to_tp_ranks
+        return scatter_to_tp_ranks
+
+    _wrap_once(cls, "scatter_to_tp_ranks", wrap)
 
 
 def apply_all() -> None:
@@ -240,23 +249,22 @@ def fix_sequential_expert_numbering() -> None:
     from megatron.bridge.models.conversion import model_bridge
     from megatron.core import parallel_state
 
-    original = model_bridge._megatron_local_name_to_global
-    if getattr(original, "_delta_sync_fixed", False):
-        return
-    pattern = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)\.")
+    def wrap(original):
+        pattern = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)\.")
 
-    def _megatron_local_name_to_global(models, config, param_name, vp_stage=None):
-        name = original(models, config, param_name, vp_stage)
-        ep = parallel_state.get_expert_model_parallel_world_size()
-        m = pattern.search(name)
-        if m is None or ep == 1 or ".adapter." in name:
-            return name
-        per_rank = config.num_moe_experts // ep
-        global_number = per_rank * parallel_state.get_expert_model_parallel_rank() + int(m.group(2))
-        return name[:m.start()] + f"{m.group(1)}{global_number}." + name[m.end():]
+        def _megatron_local_name_to_global(models, config, param_name, vp_stage=None):
+            name = original(models, config, param_name, vp_stage)
+            ep = parallel_state.get_expert_model_parallel_world_size()
+            m = pattern.search(name)
+            if m is None or ep == 1 or ".adapter." in name:
+                return name
+            per_rank = config.num_moe_experts // ep
+            global_number = per_rank * parallel_state.get_expert_model_parallel_rank() + int(m.group(2))
+            return name[:m.start()] + f"{m.group(1)}{global_number}." + name[m.end():]
 
-    _megatron_local_name_to_global._delta_sync_fixed = True
-    model_bridge._megatron_local_name_to_global = _megatron_local_name_to_global
+        return _megatron_local_name_to_global
+
+    _wrap_once(model_bridge, "_megatron_local_name_to_global", wrap)
 
 
 # ---- tied embeddings at PP>1 on CPU -------------------------------------------------------------
@@ -271,22 +279,20 @@ def cpu_tied_embeddings() -> None:
     install()
     from megatron.core.models.common.language_module.language_module import LanguageModule
 
-    original = LanguageModule.setup_embeddings_and_output_layer
-    if getattr(original, "_delta_sync_fixed", False):
-        return
+    def wrap(original):
+        def setup_embeddings_and_output_layer(self, *args, **kwargs):
+            if torch.cuda.is_available():
+                return original(self, *args, **kwargs)
+            cuda = torch.Tensor.cuda
+            torch.Tensor.cuda = lambda t, *a, **k: t
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                torch.Tensor.cuda = cuda
 
-    def setup_embeddings_and_output_layer(self, *args, **kwargs):
-        if torch.cuda.is_available():
-            return original(self, *args, **kwargs)
-        cuda = torch.Tensor.cuda
-        torch.Tensor.cuda = lambda t, *a, **k: t
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            torch.Tensor.cuda = cuda
+        return setup_embeddings_and_output_layer
 
-    setup_embeddings_and_output_layer._delta_sync_fixed = True
-    LanguageModule.setup_embeddings_and_output_layer = setup_embeddings_and_output_layer
+    _wrap_once(LanguageModule, "setup_embeddings_and_output_layer", wrap)
 
 
 # ---- sequence parallelism without TE / apex norms -----------------------------------------------
@@ -304,19 +310,18 @@ def sequence_parallel_torch_norm() -> None:
     from megatron.core.transformer import torch_norm
 
     cls = torch_norm.WrappedTorchNorm
-    original = cls.__new__
-    if getattr(original, "_delta_sync_fixed", False):
-        return
 
-    def __new__(klass, config, *args, **kwargs):
-        if not config.sequence_parallel:
-            return original(klass, config, *args, **kwargs)
-        local = copy.copy(config)
-        local.sequence_parallel = False
-        norm = original(klass, local, *args, **kwargs)
-        for p in norm.parameters():
-            p.sequence_parallel = True
-        return norm
+    def wrap(original):
+        def __new__(klass, config, *args, **kwargs):
+            if not config.sequence_parallel:
+                return original(klass, config, *args, **kwargs)
+            local = copy.copy(config)
+            local.sequence_parallel = False
+            norm = original(klass, local, *args, **kwargs)
+            for p in norm.parameters():
+                p.sequence_parallel = True
+            return norm
 
-    __new__._delta_sync_fixed = True
-    cls.__new__ = __new__
+        return __new__
+
+    _wrap_once(cls, "__new__", wrap)
