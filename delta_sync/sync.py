@@ -150,18 +150,29 @@ class WeightSync:
 
         def produce() -> list[Ordered]:
             out = []
+            failure: Exception | None = None
             t0 = time.perf_counter()
             for seq, (mname, tensor) in enumerate(named_tensors):
+                # After a local failure this rank keeps consuming the stream (and materialising
+                # DTensors): Bridge's export and FSDP's full_tensor are collective, and the other
+                # ranks are still in them. The failure is raised at the end, then gathered.
                 name = self.name_map(mname)
                 if name is None:
                     continue
-                t = _materialize(tensor.detach())
-                if self.dtype is not None and t.dtype != self.dtype:
-                    t = t.to(self.dtype)
-                totals["elements"] += t.numel()
-                if self.store.owns(name, t.numel() * t.element_size()):
-                    out.append(Ordered(seq, self.store.prepare(name, t, full=full)))
+                try:
+                    t = _materialize(tensor.detach())
+                    if failure is not None:
+                        continue
+                    if self.dtype is not None and t.dtype != self.dtype:
+                        t = t.to(self.dtype)
+                    totals["elements"] += t.numel()
+                    if self.store.owns(name, t.numel() * t.element_size()):
+                        out.append(Ordered(seq, self.store.prepare(name, t, full=full)))
+                except Exception as e:
+                    failure = failure or e
             timings["diff_s"] = time.perf_counter() - t0
+            if failure is not None:
+                raise failure
             return out
 
         try:

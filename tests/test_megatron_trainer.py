@@ -173,3 +173,56 @@ def test_parallel_step_matches_one_rank(kind, tp, pp, ep, tmp_path):
         if differ > max(2, limit * t.numel()):
             bad[name] = (t.numel(), moved, differ)
     assert not bad, f"tensors whose step differs from one rank's (numel, moved, differ): {bad}"
+
+
+def _failures_on_megatron(rank, world, port, path):
+    import argparse
+
+    from launchers.megatron_trainer import MegatronTrainer
+    from update_weight import add_update_weight_args, build_updater
+    from update_weight.megatron_source import BridgeExportSource
+
+    from .reference_receiver import ReferenceReceiver
+    from .test_sender_failures import Attempts, poisoned_on, receiver_rejects, sender_dies_mid_send, with_nan
+
+    trainer = MegatronTrainer.from_hf(path, tp=2, pp=2, lr=1e-4)
+    source = BridgeExportSource(trainer.bridge, trainer.model)
+    receiver = ReferenceReceiver() if rank == 0 else None
+    args = add_update_weight_args(argparse.ArgumentParser()).parse_args(
+        ["--update-weight-transport", "sparse_gloo", "--update-weight-verify-every", "1"])
+    updater = build_updater(args, [receiver] if rank == 0 else [])
+    updater.sync.timeout_s = 20
+    attempt = Attempts(updater.update_weights)
+    attempt("seed", source)
+    trainer.step(BATCH)
+    attempt("delta", source)
+    trainer.step(BATCH)  # the next four updates all fail; the fifth carries this step
+    attempt("nan before send", with_nan(source, "model.layers.1.mlp.down_proj.weight"))
+    # Bridge's export is collective: the failing rank must stay in step (a raise *inside* Bridge's
+    # generator on one rank leaves the others in its collectives until the process-group timeout)
+    attempt("export failure", poisoned_on(source, rank, 2, 5), expect="rank 2")
+    with sender_dies_mid_send(rank, updater.sync):
+        attempt("sender mid-send", source)
+    with receiver_rejects(receiver):
+        attempt("receiver failure", source)
+    attempt("delta after failures", source)
+    trainer.step(BATCH)
+    attempt("delta", source)
+    mismatched = [n for n, t in BridgeExportSource(trainer.bridge, trainer.model)  # independent export
+                  if rank == 0 and not torch.equal(receiver.tensors[n].view(torch.int16), t.view(torch.int16))]
+    version = updater.sync.version
+    updater.close()
+    return attempt.log, mismatched, version
+
+
+def test_failure_contract_on_four_megatron_ranks():
+    """DESIGN.md's failure rows on a TP2xPP2 Megatron trainer: validation failure before send, export
+    failure on a non-sender rank, sender failure mid-send, receiver failure; no rank hangs, every rank
+    sees the same outcome, and the next update is exact against an independent export."""
+    from .test_sender_failures import check_outcomes
+
+    results = run_ranks(_failures_on_megatron, 4, str(build("dense")), timeout=600)
+    log, mismatched, version = results[0]
+    check_outcomes(results, 2)
+    assert len(log) == 8 and mismatched == [], (log, mismatched)
+    assert all(r[2] == version for r in results)

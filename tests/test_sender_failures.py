@@ -1,12 +1,16 @@
 """The failure contract of DESIGN.md on four real trainer ranks (gloo) and a reference receiver:
-after each failure no rank hangs, the snapshot stays at v-1, and the next update is exact."""
+after each failure no rank hangs, the snapshot stays at v-1, and the next update is exact.
+
+The injections are shared with the Megatron four-rank scenario (tests/test_megatron_trainer.py)."""
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
 
-from delta_sync.errors import EngineError, GatherError
+from delta_sync.errors import EngineError
 from delta_sync.sync import WeightSync
 
 from .multiproc import run_ranks
@@ -21,88 +25,148 @@ def _exact(receiver, version) -> bool:
                for n, t in want.items())
 
 
-def _scenario(rank, world, port):
+class ExportFailure(Exception):
+    pass
+
+
+def with_nan(stream, name: str):
+    """A diverged step: one exported tensor carries a NaN (found before anything is sent)."""
+    for n, t in stream:
+        if n == name:
+            t = t.clone()
+            t.view(-1)[3] = float("nan")
+        yield n, t
+
+
+def failing_on(stream, rank: int, bad_rank: int, at: int):
+    """The export raises on ``bad_rank`` after ``at`` tensors (a non-sender rank)."""
+    for i, item in enumerate(stream):
+        if rank == bad_rank and i == at:
+            raise ExportFailure(f"export of tensor {i} failed on rank {rank}")
+        yield item
+
+
+class _Poisoned:
+    """An exported tensor whose conversion fails on this rank (raises when the sync reads it)."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+    def detach(self):
+        raise ExportFailure(self.message)
+
+
+def poisoned_on(stream, rank: int, bad_rank: int, at: int):
+    """Tensor ``at`` fails to convert on ``bad_rank``, while the stream itself goes on: the shape of
+    a failure in a collective export (Bridge), where the failing rank must stay in step."""
+    for i, (n, t) in enumerate(stream):
+        yield n, (_Poisoned(f"conversion of {n} failed on rank {rank}") if rank == bad_rank and i == at else t)
+
+
+@contextlib.contextmanager
+def sender_dies_mid_send(rank: int, sync: WeightSync):
+    """On the sender, packing the second bucket raises: one bucket already went out."""
     from delta_sync import transfer
 
+    if rank != 0:
+        yield
+        return
+    real, bucket_bytes = transfer.BucketPacker.pack, sync.bucket_bytes
+
+    def broken_pack(self, patches):
+        for i, b in enumerate(real(self, patches)):
+            if i == 1:
+                raise RuntimeError("sender died while packing bucket 1")
+            yield b
+    transfer.BucketPacker.pack = broken_pack
+    sync.bucket_bytes = 256  # several buckets
+    try:
+        yield
+    finally:
+        transfer.BucketPacker.pack, sync.bucket_bytes = real, bucket_bytes
+
+
+@contextlib.contextmanager
+def receiver_rejects(receiver):
+    """The engine stages the update, then rejects it."""
+    if receiver is None:
+        yield
+        return
+    real = receiver.update
+
+    def failing_update(info):
+        real(info)
+        raise EngineError(receiver.name, "receiver rejected the update", kind="update")
+    receiver.update = failing_update
+    try:
+        yield
+    finally:
+        receiver.update = real
+
+
+class Attempts:
+    """Runs an update on every rank and logs its outcome; a barrier after each proves nobody hangs."""
+
+    def __init__(self, update):
+        self.update, self.log = update, []
+
+    def __call__(self, label, stream, expect=None):
+        try:
+            self.update(stream)
+            outcome = "ok"
+        except Exception as e:
+            outcome = type(e).__name__
+            if expect is not None and expect not in str(e):
+                outcome = f"{outcome} without {expect!r}: {e}"
+        self.log.append((label, outcome))
+        dist.barrier()
+
+
+FAILURES = ["PatchValidationError", "GatherError", "RuntimeError", "EngineError"]
+
+
+def check_outcomes(results, n_before: int, failures=FAILURES):
+    """Rank 0's log: ok x n_before, the failures, then ok; every rank saw the same outcomes."""
+    log = results[0][0]
+    outcomes = [y for _, y in log]
+    assert outcomes[:n_before] == ["ok"] * n_before, log
+    assert outcomes[n_before:n_before + len(failures)] == failures, log
+    assert all(y == "ok" for y in outcomes[n_before + len(failures):]), log
+    for other in results[1:]:
+        assert [y != "ok" for _, y in other[0]] == [y != "ok" for _, y in log]
+
+
+def _scenario(rank, world, port):
     from .reference_receiver import ReferenceReceiver
 
     receiver = ReferenceReceiver() if rank == 0 else None
     sync = WeightSync([receiver] if rank == 0 else [], mode="delta", verify_every=1, timeout_s=20)
-    log = []
+    attempt = Attempts(lambda stream: sync.update(stream))
 
-    def attempt(label, version, state=None):
-        try:
-            sync.update((state or model_at(version)).items())
-            log.append((label, "ok"))
-        except Exception as e:
-            log.append((label, type(e).__name__))
-        dist.barrier()  # every rank got here: nobody hangs in a collective
-
-    attempt("seed", 0)
-    attempt("delta", 1)
-    # 1. validation failure before send: a NaN produced on rank 0's owned tensor
-    bad = model_at(2)
-    bad["layers.0.norm"].view(-1)[3] = float("nan")
-    attempt("nan before send", 2, bad)
-    # 2. export failure on a non-sender rank
-    class Boom(Exception):
-        pass
-
-    def failing_stream(v):
-        for i, (n, t) in enumerate(model_at(v).items()):
-            if rank == 2 and i == 3:
-                raise Boom("export of layers.1.w failed on rank 2")
-            yield n, t
-    try:
-        sync.update(failing_stream(2))
-        log.append(("export failure", "ok"))
-    except GatherError as e:
-        log.append(("export failure", "GatherError" if "rank 2" in str(e) else str(e)))
-    dist.barrier()
-    # 3. sender failure mid-send: the second bucket cannot be packed
-    if rank == 0:
-        real = transfer.BucketPacker.pack
-
-        def broken_pack(self, patches):
-            for i, b in enumerate(real(self, patches)):
-                if i == 1:
-                    raise RuntimeError("sender died while packing bucket 1")
-                yield b
-        transfer.BucketPacker.pack = broken_pack
-        sync.bucket_bytes = 256  # several buckets: the failure comes after one was sent
-    attempt("sender mid-send", 2)
-    if rank == 0:
-        transfer.BucketPacker.pack = real
-    # 4. receiver failure while staging
-    if rank == 0:
-        real_update = receiver.update
-
-        def failing_update(info):
-            real_update(info)
-            raise EngineError(receiver.name, "receiver rejected the update", kind="update")
-        receiver.update = failing_update
-    attempt("receiver failure", 2)
-    if rank == 0:
-        receiver.update = real_update
+    attempt("seed", model_at(0).items())
+    attempt("delta", model_at(1).items())
+    attempt("nan before send", with_nan(model_at(2).items(), "layers.0.norm"))
+    attempt("export failure", failing_on(model_at(2).items(), rank, 2, 3), expect="rank 2")
+    attempt("conversion failure", poisoned_on(model_at(2).items(), rank, 2, 3), expect="rank 2")
+    with sender_dies_mid_send(rank, sync):
+        attempt("sender mid-send", model_at(2).items())
+    with receiver_rejects(receiver):
+        attempt("receiver failure", model_at(2).items())
     # after all of that: the next updates are exact
-    attempt("delta after failures", 2)
-    attempt("delta", 3)
+    attempt("delta after failures", model_at(2).items())
+    attempt("delta", model_at(3).items())
     exact = _exact(receiver, 3) if rank == 0 else None
     version = sync.version
     sync.close()
-    return log, exact, version
+    return attempt.log, exact, version
 
 
 def test_failures_keep_every_rank_consistent_and_next_update_exact():
     results = run_ranks(_scenario, WORLD, timeout=300)
     log, exact, version = results[0]
-    labels = [x for x, _ in log]
-    outcomes = [y for _, y in log]
-    assert labels == ["seed", "delta", "nan before send", "export failure", "sender mid-send", "receiver failure",
-                      "delta after failures", "delta"]
-    assert outcomes[0:2] == ["ok", "ok"] and outcomes[6:] == ["ok", "ok"]
-    assert outcomes[2:6] == ["PatchValidationError", "GatherError", "RuntimeError", "EngineError"], log
+    assert [x for x, _ in log] == ["seed", "delta", "nan before send", "export failure", "conversion failure",
+                                   "sender mid-send", "receiver failure", "delta after failures", "delta"]
+    check_outcomes(results, 2, ["PatchValidationError", "GatherError", "GatherError", "RuntimeError",
+                                "EngineError"])
     assert exact and version == 3
-    for other_log, _, other_version in results[1:]:
-        assert [y != "ok" for _, y in other_log] == [y != "ok" for _, y in log]  # same outcome everywhere
-        assert other_version == 3
+    assert all(other_version == 3 for _, _, other_version in results[1:])
