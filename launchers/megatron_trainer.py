@@ -12,6 +12,7 @@ data-parallel replicas (expert-data-parallel for experts).
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 
 import torch
@@ -29,12 +30,23 @@ class MegatronTrainer:
     model: list
     master: list[torch.Tensor]
     opt: torch.optim.Optimizer
+    device: torch.device = torch.device("cpu")
 
     @classmethod
     def from_hf(cls, path, tp: int = 1, lr: float = 1e-6, pp: int = 1, ep: int = 1,
-                sequence_parallel: bool | None = None) -> "MegatronTrainer":
-        """Every rank of the default gloo group calls this (model parallel state is initialised here).
-        ``sequence_parallel`` defaults to on for MoE at TP>1 (mcore refuses to train it without)."""
+                sequence_parallel: bool | None = None, device: str | torch.device = "cpu") -> "MegatronTrainer":
+        """Every rank of the default process group calls this (model parallel state is initialised here).
+        ``sequence_parallel`` defaults to on for MoE at TP>1 (mcore refuses to train it without).
+        ``device``: where the model lives, the device this rank was bound to (see
+        ``delta_sync.accelerator.bind``); tested on CPU only. On Ascend, Megatron runs through
+        MindSpeed's adaptor, imported here before any Megatron module."""
+        device = torch.device(device)
+        if device.type == "npu":
+            try:
+                importlib.import_module("mindspeed.megatron_adaptor")  # patches Megatron for torch_npu
+            except ImportError as e:
+                raise ImportError("Megatron on Ascend NPUs needs MindSpeed (mindspeed.megatron_adaptor); "
+                                  "install it next to torch_npu, or train on cpu/cuda") from e
         apply_all()
         from megatron.bridge import AutoBridge
         from megatron.bridge.models.gpt_provider import local_layer_spec
@@ -66,12 +78,13 @@ class MegatronTrainer:
             provider.moe_permute_fusion = False
             provider.moe_token_dispatcher_type = "allgather"  # alltoall creates a CUDA stream
         provider.finalize()
-        model = provider.provide_distributed_model(wrap_with_ddp=False, use_cpu_initialization=True)
-        install_cpu()  # modules imported while building the model
+        model = provider.provide_distributed_model(wrap_with_ddp=False,
+                                                   use_cpu_initialization=device.type == "cpu")
+        install_cpu()  # modules imported while building the model (a no-op where CUDA answers)
         params = [p for chunk in model for p in chunk.parameters()]
         master = [p.detach().float().clone().requires_grad_(True) for p in params]
         opt = torch.optim.Adam(master, lr=lr)
-        return cls(bridge, model, master, opt)
+        return cls(bridge, model, master, opt, device)
 
     def params(self) -> list[torch.Tensor]:
         return [p for chunk in self.model for p in chunk.parameters()]
@@ -81,7 +94,9 @@ class MegatronTrainer:
         from megatron.core import parallel_state
 
         model = self.model[0]
-        loss_weights = torch.ones(input_ids.shape) if loss_weights is None else loss_weights.float().clone()
+        input_ids = input_ids.to(self.device)
+        loss_weights = (torch.ones(input_ids.shape) if loss_weights is None else loss_weights.float()).to(
+            self.device, copy=True)
         loss_weights[:, -1] = 0  # the last position has no next token (labels wrap around)
         tp = parallel_state.get_tensor_model_parallel_world_size()
         if model.config.sequence_parallel and input_ids.shape[1] % tp:  # SP splits the sequence over TP
@@ -89,8 +104,9 @@ class MegatronTrainer:
             input_ids = torch.nn.functional.pad(input_ids, (0, pad))
             loss_weights = torch.nn.functional.pad(loss_weights, (0, pad))
         s = input_ids.shape[1]
-        pos = torch.arange(s).unsqueeze(0).expand_as(input_ids)
-        mask = torch.triu(torch.ones(s, s), diagonal=1).bool()[None, None]  # core's default mask is on "cuda"
+        pos = torch.arange(s, device=self.device).unsqueeze(0).expand_as(input_ids)
+        # causal mask built here: core's default one is created on "cuda"
+        mask = torch.triu(torch.ones(s, s, device=self.device), diagonal=1).bool()[None, None]
         labels = torch.roll(input_ids, -1, dims=1)
         loss = self._forward_backward(model, input_ids, pos, mask, labels, loss_weights)
         tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -144,7 +160,7 @@ class MegatronTrainer:
         hidden = (s, b, model.config.hidden_size)
         received = None
         if not first:
-            received = torch.empty(hidden, dtype=model.config.params_dtype)
+            received = torch.empty(hidden, dtype=model.config.params_dtype, device=input_ids.device)
             dist.recv(received, ps.get_pipeline_model_parallel_prev_rank())
             received.requires_grad_(True)
             model.set_input_tensor(received)

@@ -4,16 +4,19 @@ Megatron model (Bridge-loaded) -> weight sync every step -> fresh-checkpoint equ
 ``python -m launchers.train_rl`` runs the embedded default on this machine: the tiny Qwen3-MoE
 checkpoint, two trainer ranks over gloo (DP=2; experts at EP=1), one local vLLM server, delta
 sync over ``sparse_gloo``, a few steps, then the equivalence check and its verdict. Choose the
-sync with ``--update-weight-mode`` / ``--update-weight-transport`` / ``--update-weight-*``.
+sync with ``--update-weight-mode`` / ``--update-weight-transport`` / ``--update-weight-*``, the
+trainer layout with ``--trainer-ranks`` / ``--tp`` / ``--pp`` / ``--ep`` (the rest is DP; experts
+at ETP=1) and its devices with ``--trainer-device`` (rank r binds local device r).
 
-Optimizer: Adam on fp32 master weights with bf16 model weights, as Megatron's mixed precision
-does; a small learning rate keeps the per-step changes sparse, and each step reports the changed
-fraction.
+Optimizer: Adam (lr 1e-6 by default, as in RL post-training) on fp32 master weights with bf16
+model weights, as Megatron's mixed precision does; each step reports the changed fraction
+(0.14-0.19% per step on the tiny MoE).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -22,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from delta_sync import accelerator
 from delta_sync.channel import free_port
 from update_weight import add_update_weight_args
 from update_weight.args import resolve_update_weight_args
@@ -85,8 +89,10 @@ def _trainer(rank: int, world: int, master_port: int, opts: dict, queue) -> None
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{master_port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=600))
+    placement = accelerator.bind(opts["device"], local_rank=rank)  # before the process group
+    opts = dict(opts, device=str(placement.device))
+    dist.init_process_group(placement.backend, init_method=f"tcp://127.0.0.1:{master_port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=600))
     try:
         queue.put((rank, "ok", _train(rank, world, opts)))
     except BaseException as e:  # report, never leave the launcher waiting
@@ -110,7 +116,8 @@ def _train(rank: int, world: int, opts: dict) -> list[dict]:
 
     from .megatron_trainer import MegatronTrainer
 
-    trainer = MegatronTrainer.from_hf(opts["model"], tp=opts["tp"], lr=opts["lr"])
+    trainer = MegatronTrainer.from_hf(opts["model"], tp=opts["tp"], pp=opts["pp"], ep=opts["ep"], lr=opts["lr"],
+                                      device=opts["device"])
     source = BridgeExportSource(trainer.bridge, trainer.model)
     updater = build_updater(UpdateWeightConfig(**opts["sync"]), [opts["engine"]] if rank == 0 else [])
     dp_rank, dp = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
@@ -183,16 +190,33 @@ def _run_trainers(world: int, opts: dict, timeout: float) -> list[dict]:
     return out[0]
 
 
+def check_layout(ranks: int, tp: int, pp: int, ep: int) -> str | None:
+    """Why ``ranks`` trainer processes cannot hold TP x PP (x DP) with EP carved from TP x DP, or None."""
+    if min(ranks, tp, pp, ep) < 1:
+        return "--trainer-ranks, --tp, --pp and --ep must be >= 1"
+    if ranks % (tp * pp):
+        return f"--trainer-ranks {ranks} is not a multiple of --tp {tp} x --pp {pp}"
+    if (ranks // pp) % ep:
+        return (f"--ep {ep} must divide TP x DP = {ranks // pp} (experts at ETP=1 are spread over the "
+                f"ranks of one pipeline stage)")
+    return None
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m launchers.train_rl", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="HF checkpoint dir (default: the tiny MoE built locally)")
     ap.add_argument("--tiny", choices=("moe", "dense"), default="moe", help="which built-in tiny checkpoint")
     ap.add_argument("--trainer-ranks", type=int, default=2)
-    ap.add_argument("--tp", type=int, default=1, help="trainer tensor parallel size (the rest is DP)")
+    ap.add_argument("--tp", type=int, default=1, help="trainer tensor parallel size")
+    ap.add_argument("--pp", type=int, default=1, help="trainer pipeline parallel size (the rest is DP)")
+    ap.add_argument("--ep", type=int, default=1, help="trainer expert parallel size (within TP x DP, ETP=1)")
+    ap.add_argument("--trainer-device", choices=("auto", "cpu", "cuda", "npu"), default="cpu",
+                    help="device family of the trainer ranks (rank r binds local device r); auto: npu, "
+                         "then cuda, then cpu")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--group-size", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=8)
-    ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--engine-url", default=None, help="a running engine (VLLM_SERVER_DEV_MODE=1, backend "
                     "delta_sync); default: start one locally")
     ap.add_argument("--out", default="runs/rl", help="artifacts: export/, *.json")
@@ -205,12 +229,17 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     cfg = resolve_update_weight_args(args)  # contradictions and missing devices fail here, before any work
-    if args.trainer_ranks % args.tp:
-        raise SystemExit(f"--trainer-ranks {args.trainer_ranks} is not a multiple of --tp {args.tp}")
+    layout_error = check_layout(args.trainer_ranks, args.tp, args.pp, args.ep)
+    if layout_error:
+        raise SystemExit(layout_error)
+    device = accelerator.detect_family() if args.trainer_device == "auto" else args.trainer_device
+    if not accelerator.family_available(device):
+        raise SystemExit(f"--trainer-device {device}: no {device} devices here (use --trainer-device cpu)")
     model = Path(args.model) if args.model else build(args.tiny)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    print(f"delta-sync RL: model {model}, trainer ranks {args.trainer_ranks} (TP={args.tp}), "
+    print(f"delta-sync RL: model {model}, trainer ranks {args.trainer_ranks} on {device} (TP={args.tp}, "
+          f"PP={args.pp}, EP={args.ep}, DP={args.trainer_ranks // (args.tp * args.pp)}), "
           f"sync {cfg.mode}/{cfg.transport}, {args.steps} steps", flush=True)
     proc = None
     engine = args.engine_url
@@ -221,10 +250,9 @@ def main(argv=None) -> int:
     try:
         if proc is not None:
             equivalence.wait_ready(proc, engine, out / "engine.log")
-        opts = {"model": str(model), "tp": args.tp, "lr": args.lr, "steps": args.steps, "group": args.group_size,
-                "max_tokens": args.max_tokens, "engine": engine, "export": str(out / "export"),
-                "sync": {"mode": cfg.mode, "transport": cfg.transport, "backend": cfg.backend,
-                         "buffer_size": cfg.buffer_size, "verify_every": cfg.verify_every}}
+        opts = {"model": str(model), "tp": args.tp, "pp": args.pp, "ep": args.ep, "device": device, "lr": args.lr,
+                "steps": args.steps, "group": args.group_size, "max_tokens": args.max_tokens, "engine": engine,
+                "export": str(out / "export"), "sync": dataclasses.asdict(cfg)}
         t0 = time.perf_counter()
         rows = _run_trainers(args.trainer_ranks, opts, args.timeout)
         (out / "updates.json").write_text(json.dumps(rows, indent=1))

@@ -25,9 +25,10 @@ def _run(tmp_path, *argv):
 @pytest.mark.slow
 @pytest.mark.parametrize("argv", [
     ["--update-weight-mode", "delta", "--update-weight-transport", "sparse_gloo"],  # default: tiny MoE, DP=2
-    ["--tiny", "dense", "--tp", "2"],
+    ["--tiny", "dense", "--trainer-ranks", "4", "--tp", "2", "--pp", "2"],  # tied embedding over 2 stages
+    ["--trainer-ranks", "4", "--tp", "2", "--pp", "2", "--ep", "2"],  # the NPU script's layout, in miniature
     ["--update-weight-mode", "full", "--update-weight-transport", "gloo"],
-], ids=["moe-delta", "dense-tp2-delta", "moe-full"])
+], ids=["moe-delta", "dense-tp2pp2-delta", "moe-tp2pp2ep2-delta", "moe-full"])
 def test_main_job_is_exact(tmp_path, argv):
     proc, out = _run(tmp_path, *argv)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -44,6 +45,52 @@ def test_main_job_is_exact(tmp_path, argv):
         assert all(u["kind"] == "full" and u["changed_fraction"] == 1.0 for u in later)
     else:  # sparse per-step changes, as in real RL runs (0.1-3%)
         assert all(u["kind"] == "delta" and 0 < u["changed_fraction"] < 0.05 for u in later), later
+
+
+def test_layout_is_checked_at_start():
+    from launchers.train_rl import check_layout
+
+    assert check_layout(4, 2, 2, 2) is None and check_layout(2, 1, 1, 1) is None and check_layout(8, 2, 2, 4) is None
+    assert "multiple of --tp 2 x --pp 2" in check_layout(6, 2, 2, 1)
+    assert "--ep 4 must divide TP x DP = 2" in check_layout(4, 2, 2, 4)
+    assert ">= 1" in check_layout(4, 0, 1, 1)
+
+
+def _npu_script_train_argv() -> list[str]:
+    """The train_rl command line of the production NPU script, shell variables filled in."""
+    import shlex
+
+    text = (ROOT / "launchers" / "run-qwen3-30B-A3B-npu.sh").read_text()
+    start = text.index("python -m launchers.train_rl")
+    lines = []
+    for line in text[start:].splitlines():
+        lines.append(line.rstrip("\\").strip())
+        if not line.rstrip().endswith("\\"):
+            break
+    env = {"MODEL": "/ckpt/Qwen3-30B-A3B", "ENGINE_URL": "http://10.0.0.2:8000", "RENDEZVOUS_HOST": "10.0.0.1",
+           "RENDEZVOUS_PORT": "29600", "root": "/repo"}
+    cmd = " ".join(lines)
+    for k, v in env.items():
+        cmd = cmd.replace("${" + k + "}", v).replace("$" + k, v)
+    argv = [a for a in shlex.split(cmd) if a != '"$@"' and a != "$@"]
+    assert argv[:3] == ["python", "-m", "launchers.train_rl"]
+    return argv[3:]
+
+
+def test_npu_script_flags_exist_and_fail_here_only_for_want_of_npus():
+    """Every flag of launchers/run-qwen3-30B-A3B-npu.sh parses; its layout is valid; on this machine it
+    stops at the transport check, before any work, with the message that says what to use."""
+    from launchers.train_rl import check_layout, parse_args
+    from update_weight.args import resolve_update_weight_args
+
+    args = parse_args(_npu_script_train_argv())
+    assert (args.trainer_ranks, args.tp, args.pp, args.ep) == (4, 2, 2, 2)
+    assert check_layout(args.trainer_ranks, args.tp, args.pp, args.ep) is None
+    assert args.trainer_device == "npu" and args.engine_url == "http://10.0.0.2:8000"
+    assert (args.update_weight_mode, args.update_weight_transport) == ("delta", "sparse_hccl")
+    assert (args.update_weight_master_addr, args.update_weight_master_port) == ("10.0.0.1", 29600)
+    with pytest.raises(SystemExit, match="sparse_hccl needs NPU devices.*use sparse_gloo"):
+        resolve_update_weight_args(args)
 
 
 def test_sparse_hccl_without_npus_fails_at_start(tmp_path):

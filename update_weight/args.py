@@ -21,6 +21,8 @@ class UpdateWeightConfig:
     backend: str  # "hccl" | "nccl" | "gloo"
     buffer_size: int  # bucket bytes
     verify_every: int
+    master_addr: str = "127.0.0.1"  # where engines reach the sender's channel store
+    master_port: int = 0  # 0: a free port, chosen per channel
 
 
 def parse_size(text: str | int) -> int:
@@ -44,6 +46,11 @@ def add_update_weight_args(parser: argparse.ArgumentParser) -> argparse.Argument
                    help="bucket payload bound, bytes or with a unit (default 512MiB)")
     g.add_argument("--update-weight-verify-every", type=int, default=0,
                    help="compare engine and trainer digests every K versions (seeds always); 0 = seeds only")
+    g.add_argument("--update-weight-master-addr", default="127.0.0.1",
+                   help="address of trainer rank 0 (the sender) that engine workers dial for the channel "
+                        "rendezvous; set it to a routable address when engines run on other hosts")
+    g.add_argument("--update-weight-master-port", type=int, default=0,
+                   help="port of the channel rendezvous on that address (0: a free port)")
     return parser
 
 
@@ -73,4 +80,8 @@ def resolve_update_weight_args(args) -> UpdateWeightConfig:
     size = parse_size(args.update_weight_buffer_size)
     if size < 1 << 16:
         raise SystemExit(f"--update-weight-buffer-size {size} B is too small (>= 64KiB)")
-    return UpdateWeightConfig(mode, transport, backend, size, args.update_weight_verify_every)
+    addr = getattr(args, "update_weight_master_addr", "127.0.0.1")
+    port = getattr(args, "update_weight_master_port", 0)
+    if not 0 <= port < 65536:
+        raise SystemExit(f"--update-weight-master-port {port}: use 1-65535, or 0 for a free port")
+    return UpdateWeightConfig(mode, transport, backend, size, args.update_weight_verify_every, addr, port)

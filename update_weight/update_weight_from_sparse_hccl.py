@@ -27,6 +27,8 @@ class UpdateWeightFromSparseHCCL:
         if cfg.mode != self.mode:
             raise ValueError(f"{type(self).__name__} serves --update-weight-mode {self.mode}, got {cfg.mode}")
         self.cfg = cfg
+        sync_options.setdefault("host", cfg.master_addr)
+        sync_options.setdefault("port", cfg.master_port or None)
         self.sync = WeightSync(engines, mode=self.mode, bucket_bytes=cfg.buffer_size, verify_every=cfg.verify_every,
                                backend=cfg.backend, group=group, **sync_options)
 
