@@ -21,7 +21,7 @@ import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -31,7 +31,7 @@ from .channel import Channel, free_port
 from .digest import Digest, digest_tensor
 from .engines import EngineClient, as_engine
 from .errors import DeltaSyncError, GatherError
-from .gather import Ordered, PatchGather
+from .gather import Ordered, PatchGather, order_and_merge
 from .patch import Patch
 from .snapshot import SnapshotStore
 from .transfer import send_abort, send_update
@@ -60,6 +60,38 @@ class UpdateReport:
         d = asdict(self)
         d["changed_fraction"] = self.changed_fraction
         return d
+
+
+@runtime_checkable
+class ShardedSource(Protocol):
+    """A stream of ``(checkpoint name, full tensor)`` that can also produce its own deltas.
+
+    Iterating it is the reference path (seeds, full updates). Once :meth:`ready`, deltas come from
+    :meth:`local_patches` instead: each rank diffs the shards it holds against its own shard
+    snapshot and returns the changed entries already in checkpoint coordinates (disjoint across
+    ranks; the gather merges them per tensor). ``seq`` of an entry is the tensor's position in the
+    reference stream. Every method is called on every trainer rank at the same point (they may be
+    collective)."""
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+    def ready(self) -> bool:
+        """The fast path can serve the next delta (the same answer on every rank)."""
+
+    def seeded(self) -> None:
+        """The reference stream of a seed or full update was just consumed: stage shard snapshots."""
+
+    def local_patches(self) -> list[Ordered]:
+        """This rank's changed entries since the committed version, staged for :meth:`commit`."""
+
+    def commit(self) -> None: ...
+
+    def rollback(self) -> None: ...
+
+    def reset(self) -> None: ...
+
+    def local_digests(self) -> dict[str, Digest]:
+        """Digests of this rank's share of each committed tensor (they add up over ranks)."""
 
 
 def default_name_map(name: str) -> str | None:
@@ -100,6 +132,7 @@ class WeightSync:
         self.needs_seed = True
         self.history: list[UpdateReport] = []
         self.verify_seed = verify_seed
+        self.sharded: ShardedSource | None = None  # the source whose shard snapshots back the deltas
 
     # ---- channel ---------------------------------------------------------------------------------
     def _connect(self) -> None:
@@ -139,14 +172,19 @@ class WeightSync:
         """Sync one version. Every trainer rank calls this with the same names in the same order."""
         t_start = time.perf_counter()
         if not self.needs_seed and self._from_rank0(self.rank == 0 and self._engines_lost_base()):
-            self.store.reset()  # an engine restarted or lost its base: only a seed can repair it
-            self.needs_seed = True
+            self._reset()  # an engine restarted or lost its base: only a seed can repair it
             self._drop_channel()  # a restarted engine also left the channel: rejoin everyone
         full = self.mode == "full" or self.needs_seed
         version = self.version + 1
         kind = "seed" if self.needs_seed else ("full" if full else "delta")
         timings: dict[str, float] = {}
         totals = {"elements": 0}
+        sharded = named_tensors if isinstance(named_tensors, ShardedSource) else None
+        if sharded is not self.sharded:  # another source: its snapshots know nothing of ours
+            if self.sharded is not None:
+                self.sharded.reset()
+            self.sharded = sharded
+        fast = sharded is not None and not full and sharded.ready()
 
         def produce() -> list[Ordered]:
             out = []
@@ -170,40 +208,52 @@ class WeightSync:
                         out.append(Ordered(seq, self.store.prepare(name, t, full=full)))
                 except Exception as e:
                     failure = failure or e
+            if sharded is not None:
+                sharded.seeded()  # collective on every rank, even one that failed above
             timings["diff_s"] = time.perf_counter() - t0
             if failure is not None:
                 raise failure
             return out
 
+        def produce_fast() -> list[Ordered]:
+            t0 = time.perf_counter()
+            out = sharded.local_patches()
+            totals["elements"] = sharded.total_elements
+            timings["diff_s"] = time.perf_counter() - t0
+            return out
+
+        producer = produce_fast if fast else produce
+
         try:
             t0 = time.perf_counter()
             if self.gatherer is not None:
-                patches = self.gatherer.gather(produce)
+                patches = self.gatherer.gather(producer)
             else:
-                patches = [o.patch for o in produce()]
+                patches = order_and_merge(producer())
             timings["prepare_s"] = time.perf_counter() - t0
             outcome = self._publish(version, kind, patches, timings) if self.rank == 0 else None
         except GatherError:
-            self.store.rollback()
+            self._rollback()
             raise
         except BaseException as e:  # rank 0 failed before publishing the outcome: tell the others
             outcome = {"ok": False, "error": f"{type(e).__name__}: {e}", "needs_seed": self.needs_seed, "exc": e}
             if self.world == 1:
-                self.store.rollback()
+                self._rollback()
                 raise
         outcome = self._share(outcome)
         if not outcome["ok"]:
             if outcome.get("needs_seed"):
-                self.store.reset()
-                self.needs_seed = True
+                self._reset()
             else:
-                self.store.rollback()
+                self._rollback()
             exc = outcome.get("exc")
             if exc is not None:
                 raise exc
             raise DeltaSyncError(f"update v{version} failed on trainer rank 0: {outcome['error']}",
                                  kept="trainer snapshot at the last committed version")
         self.store.commit(version)
+        if sharded is not None:
+            sharded.commit()
         self.version, self.needs_seed = version, False
         rep = UpdateReport(version, kind, **outcome["report"])
         if (kind == "seed" and self.verify_seed) or (self.verify_every and version % self.verify_every == 0):
@@ -216,6 +266,18 @@ class WeightSync:
         rep.timings["total_s"] = round(time.perf_counter() - t_start, 6)
         self.history.append(rep)
         return rep
+
+    def _rollback(self) -> None:
+        self.store.rollback()
+        if self.sharded is not None:
+            self.sharded.rollback()
+
+    def _reset(self) -> None:
+        """Forget every snapshot: the next update is a full seed."""
+        self.store.reset()
+        if self.sharded is not None:
+            self.sharded.reset()
+        self.needs_seed = True
 
     def _from_rank0(self, obj):
         """Trainer rank 0's ``obj`` on every trainer rank (a collective when world > 1)."""
@@ -314,13 +376,19 @@ class WeightSync:
         Each owner digests its snapshot shard; rank 0 compares. A mismatch is drift: raises
         :class:`DriftDetected` on every rank and the next update is a full seed.
         """
-        mine = {name: digest_tensor(snap).hex() for name, snap in self.store.snapshots()}
-        if self.world > 1:
-            parts: list = [None] * self.world
-            dist.all_gather_object(parts, mine, group=self.group)
-            want = {k: v for part in parts for k, v in part.items()}
+        if self.sharded is not None and self.sharded.ready():  # shard snapshots back the deltas
+            mine = {name: d.hex() for name, d in self.sharded.local_digests().items()}
         else:
-            want = mine
+            mine = {name: digest_tensor(snap).hex() for name, snap in self.store.snapshots()}
+        parts: list = [mine]
+        if self.world > 1:
+            parts = [None] * self.world
+            dist.all_gather_object(parts, mine, group=self.group)
+        sums: dict[str, Digest] = {}
+        for part in parts:  # an owner's whole tensor, or shares that add up
+            for k, v in part.items():
+                sums[k] = sums.get(k, Digest()) + Digest.parse(v)
+        want = {k: d.hex() for k, d in sums.items()}
         problem = None
         if self.rank == 0:
             for e in self.engines:
@@ -331,8 +399,7 @@ class WeightSync:
                     break
         problem = self._from_rank0(problem)
         if problem:
-            self.store.reset()
-            self.needs_seed = True
+            self._reset()
             raise DriftDetected(f"after v{self.version}: {problem}; the next update is a full seed",
                                 kept="engines serving their current weights until the re-seed")
         return want

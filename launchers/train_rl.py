@@ -112,13 +112,17 @@ def _train(rank: int, world: int, opts: dict) -> list[dict]:
 
     from update_weight import build_updater
     from update_weight.args import UpdateWeightConfig
+    from update_weight.megatron_shard_delta import MegatronShardDelta
     from update_weight.megatron_source import BridgeExportSource
 
     from .megatron_trainer import MegatronTrainer
 
     trainer = MegatronTrainer.from_hf(opts["model"], tp=opts["tp"], pp=opts["pp"], ep=opts["ep"], lr=opts["lr"],
                                       device=opts["device"])
-    source = BridgeExportSource(trainer.bridge, trainer.model)
+    # deltas from local shard diffs mapped with Bridge's conversions (checked against the full
+    # export at every seed; it falls back to the export by itself), or always through the export
+    fast = opts["sync"]["mode"] == "delta" and not opts["reference_export"]
+    source = (MegatronShardDelta if fast else BridgeExportSource)(trainer.bridge, trainer.model)
     updater = build_updater(UpdateWeightConfig(**opts["sync"]), [opts["engine"]] if rank == 0 else [])
     dp_rank, dp = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     prompt_ids = equivalence.tokenize(opts["engine"], PROMPTS) if rank == 0 else None
@@ -219,6 +223,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--engine-url", default=None, help="a running engine (VLLM_SERVER_DEV_MODE=1, backend "
                     "delta_sync); default: start one locally")
+    ap.add_argument("--reference-export", action="store_true",
+                    help="diff every delta on Bridge's full export (the reference path) instead of the "
+                         "trainer's local shards")
     ap.add_argument("--out", default="runs/rl", help="artifacts: export/, *.json")
     ap.add_argument("--no-check", action="store_true", help="skip the equivalence check")
     ap.add_argument("--timeout", type=float, default=1800)
@@ -252,7 +259,8 @@ def main(argv=None) -> int:
             equivalence.wait_ready(proc, engine, out / "engine.log")
         opts = {"model": str(model), "tp": args.tp, "pp": args.pp, "ep": args.ep, "device": device, "lr": args.lr,
                 "steps": args.steps, "group": args.group_size, "max_tokens": args.max_tokens, "engine": engine,
-                "export": str(out / "export"), "sync": dataclasses.asdict(cfg)}
+                "export": str(out / "export"), "sync": dataclasses.asdict(cfg),
+                "reference_export": args.reference_export}
         t0 = time.perf_counter()
         rows = _run_trainers(args.trainer_ranks, opts, args.timeout)
         (out / "updates.json").write_text(json.dumps(rows, indent=1))

@@ -15,12 +15,16 @@ BATCH = torch.tensor([[1, 17, 45, 99, 130, 7, 250, 3, 60, 61], [1, 60, 61, 62, 2
 
 
 def _train_and_sync(rank, world, port, path, tp, steps, transport, pp=1, ep=1):
+    """Train, and after every step sync through both trainer-side paths: the reference (diff of
+    Bridge's full export) and the fast path (shard-local diff mapped with Bridge's conversions), each
+    into its own reference receiver."""
     import argparse
 
     import torch.distributed as dist
 
     from launchers.megatron_trainer import MegatronTrainer
     from update_weight import add_update_weight_args, build_updater
+    from update_weight.megatron_shard_delta import MegatronShardDelta
     from update_weight.megatron_source import BridgeExportSource
 
     from .reference_receiver import ReferenceReceiver
@@ -28,30 +32,36 @@ def _train_and_sync(rank, world, port, path, tp, steps, transport, pp=1, ep=1):
     from safetensors.torch import load_file
 
     trainer = MegatronTrainer.from_hf(path, tp=tp, pp=pp, ep=ep, lr=1e-4)
-    source = BridgeExportSource(trainer.bridge, trainer.model)
+    sources = {"reference": BridgeExportSource(trainer.bridge, trainer.model),
+               "fast": MegatronShardDelta(trainer.bridge, trainer.model)}
     # the load itself is exact: before training, the export is the checkpoint (row-parallel
     # weights used to load wrong at TP>1 over gloo, silently)
     ckpt = load_file(f"{path}/model.safetensors")
-    load_errors = [n for n, t in source if not torch.equal(t.view(torch.int16), ckpt[n].view(torch.int16))]
-    receiver = ReferenceReceiver() if rank == 0 else None
+    load_errors = [n for n, t in sources["reference"]
+                   if not torch.equal(t.view(torch.int16), ckpt[n].view(torch.int16))]
+    receivers = {k: ReferenceReceiver() if rank == 0 else None for k in sources}
     args = add_update_weight_args(argparse.ArgumentParser()).parse_args(
         ["--update-weight-transport", transport, "--update-weight-mode", "delta" if transport.startswith("sparse")
          else "full", "--update-weight-verify-every", "1"])
-    updater = build_updater(args, [receiver] if rank == 0 else [])
-    kinds = []
+    updaters = {k: build_updater(args, [receivers[k]] if rank == 0 else []) for k in sources}
+    kinds = {k: [] for k in sources}
     for _ in range(steps):
         trainer.step(BATCH)
-        rep = updater.update_weights(source)
-        kinds.append((rep.kind, rep.changed_elements, rep.total_elements))
+        for k, source in sources.items():
+            rep = updaters[k].update_weights(source)
+            kinds[k].append((rep.kind, rep.changed_elements, rep.total_elements))
+    fast_ready = sources["fast"].ready()
     # an independent full export, consumed by every rank, compared on rank 0 bit for bit
-    mismatched = []
+    mismatched = {k: [] for k in sources}
     for name, t in BridgeExportSource(trainer.bridge, trainer.model):
-        if rank == 0 and not torch.equal(receiver.tensors[name].view(torch.int16), t.view(torch.int16)):
-            mismatched.append(name)
-    n_tensors = len(receiver.tensors) if rank == 0 else None
-    updater.close()
+        for k in sources:
+            if rank == 0 and not torch.equal(receivers[k].tensors[name].view(torch.int16), t.view(torch.int16)):
+                mismatched[k].append(name)
+    n_tensors = len(receivers["fast"].tensors) if rank == 0 else None
+    for u in updaters.values():
+        u.close()
     dist.barrier()
-    return kinds, mismatched, n_tensors, load_errors
+    return kinds, mismatched, n_tensors, load_errors, fast_ready
 
 
 @pytest.mark.parametrize("kind,world,tp,pp,ep,tensors", [
@@ -64,14 +74,17 @@ def _train_and_sync(rank, world, port, path, tp, steps, transport, pp=1, ep=1):
     ("moe", 4, 2, 2, 2, 69),    # TP=2 x PP=2 x EP=2 (ETP=1): sequence parallel, as mcore requires
 ], ids=["dense-tp2", "moe-dp2", "moe-pp2", "moe-ep2", "moe-pp2ep2", "dense-tp2pp2", "moe-tp2pp2ep2"])
 def test_trainer_reconstruction_equals_independent_export(kind, world, tp, pp, ep, tensors):
+    """Seed + deltas from real training steps rebuild exactly the model, through the reference path
+    and through the fast path (same changed elements per update, bit for bit)."""
     path = str(build(kind))
     results = run_ranks(_train_and_sync, world, path, tp, 3, "sparse_gloo", pp, ep, timeout=600)
-    kinds, mismatched, n_tensors, load_errors = results[0]
+    kinds, mismatched, n_tensors, load_errors, fast_ready = results[0]
     assert all(r[3] == [] for r in results)  # every rank loaded exactly
-    assert load_errors == []
-    assert [k for k, _, _ in kinds] == ["seed", "delta", "delta"]
-    assert all(0 < c < total for _, c, total in kinds[1:]), kinds
-    assert n_tensors == tensors and mismatched == []
+    assert all(r[4] for r in results), "the fast path did not switch on (see the log)"
+    assert [k for k, _, _ in kinds["reference"]] == ["seed", "delta", "delta"]
+    assert all(0 < c < total for _, c, total in kinds["reference"][1:]), kinds
+    assert kinds["fast"] == kinds["reference"]
+    assert n_tensors == tensors and mismatched == {"reference": [], "fast": []}
     assert all(r[0] == kinds for r in results)  # every rank reports the same updates
 
 

@@ -1,0 +1,295 @@
+"""The trainer-side fast path: diff each rank's local Megatron shards, map changes to checkpoint
+coordinates with Bridge's own conversion code, never run the full export for a delta.
+
+Bridge's export gathers every TP/EP shard, broadcasts every PP stage and re-lays QKV / gate-up /
+experts into Hugging Face tensors on every rank (~0.3 GB/s on CPU). A delta only needs where each
+*changed* element of a local shard lands in the checkpoint. That map is fixed for a given model
+layout, so it is learned once, at the seed, by running Bridge's ``megatron_to_hf`` conversions on
+*probe* tensors: each local element holds its own id (``rank * 2**40 + offset``, exact in
+float64). Every output element then names the rank and local offset it came from, through
+whatever Bridge does (TP gather, QKV per-group interleave, gate/up halves, expert renumbering,
+PP broadcast, vocab padding dropped). Where several ranks hold the same element (replicated norms
+at TP>1, data-parallel replicas), the lowest rank is its owner (one ``all_reduce(MIN)``).
+
+Each rank keeps, per local parameter, the *runs* of owned elements that are contiguous in both
+coordinates (``local_start, length, tensor, checkpoint_start``) and a bf16 snapshot of that
+parameter. A delta is then: bitwise diff of the local parameter against its snapshot (the same
+diff as the reference path), ``searchsorted`` of the changed offsets into the runs, one patch per
+checkpoint tensor. Memory: one snapshot of the parameters this rank owns elements of (about
+model / (TP x PP x EP)), plus the runs (a few per row).
+
+The map is checked bit for bit against the reference export during the seed that builds it: every
+owned element must equal the exported tensor's element at its mapped position, and every exported
+element must have exactly one owner. If anything disagrees (a conversion that computes instead of
+moving, a dtype cast), the fast path stays off and every delta takes the reference path.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from delta_sync.diff import BitwiseDiff, int_view
+from delta_sync.digest import Digest, digest_elements
+from delta_sync.gather import Ordered
+from delta_sync.patch import Patch
+
+from .megatron_source import BridgeExportSource
+
+log = logging.getLogger(__name__)
+
+_RANK_STRIDE = 1 << 40  # ids: rank * 2**40 + local offset, exact in float64 below 2**53
+_NOBODY = torch.iinfo(torch.int32).max
+_EMBED = "model.embed_tokens.weight"
+
+
+@dataclass
+class _Runs:
+    """Owned elements of one local parameter, as runs contiguous in both coordinates."""
+
+    param: torch.Tensor  # the live parameter
+    local: torch.Tensor  # int64 [R] first local flat offset of each run (increasing)
+    length: torch.Tensor  # int64 [R]
+    seq: torch.Tensor  # int64 [R] position of the checkpoint tensor in the export order
+    target: torch.Tensor  # int64 [R] checkpoint flat index of the run's first element
+
+
+class MegatronShardDelta(BridgeExportSource):
+    """A :class:`~delta_sync.sync.ShardedSource` over a Megatron model: the reference Bridge export for
+    seeds, shard-local diffs for deltas. Use it where a :class:`BridgeExportSource` is used."""
+
+    def __init__(self, bridge, model: list, group=None):
+        super().__init__(bridge, model)
+        self.group = group
+        self.differ = BitwiseDiff()
+        self.total_elements = 0
+        self._names: list[str] = []  # export order of the reference stream
+        self._shapes: dict[str, tuple] = {}
+        self._dtypes: dict[str, torch.dtype] = {}
+        self._plan_names: list[str] = []  # runs' ``seq`` indexes this list
+        self._runs: list[_Runs] | None = None  # None: not planned yet, or the plan failed
+        self._planned = False
+        self._problem: str | None = None  # why the fast path is off, on this rank
+        self._aliases: dict[str, list[str]] = {}  # tensor -> exported copies (tied lm_head)
+        self._ok = False
+        self._seed_ok = self._warned = False
+        self._position: dict[str, int] = {}
+        self._snap: dict[int, torch.Tensor] = {}
+        self._staged: dict = {}
+
+    # ---- reference stream (seed / full) -------------------------------------------------------
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self._tasks is None:
+            self._tasks = self.bridge.get_conversion_tasks(self.model)
+        if not self._planned:
+            self._plan()  # collective, before the export: every rank iterates at the same point
+        names, bad = [], []
+        for name, tensor in super().__iter__():
+            names.append(name)
+            self._shapes[name], self._dtypes[name] = tuple(tensor.shape), tensor.dtype
+            if self._runs is not None and not self._matches(name, tensor):
+                bad.append(name)
+            yield name, tensor
+        self._names = names
+        self.total_elements = sum(int(torch.Size(s).numel()) for s in self._shapes.values())
+        self._aliases = {}
+        if self._runs is not None:
+            for name in names:
+                if name not in self._plan_names and name == "lm_head.weight" and _EMBED in self._plan_names:
+                    self._aliases.setdefault(_EMBED, []).append(name)  # Bridge copies it for tied embeddings
+            mapped = set(self._plan_names) | {a for al in self._aliases.values() for a in al}
+            if mapped != set(names):
+                self._problem = f"map and export disagree on names: {sorted(mapped ^ set(names))[:3]}"
+            elif bad:
+                self._problem = f"map disagrees with the exported values of {bad[:3]}"
+
+    # ---- ShardedSource ----------------------------------------------------------------------------
+    def ready(self) -> bool:
+        return self._ok
+
+    def seeded(self) -> None:
+        ok = self._agree(self._runs is not None and self._problem is None)
+        if not ok and not self._warned:
+            self._warned = True
+            log.warning("delta-sync fast path off, deltas use the reference export: %s",
+                        self._problem or "another rank could not map its shards")
+        self._position = {n: i for i, n in enumerate(self._names)}
+        self._staged = {k: r.param.detach().clone() for k, r in enumerate(self._runs)} if ok else {}
+        self._seed_ok = ok  # takes effect at commit: the snapshots must hold what the engines hold
+
+    def local_patches(self) -> list[Ordered]:
+        per_seq: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        staged = {}
+        for k, runs in enumerate(self._runs):
+            idx, bits = self.differ.changed(self._snap[k], runs.param.detach())
+            if idx.numel() == 0:
+                continue
+            pos = idx.to(torch.int64)
+            r = (torch.searchsorted(runs.local, pos, right=True) - 1).clamp_(min=0)
+            inside = (pos >= runs.local.take(r)) & (pos < runs.local.take(r) + runs.length.take(r))
+            if not bool(inside.all()):  # elements another rank owns, or padding
+                pos, bits, r = pos[inside], bits[inside], r[inside]
+            if pos.numel() == 0:
+                continue
+            staged[k] = (pos, bits)
+            target = runs.target.take(r) + (pos - runs.local.take(r))
+            seqs = runs.seq.take(r)
+            for s in torch.unique(seqs).tolist():
+                sel = seqs == s
+                per_seq.setdefault(s, []).append((target[sel], bits[sel]))
+        out = []
+        for s, parts in per_seq.items():
+            name = self._plan_names[s]
+            target = torch.cat([t for t, _ in parts])
+            bits = torch.cat([b for _, b in parts])
+            order = torch.argsort(target)
+            idx, vals = target[order].to(torch.int32), bits[order].view(self._dtypes[name])
+            for n in [name, *self._aliases.get(name, [])]:
+                out.append(Ordered(self._position[n], Patch(n, self._shapes[n], self._dtypes[n], idx, vals)))
+        self._staged = staged
+        return sorted(out, key=lambda o: o.seq)
+
+    def commit(self) -> None:
+        if self._seed_ok:  # a seed (or full update) just committed: new shard snapshots
+            self._snap, self._ok, self._seed_ok = self._staged, True, False
+        else:
+            for k, (pos, bits) in self._staged.items():
+                int_view(self._snap[k]).index_copy_(0, pos, bits)
+        self._staged = {}
+
+    def rollback(self) -> None:
+        self._staged, self._seed_ok = {}, False
+
+    def reset(self) -> None:
+        self._staged, self._snap, self._ok, self._seed_ok = {}, {}, False, False
+
+    def local_digests(self) -> dict[str, Digest]:
+        out: dict[str, Digest] = {}
+        for k, runs in enumerate(self._runs or []):
+            snap = int_view(self._snap[k])
+            local, target = _expand(runs.local, runs.length), _expand(runs.target, runs.length)
+            seqs = torch.repeat_interleave(runs.seq, runs.length)
+            for s in torch.unique(seqs).tolist():
+                sel = seqs == s
+                name = self._plan_names[s]
+                d = digest_elements(target[sel], snap.take(local[sel]).view(self._dtypes[name]))
+                for n in [name, *self._aliases.get(name, [])]:
+                    out[n] = out.get(n, Digest()) + d
+        return out
+
+    # ---- the map ----------------------------------------------------------------------------------
+    def _rank(self) -> int:
+        return dist.get_rank(self.group) if dist.is_initialized() else 0
+
+    def _agree(self, ok: bool) -> bool:
+        if not dist.is_initialized():
+            return ok
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(flag.item())
+
+    def _plan(self) -> None:
+        """Probe Bridge's conversions once (collective) and keep this rank's runs."""
+        self._planned = True
+        rank = self._rank()
+        params: list[torch.Tensor] = []
+        base: list[int] = []
+        offset = 0
+        pieces: dict[int, list] = {}  # local param k -> [(local offsets, plan index, targets)]
+        names: list[str] = []
+        problem = None
+        for task in self._tasks:
+            probe = None
+            if task.param_weight is not None:
+                w = task.param_weight
+                params.append(w)
+                base.append(offset)
+                probe = torch.arange(offset, offset + w.numel(), dtype=torch.float64).add_(rank * _RANK_STRIDE)
+                probe = probe.reshape(w.shape).to(w.device)
+                offset += w.numel()
+            try:
+                converted = task.mapping.megatron_to_hf(probe, task.megatron_module)
+                converted = self.bridge._model_bridge.maybe_modify_converted_hf_weight(task, converted or {}, {})
+            finally:  # mappings cache the (shape, dtype) they broadcast: forget the probe's float64
+                _clear_caches(task.mapping)
+            for name, ids in (converted or {}).items():
+                ids = ids.reshape(-1).to("cpu", torch.float64)
+                owner = torch.full(ids.shape, _NOBODY, dtype=torch.int32)
+                owner[torch.div(ids, _RANK_STRIDE, rounding_mode="floor") == rank] = rank
+                if dist.is_initialized():
+                    dist.all_reduce(owner, op=dist.ReduceOp.MIN, group=self.group)
+                if bool((owner == _NOBODY).any()):
+                    problem = problem or f"no owner for some elements of {name}"
+                if name in names:
+                    problem = problem or f"{name} converted twice"
+                    continue
+                names.append(name)
+                mine = (owner == rank).nonzero().squeeze(1)
+                if mine.numel() == 0:
+                    continue
+                local = ids.take(mine).sub_(rank * _RANK_STRIDE).to(torch.int64)
+                k = torch.searchsorted(torch.tensor(base, dtype=torch.int64), local, right=True) - 1
+                for kk in torch.unique(k).tolist():
+                    sel = k == kk
+                    pieces.setdefault(kk, []).append((local[sel] - base[kk], len(names) - 1, mine[sel]))
+        self._plan_names = names
+        self._problem = problem
+        self._runs = None if problem else [_build_runs(params[kk], plist) for kk, plist in sorted(pieces.items())]
+
+    def _matches(self, name: str, tensor: torch.Tensor) -> bool:
+        """Seed check: every element this rank owns of ``name`` equals the exported one, bit for bit."""
+        source = next((src for src, al in self._aliases.items() if name in al), name)
+        if source not in self._plan_names:
+            return True  # reported as a name mismatch after the stream
+        s = self._plan_names.index(source)
+        flat = int_view(tensor.detach().reshape(-1))
+        for runs in self._runs:
+            sel = runs.seq == s
+            if not bool(sel.any()):
+                continue
+            local = _expand(runs.local[sel], runs.length[sel])
+            target = _expand(runs.target[sel], runs.length[sel])
+            if not torch.equal(int_view(runs.param.detach()).take(local), flat.take(target)):
+                return False
+        return True
+
+
+def _clear_caches(mapping, seen=None) -> None:
+    """Empty the broadcast caches of a mapping and of the mappings it delegates to (AutoMapping)."""
+    seen = seen if seen is not None else set()
+    if id(mapping) in seen:
+        return
+    seen.add(id(mapping))
+    for clear in ("clear_tensor_spec_output_cache", "clear_broadcast_cache"):
+        fn = getattr(mapping, clear, None)
+        if callable(fn):
+            fn()
+    for value in vars(mapping).values():
+        if hasattr(value, "megatron_to_hf") and hasattr(value, "clear_broadcast_cache"):
+            _clear_caches(value, seen)
+
+
+def _build_runs(param: torch.Tensor, plist) -> _Runs:
+    local = torch.cat([p[0] for p in plist])
+    seq = torch.cat([torch.full_like(p[0], p[1]) for p in plist])
+    target = torch.cat([p[2] for p in plist])
+    order = torch.argsort(local)
+    local, seq, target = local[order], seq[order], target[order]
+    brk = torch.ones(local.numel(), dtype=torch.bool)
+    if local.numel() > 1:
+        brk[1:] = (local[1:] != local[:-1] + 1) | (target[1:] != target[:-1] + 1) | (seq[1:] != seq[:-1])
+    starts = brk.nonzero().squeeze(1)
+    ends = torch.cat([starts[1:], torch.tensor([local.numel()])])
+    return _Runs(param, local.take(starts), ends - starts, seq.take(starts), target.take(starts))
+
+
+def _expand(start: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+    """Every index of the runs ``[start, start + length)``, in order."""
+    if start.numel() == 0:
+        return start
+    first = torch.repeat_interleave(start - torch.cumsum(length, 0) + length, length)
+    return first + torch.arange(int(length.sum()))
