@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -188,18 +190,53 @@ def test_parallel_step_matches_one_rank(kind, tp, pp, ep, tmp_path):
     assert not bad, f"tensors whose step differs from one rank's (numel, moved, differ): {bad}"
 
 
-def _failures_on_megatron(rank, world, port, path):
+@contextlib.contextmanager
+def _nan_in_parameter(trainer, fragment: str):
+    """A diverged step on the fast path: a live parameter holds a NaN until the attempt is over."""
+    hit = [p for chunk in trainer.model for n, p in chunk.named_parameters() if fragment in n]
+    saved = [p.detach().view(-1)[3].clone() for p in hit]
+    with torch.no_grad():
+        for p in hit:
+            p.view(-1)[3] = float("nan")
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for p, v in zip(hit, saved):
+                p.view(-1)[3] = v
+
+
+@contextlib.contextmanager
+def _diff_fails_on(rank: int, bad_rank: int, source):
+    """The shard diff of a non-sender rank raises (the fast path's counterpart of a failed conversion)."""
+    from .test_sender_failures import ExportFailure
+
+    if rank != bad_rank:
+        yield
+        return
+
+    def broken(*args, **kwargs):
+        raise ExportFailure(f"shard diff failed on rank {rank}")
+    source.differ.changed = broken
+    try:
+        yield
+    finally:
+        del source.differ.changed
+
+
+def _failures_on_megatron(rank, world, port, path, fast):
     import argparse
 
     from launchers.megatron_trainer import MegatronTrainer
     from update_weight import add_update_weight_args, build_updater
+    from update_weight.megatron_shard_delta import MegatronShardDelta
     from update_weight.megatron_source import BridgeExportSource
 
     from .reference_receiver import ReferenceReceiver
     from .test_sender_failures import Attempts, poisoned_on, receiver_rejects, sender_dies_mid_send, with_nan
 
     trainer = MegatronTrainer.from_hf(path, tp=2, pp=2, lr=1e-4)
-    source = BridgeExportSource(trainer.bridge, trainer.model)
+    source = (MegatronShardDelta if fast else BridgeExportSource)(trainer.bridge, trainer.model)
     receiver = ReferenceReceiver() if rank == 0 else None
     args = add_update_weight_args(argparse.ArgumentParser()).parse_args(
         ["--update-weight-transport", "sparse_gloo", "--update-weight-verify-every", "1"])
@@ -210,10 +247,16 @@ def _failures_on_megatron(rank, world, port, path):
     trainer.step(BATCH)
     attempt("delta", source)
     trainer.step(BATCH)  # the next four updates all fail; the fifth carries this step
-    attempt("nan before send", with_nan(source, "model.layers.1.mlp.down_proj.weight"))
-    # Bridge's export is collective: the failing rank must stay in step (a raise *inside* Bridge's
-    # generator on one rank leaves the others in its collectives until the process-group timeout)
-    attempt("export failure", poisoned_on(source, rank, 2, 5), expect="rank 2")
+    if fast:
+        with _nan_in_parameter(trainer, "final_layernorm"):
+            attempt("nan before send", source)
+        with _diff_fails_on(rank, 2, source):
+            attempt("export failure", source, expect="rank 2")
+    else:
+        attempt("nan before send", with_nan(source, "model.layers.1.mlp.down_proj.weight"))
+        # Bridge's export is collective: the failing rank must stay in step (a raise *inside* Bridge's
+        # generator on one rank leaves the others in its collectives until the process-group timeout)
+        attempt("export failure", poisoned_on(source, rank, 2, 5), expect="rank 2")
     with sender_dies_mid_send(rank, updater.sync):
         attempt("sender mid-send", source)
     with receiver_rejects(receiver):
@@ -224,18 +267,21 @@ def _failures_on_megatron(rank, world, port, path):
     mismatched = [n for n, t in BridgeExportSource(trainer.bridge, trainer.model)  # independent export
                   if rank == 0 and not torch.equal(receiver.tensors[n].view(torch.int16), t.view(torch.int16))]
     version = updater.sync.version
+    fast_used = fast and source.ready()
     updater.close()
-    return attempt.log, mismatched, version
+    return attempt.log, mismatched, version, fast_used
 
 
-def test_failure_contract_on_four_megatron_ranks():
+@pytest.mark.parametrize("fast", [False, True], ids=["reference", "fast-path"])
+def test_failure_contract_on_four_megatron_ranks(fast):
     """DESIGN.md's failure rows on a TP2xPP2 Megatron trainer: validation failure before send, export
     failure on a non-sender rank, sender failure mid-send, receiver failure; no rank hangs, every rank
     sees the same outcome, and the next update is exact against an independent export."""
     from .test_sender_failures import check_outcomes
 
-    results = run_ranks(_failures_on_megatron, 4, str(build("dense")), timeout=600)
-    log, mismatched, version = results[0]
+    results = run_ranks(_failures_on_megatron, 4, str(build("dense")), fast, timeout=600)
+    log, mismatched, version, fast_used = results[0]
     check_outcomes(results, 2)
     assert len(log) == 8 and mismatched == [], (log, mismatched)
     assert all(r[2] == version for r in results)
+    assert fast_used == fast
