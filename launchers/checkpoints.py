@@ -4,6 +4,10 @@ Shapes are the smallest that still exercise every loader path vLLM has for the r
 2 layers, GQA (4 query heads, 2 kv heads), head_dim 32 (vLLM's CPU attention rejects 16), tied
 embeddings for the dense model (as Qwen3-0.6B), 8 experts with per-expert checkpoint names for
 the MoE model (as Qwen3-30B-A3B). Weights are N(0, 0.2) so greedy outputs are distinct.
+
+``moe-wide`` has 24 experts (12 per rank at EP=2: two-digit local expert numbers, which changed
+Bridge's export order). ``moe-bench`` is larger (54M parameters, 32 experts, experts ~93% of the weights as in
+Qwen3-30B-A3B, weights N(0, 0.02) as real initialisations) for the sync benchmark, not for engines.
 """
 
 from __future__ import annotations
@@ -43,18 +47,19 @@ def _tokenizer(path: Path) -> None:
     fast.save_pretrained(path)
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> None:
+def _randomize(model: torch.nn.Module, seed: int, std: float = 0.2) -> None:
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
             else:
-                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+                p.copy_(std * torch.randn(p.shape, generator=g))
 
 
 def build(kind: str, seed: int = 0) -> Path:
-    """Path of the cached checkpoint ``kind`` in {"dense", "moe"}; built once, under a lock."""
+    """Path of the cached checkpoint ``kind`` in {"dense", "moe", "moe-wide", "moe-bench"}; built once, under
+    a lock."""
     path = ROOT / f"qwen3-{kind}-s{seed}"
     if (path / "done").exists():
         return path
@@ -73,9 +78,21 @@ def build(kind: str, seed: int = 0) -> Path:
                                  num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
                                  mlp_only_layers=[], tie_word_embeddings=False, **COMMON)
             model = Qwen3MoeForCausalLM(cfg)
+        elif kind == "moe-wide":  # >= 10 experts per EP rank: Bridge's export order depends on it
+            cfg = Qwen3MoeConfig(intermediate_size=256, moe_intermediate_size=32, num_experts=24,
+                                 num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+                                 mlp_only_layers=[], tie_word_embeddings=False, **COMMON)
+            model = Qwen3MoeForCausalLM(cfg)
+        elif kind == "moe-bench":
+            bench = dict(COMMON, hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                         head_dim=64)
+            cfg = Qwen3MoeConfig(intermediate_size=1024, moe_intermediate_size=256, num_experts=32,
+                                 num_experts_per_tok=4, norm_topk_prob=True, decoder_sparse_step=1,
+                                 mlp_only_layers=[], tie_word_embeddings=False, **bench)
+            model = Qwen3MoeForCausalLM(cfg)
         else:
             raise ValueError(kind)
-        _randomize(model, seed)
+        _randomize(model, seed, std=0.02 if kind == "moe-bench" else 0.2)
         model = model.to(torch.bfloat16)
         tmp = path.with_suffix(".tmp")
         model.save_pretrained(tmp, safe_serialization=True)

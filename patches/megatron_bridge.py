@@ -266,6 +266,26 @@ def fix_sequential_expert_numbering() -> None:
 
     _wrap_once(model_bridge, "_megatron_local_name_to_global", wrap)
 
+    # The export pairs expert tensors across EP ranks by position in each rank's sorted task list
+    # (one all_gather per task). Bridge's sort key reads the expert number of grouped-GEMM names
+    # only; SequentialMLP names sorted as strings, so with >= 10 experts per rank the ranks walked
+    # their experts in different orders (rank 0: 0, 1, 10, ..., rank 1: 16, 17, 18, ...) and the
+    # export labelled other ranks' experts wrongly (seen: 14 of 16 remote experts per layer at
+    # 32 experts, EP=2). The SequentialMLP number is made part of the key too.
+    expert = re.compile(r"\.local_experts\.(\d+)\.")
+
+    def wrap_key(original):
+        def extract_sort_key(param_name: str):
+            numbers, name = original(param_name)
+            m = expert.search(param_name)
+            if m is not None and numbers[1] == -1:
+                numbers = [numbers[0], int(m.group(1))]
+            return numbers, name
+
+        return extract_sort_key
+
+    _wrap_once(model_bridge, "extract_sort_key", wrap_key)
+
 
 # ---- tied embeddings at PP>1 on CPU -------------------------------------------------------------
 def cpu_tied_embeddings() -> None:

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from delta_sync.channel import Channel
+from delta_sync.channel import Channel, free_port
 from delta_sync.diff import int_view
 from delta_sync.digest import digest_tensor
 from delta_sync.errors import ChannelError
@@ -14,8 +14,7 @@ from delta_sync.gather import Ordered, PatchGather
 from delta_sync.patch import apply_patch
 from delta_sync.snapshot import SnapshotStore
 from delta_sync.transfer import UpdateAborted, receive_update, send_abort, send_update
-
-from .multiproc import free_port, run_ranks
+from launchers.ranks import run_ranks
 
 VERSIONS = 22
 SPECS = [("model.embed", (300, 16), torch.bfloat16), ("layers.0.q", (64, 48), torch.float16),

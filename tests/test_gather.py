@@ -9,7 +9,7 @@ from delta_sync.errors import GatherError
 from delta_sync.gather import Ordered, PatchGather
 from delta_sync.patch import Patch
 
-from .multiproc import run_ranks
+from launchers.ranks import run_ranks
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 CASES = 24

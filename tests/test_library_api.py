@@ -15,7 +15,7 @@ from launchers.checkpoints import build
 
 from .engine_helpers import (PROMPTS, ROOT, close_llm, complete, fresh_engine, max_logprob_error, prompt_ids,
                              start_server, stop_server)
-from .multiproc import run_ranks
+from launchers.ranks import run_ranks
 
 STEPS = 4
 BATCH = torch.tensor([[1, 17, 45, 99, 130, 7, 250, 3], [1, 60, 61, 62, 200, 201, 9, 2]])

@@ -9,7 +9,7 @@ import torch
 
 from launchers.checkpoints import build
 
-from .multiproc import run_ranks
+from launchers.ranks import run_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -19,7 +19,7 @@ BATCH = torch.tensor([[1, 17, 45, 99, 130, 7, 250, 3, 60, 61], [1, 60, 61, 62, 2
 def _train_and_sync(rank, world, port, path, tp, steps, transport, pp=1, ep=1):
     """Train, and after every step sync through both trainer-side paths: the reference (diff of
     Bridge's full export) and the fast path (shard-local diff mapped with Bridge's conversions), each
-    into its own reference receiver."""
+    into its own memory receiver."""
     import argparse
 
     import torch.distributed as dist
@@ -29,7 +29,7 @@ def _train_and_sync(rank, world, port, path, tp, steps, transport, pp=1, ep=1):
     from update_weight.megatron_shard_delta import MegatronShardDelta
     from update_weight.megatron_source import BridgeExportSource
 
-    from .reference_receiver import ReferenceReceiver
+    from delta_sync.memory_receiver import MemoryReceiver
 
     from safetensors.torch import load_file
 
@@ -41,7 +41,7 @@ def _train_and_sync(rank, world, port, path, tp, steps, transport, pp=1, ep=1):
     ckpt = load_file(f"{path}/model.safetensors")
     load_errors = [n for n, t in sources["reference"]
                    if not torch.equal(t.view(torch.int16), ckpt[n].view(torch.int16))]
-    receivers = {k: ReferenceReceiver() if rank == 0 else None for k in sources}
+    receivers = {k: MemoryReceiver() if rank == 0 else None for k in sources}
     args = add_update_weight_args(argparse.ArgumentParser()).parse_args(
         ["--update-weight-transport", transport, "--update-weight-mode", "delta" if transport.startswith("sparse")
          else "full", "--update-weight-verify-every", "1"])
@@ -70,10 +70,10 @@ def _train_and_sync(rank, world, port, path, tp, steps, transport, pp=1, ep=1):
     ("dense", 2, 2, 1, 1, 24),  # TP=2
     ("moe", 2, 1, 1, 1, 69),    # DP=2
     ("moe", 2, 1, 2, 1, 69),    # PP=2: tensors owned by the second stage too
-    ("moe", 2, 1, 1, 2, 69),    # EP=2: each rank trains half of the experts
+    ("moe-wide", 2, 1, 1, 2, 165),  # EP=2: each rank trains 12 of 24 experts
     ("moe", 4, 1, 2, 2, 69),    # PP=2 x EP=2 (ETP=1) on four ranks
     ("dense", 4, 2, 2, 1, 24),  # TP=2 x PP=2: tied embedding split over the two stages
-    ("moe", 4, 2, 2, 2, 69),    # TP=2 x PP=2 x EP=2 (ETP=1): sequence parallel, as mcore requires
+    ("moe-wide", 4, 2, 2, 2, 165),  # TP=2 x PP=2 x EP=2 (ETP=1): sequence parallel, as mcore requires
 ], ids=["dense-tp2", "moe-dp2", "moe-pp2", "moe-ep2", "moe-pp2ep2", "dense-tp2pp2", "moe-tp2pp2ep2"])
 def test_trainer_reconstruction_equals_independent_export(kind, world, tp, pp, ep, tensors):
     """Seed + deltas from real training steps rebuild exactly the model, through the reference path
@@ -232,12 +232,12 @@ def _failures_on_megatron(rank, world, port, path, fast):
     from update_weight.megatron_shard_delta import MegatronShardDelta
     from update_weight.megatron_source import BridgeExportSource
 
-    from .reference_receiver import ReferenceReceiver
+    from delta_sync.memory_receiver import MemoryReceiver
     from .test_sender_failures import Attempts, poisoned_on, receiver_rejects, sender_dies_mid_send, with_nan
 
     trainer = MegatronTrainer.from_hf(path, tp=2, pp=2, lr=1e-4)
     source = (MegatronShardDelta if fast else BridgeExportSource)(trainer.bridge, trainer.model)
-    receiver = ReferenceReceiver() if rank == 0 else None
+    receiver = MemoryReceiver() if rank == 0 else None
     args = add_update_weight_args(argparse.ArgumentParser()).parse_args(
         ["--update-weight-transport", "sparse_gloo", "--update-weight-verify-every", "1"])
     updater = build_updater(args, [receiver] if rank == 0 else [])

@@ -1,4 +1,4 @@
-"""The failure contract of DESIGN.md on four real trainer ranks (gloo) and a reference receiver:
+"""The failure contract of DESIGN.md on four real trainer ranks (gloo) and a memory receiver:
 after each failure no rank hangs, the snapshot stays at v-1, and the next update is exact.
 
 The injections are shared with the Megatron four-rank scenario (tests/test_megatron_trainer.py)."""
@@ -13,7 +13,7 @@ import torch.distributed as dist
 from delta_sync.errors import EngineError
 from delta_sync.sync import WeightSync
 
-from .multiproc import run_ranks
+from launchers.ranks import run_ranks
 from .test_channel import model_at
 
 WORLD = 4
@@ -137,9 +137,9 @@ def check_outcomes(results, n_before: int, failures=FAILURES):
 
 
 def _scenario(rank, world, port):
-    from .reference_receiver import ReferenceReceiver
+    from delta_sync.memory_receiver import MemoryReceiver
 
-    receiver = ReferenceReceiver() if rank == 0 else None
+    receiver = MemoryReceiver() if rank == 0 else None
     sync = WeightSync([receiver] if rank == 0 else [], mode="delta", verify_every=1, timeout_s=20)
     attempt = Attempts(lambda stream: sync.update(stream))
 

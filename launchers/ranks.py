@@ -1,8 +1,8 @@
-"""Spawn real processes for multi-rank tests (gloo on CPU), with a hard deadline.
+"""Spawn real trainer ranks on this host (gloo on CPU), with a hard deadline: tests and benchmarks.
 
 ``run_ranks(fn, world, *args)`` starts ``world`` processes running ``fn(rank, world, port, *args)``
-and returns each rank's return value; an exception in any rank fails the test with that rank's
-traceback, and a rank that is still alive at the deadline fails it as a hang.
+and returns each rank's return value; an exception in any rank raises :class:`RanksFailed` with
+that rank's traceback, and a rank that is still alive at the deadline raises it as a hang.
 """
 
 from __future__ import annotations
@@ -14,6 +14,10 @@ import traceback
 import torch.multiprocessing as mp
 
 from delta_sync.channel import free_port
+
+
+class RanksFailed(AssertionError):
+    """A spawned rank raised, died without a result, or hung (an AssertionError, so tests read it as one)."""
 
 
 def _entry(fn, rank, world, port, args, queue):
@@ -50,9 +54,9 @@ def run_ranks(fn, world: int, *args, timeout: float = 120.0, init_world: bool = 
                 alive = [i for i, p in enumerate(procs) if p.is_alive()]
                 if not alive:  # every rank exited; one died without reporting (crash, kill)
                     codes = {i: p.exitcode for i, p in enumerate(procs)}
-                    raise AssertionError(f"ranks exited without a result, exit codes {codes}") from None
+                    raise RanksFailed(f"ranks exited without a result, exit codes {codes}") from None
                 if time.monotonic() > deadline:
-                    raise AssertionError(f"ranks {alive} still running after {timeout}s: hang") from None
+                    raise RanksFailed(f"ranks {alive} still running after {timeout}s: hang") from None
                 continue
             (results if status == "ok" else errors)[rank] = value
     finally:
@@ -61,7 +65,7 @@ def run_ranks(fn, world: int, *args, timeout: float = 120.0, init_world: bool = 
             if p.is_alive():
                 p.kill()
     if errors:
-        raise AssertionError("\n".join(f"rank {r} failed: {m}" for r, m in sorted(errors.items())))
+        raise RanksFailed("\n".join(f"rank {r} failed: {m}" for r, m in sorted(errors.items())))
     return [results[r] for r in range(world)]
 
 

@@ -1,20 +1,23 @@
-"""An oracle receiver: joins the channel like an engine worker and rebuilds full checkpoint tensors
-from seed + patches. Not an engine stand-in (engine tests run real vLLM): it answers "did the
-trainer side send exactly the model?" independently of any engine's loaders."""
+"""An in-memory receiver: joins the channel like an engine worker and rebuilds full checkpoint
+tensors from seed + patches, with the engine client surface (init / pause / start / update /
+finish / report) that :class:`~delta_sync.sync.WeightSync` drives.
+
+The oracle of the trainer-side tests and the sync benchmark: it answers "did the trainer side send
+exactly the model?" independently of any engine's loaders (engine tests run real vLLM)."""
 
 from __future__ import annotations
 
 import torch
 
-from delta_sync.channel import Channel
-from delta_sync.digest import digest_tensor
-from delta_sync.errors import EngineError
-from delta_sync.patch import apply_patch
-from delta_sync.transfer import receive_update
+from .channel import Channel
+from .digest import digest_tensor
+from .errors import EngineError
+from .patch import apply_patch
+from .transfer import receive_update
 
 
-class ReferenceReceiver:
-    name = "reference-receiver"
+class MemoryReceiver:
+    name = "memory-receiver"
 
     def __init__(self):
         self.tensors: dict[str, torch.Tensor] = {}
