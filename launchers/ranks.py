@@ -22,7 +22,7 @@ class RanksFailed(AssertionError):
 
 def _entry(fn, rank, world, port, args, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK="0", OMP_NUM_THREADS="1")
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     import torch
 
     torch.set_num_threads(1)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ from update_weight.args import resolve_update_weight_args
 
 from . import equivalence
 from .checkpoints import build
+from .ranks import RanksFailed, run_ranks
 
 PROMPTS = ["one two three", "the quick brown fox", "alpha beta gamma", "def add(a, b):"]
 COLUMNS = ("step", "mode", "ver", "changed", "changed%", "MiB", "diff_s", "send_s", "finish_s", "pause_s", "reward")
@@ -82,23 +82,17 @@ def _row(step, rep, reward) -> str:
     return " | ".join(str(v).rjust(len(c)) for v, c in zip(vals, COLUMNS))
 
 
-def _trainer(rank: int, world: int, master_port: int, opts: dict, queue) -> None:
+def _trainer(rank: int, world: int, master_port: int, opts: dict) -> list[dict]:
     import datetime
 
     import torch.distributed as dist
 
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
     placement = accelerator.bind(opts["device"], local_rank=rank)  # before the process group
     opts = dict(opts, device=str(placement.device))
     dist.init_process_group(placement.backend, init_method=f"tcp://127.0.0.1:{master_port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=600))
     try:
-        queue.put((rank, "ok", _train(rank, world, opts)))
-    except BaseException as e:  # report, never leave the launcher waiting
-        import traceback
-
-        queue.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        return _train(rank, world, opts)
     finally:
         dist.destroy_process_group()
 
@@ -166,32 +160,10 @@ def _train(rank: int, world: int, opts: dict) -> list[dict]:
 
 
 def _run_trainers(world: int, opts: dict, timeout: float) -> list[dict]:
-    import queue as q
-
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_trainer, args=(r, world, port, opts, results)) for r in range(world)]
-    for p in procs:
-        p.start()
-    out, errors = {}, {}
     try:
-        for _ in range(world):
-            try:
-                rank, status, value = results.get(timeout=timeout)
-            except q.Empty:
-                raise SystemExit(f"trainer ranks did not finish within {timeout:.0f} s") from None
-            (out if status == "ok" else errors)[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    if errors:
-        raise SystemExit("\n".join(f"trainer rank {r} failed: {m}" for r, m in sorted(errors.items())))
-    return out[0]
+        return run_ranks(_trainer, world, opts, timeout=timeout, init_world=False)[0]
+    except RanksFailed as e:
+        raise SystemExit(f"trainer ranks failed: {e}") from None
 
 
 def check_layout(ranks: int, tp: int, pp: int, ep: int) -> str | None:
