@@ -40,7 +40,7 @@ class Bucket:
     def payload_checksum(self) -> str:
         parts = [self.indices.reshape(-1).view(torch.uint8)]
         parts += [self.values[k].reshape(-1).view(torch.uint8) for k in sorted(self.values)]
-        return checksum_bytes(torch.cat([p.cpu() for p in parts]) if len(parts) > 1 else parts[0])
+        return checksum_bytes(*parts)
 
     def header_bytes(self) -> bytes:
         return json.dumps(self.header, separators=(",", ":")).encode()
