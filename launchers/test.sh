@@ -6,7 +6,7 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$root/launchers/setup.sh"
 cd "$root"
 set +e
-.venv/bin/python -m pytest -q "$@"
+.venv/bin/python -m pytest -q --durations=15 "$@"
 rc=$?
 set -e
 if [[ $rc -eq 5 ]]; then
