@@ -72,34 +72,35 @@ class Digest(tuple):
 
 def digest_range(values: torch.Tensor, start: int = 0) -> Digest:
     """Digest of ``values`` (any shape, flattened) standing at flat indices ``start, start+1, ...``."""
-    terms = _terms(values)
-    word0 = start * _words_per_element(values)
-    table = _weight_table(terms.device)
+    flat = values.reshape(-1)
+    w = _words_per_element(flat)
+    word0 = start * w
+    table = _weight_table(flat.device)
     acc = [0] * len(_LANES)
-    for s in range(0, terms.numel(), CHUNK):
-        part = terms[s:s + CHUNK]
+    for e in range(0, flat.numel(), CHUNK // w):  # CHUNK words at a time: bounded temporaries
+        part = _terms(flat[e:e + CHUNK // w])
         n = part.numel()
         total = int(part.sum(dtype=torch.int64))
         for lane, (p, a, _) in enumerate(_LANES):
             weighted = int((part * table[lane, :n]).sum(dtype=torch.int64))
             # sum_j t_j*((a*(p0+j)+c) mod P) == sum_j t_j*W_j + (a*p0 mod P)*sum_j t_j   (mod P)
-            acc[lane] += weighted + (a * (word0 + s) % p) * total
+            acc[lane] += weighted + (a * (word0 + e * w) % p) * total
     return Digest(*acc)
 
 
 def digest_elements(indices: torch.Tensor, values: torch.Tensor) -> Digest:
     """Digest of the elements ``values[k]`` standing at flat index ``indices[k]``."""
-    w = _words_per_element(values)
-    terms = _terms(values)
-    pos = indices.reshape(-1).to(torch.int64)
-    if w > 1:
-        pos = (pos.unsqueeze(1) * w + torch.arange(w, device=pos.device)).reshape(-1)
+    flat = values.reshape(-1)
+    w = _words_per_element(flat)
+    idx = indices.reshape(-1)
     acc = [0] * len(_LANES)
-    for s in range(0, terms.numel(), CHUNK):
-        part = terms[s:s + CHUNK]
-        ps = pos[s:s + CHUNK]
+    for e in range(0, flat.numel(), CHUNK // w):  # CHUNK words at a time: bounded temporaries
+        part = _terms(flat[e:e + CHUNK // w])
+        pos = idx[e:e + CHUNK // w].to(torch.int64)
+        if w > 1:
+            pos = (pos.unsqueeze(1) * w + torch.arange(w, device=pos.device)).reshape(-1)
         for lane, (p, a, c) in enumerate(_LANES):
-            weight = ((ps % p) * a + c) % p
+            weight = ((pos % p) * a + c) % p
             acc[lane] += int((part * weight.to(torch.int32)).sum(dtype=torch.int64))
     return Digest(*acc)
 
