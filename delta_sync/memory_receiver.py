@@ -7,6 +7,8 @@ exactly the model?" independently of any engine's loaders (engine tests run real
 
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
 
 from .channel import Channel
@@ -61,6 +63,13 @@ class MemoryReceiver:
 
     def reset_prefix_cache(self) -> None:
         pass
+
+    def mismatched(self, expected: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+        """Names, in order, whose tensor here is missing or differs from ``expected`` in any bit."""
+        def bits(t: torch.Tensor) -> torch.Tensor:
+            return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+        return [n for n, t in expected if n not in self.tensors or not torch.equal(bits(self.tensors[n]), bits(t))]
 
     def report(self, digests: bool = False) -> list[dict]:
         out = {"version": self.version, "needs_seed": self.version is None, "rank": None}

@@ -54,11 +54,8 @@ def _train_and_sync(rank, world, port, path, tp, steps, transport, pp=1, ep=1):
             kinds[k].append((rep.kind, rep.changed_elements, rep.total_elements))
     fast_ready = sources["fast"].ready()
     # an independent full export, consumed by every rank, compared on rank 0 bit for bit
-    mismatched = {k: [] for k in sources}
-    for name, t in BridgeExportSource(trainer.bridge, trainer.model):
-        for k in sources:
-            if rank == 0 and not torch.equal(receivers[k].tensors[name].view(torch.int16), t.view(torch.int16)):
-                mismatched[k].append(name)
+    exported = list(BridgeExportSource(trainer.bridge, trainer.model))
+    mismatched = {k: receivers[k].mismatched(exported) if rank == 0 else [] for k in sources}
     n_tensors = len(receivers["fast"].tensors) if rank == 0 else None
     for u in updaters.values():
         u.close()
@@ -263,8 +260,8 @@ def _failures_on_megatron(rank, world, port, path, fast):
     attempt("delta after failures", source)
     trainer.step(BATCH)
     attempt("delta", source)
-    mismatched = [n for n, t in BridgeExportSource(trainer.bridge, trainer.model)  # independent export
-                  if rank == 0 and not torch.equal(receiver.tensors[n].view(torch.int16), t.view(torch.int16))]
+    exported = list(BridgeExportSource(trainer.bridge, trainer.model))  # independent export, every rank
+    mismatched = receiver.mismatched(exported) if rank == 0 else []
     version = updater.sync.version
     fast_used = fast and source.ready()
     updater.close()

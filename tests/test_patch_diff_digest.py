@@ -241,3 +241,14 @@ def test_buckets_roundtrip_split_and_checksum(max_bytes):
         vals.view(-1)[0] = vals.view(-1)[0] + 1
         with pytest.raises(ChecksumMismatch, match="bucket 0 of version 3"):
             TensorAssembler().add(b)
+
+
+def test_memory_receiver_mismatched_names_missing_and_flipped_tensors():
+    from delta_sync.memory_receiver import MemoryReceiver
+
+    r = MemoryReceiver()
+    a, b = torch.randn(5).to(torch.bfloat16), torch.randn(3)
+    r.tensors = {"a": a.clone(), "b": b.clone()}
+    assert r.mismatched([("a", a), ("b", b)]) == []
+    r.tensors["a"].view(torch.int16)[2] ^= 1
+    assert r.mismatched([("a", a), ("b", b), ("c", b)]) == ["a", "c"]

@@ -71,6 +71,8 @@ class MegatronShardDelta(BridgeExportSource):
         self._shapes: dict[str, tuple] = {}
         self._dtypes: dict[str, torch.dtype] = {}
         self._plan_names: list[str] = []  # runs' ``seq`` indexes this list
+        self._plan_index: dict[str, int] = {}  # name -> its index in _plan_names
+        self._params_of: dict[int, list[int]] = {}  # plan index -> local params holding some of it
         self._runs: list[_Runs] | None = None  # None: not planned yet, or the plan failed
         self._planned = False
         self._problem: str | None = None  # why the fast path is off, on this rank
@@ -83,8 +85,6 @@ class MegatronShardDelta(BridgeExportSource):
 
     # ---- reference stream (seed / full) -------------------------------------------------------
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        if self._tasks is None:
-            self._tasks = self.bridge.get_conversion_tasks(self.model)
         if not self._planned:
             self._plan()  # collective, before the export: every rank iterates at the same point
         names, bad = [], []
@@ -99,7 +99,7 @@ class MegatronShardDelta(BridgeExportSource):
         self._aliases = {}
         if self._runs is not None:
             for name in names:
-                if name not in self._plan_names and name == "lm_head.weight" and _EMBED in self._plan_names:
+                if name not in self._plan_index and name == "lm_head.weight" and _EMBED in self._plan_index:
                     self._aliases.setdefault(_EMBED, []).append(name)  # Bridge copies it for tied embeddings
             mapped = set(self._plan_names) | {a for al in self._aliases.values() for a in al}
             if mapped != set(names):
@@ -202,7 +202,7 @@ class MegatronShardDelta(BridgeExportSource):
         pieces: dict[int, list] = {}  # local param k -> [(local offsets, plan index, targets)]
         names: list[str] = []
         problem = None
-        for task in self._tasks:
+        for task in self.tasks():
             probe = None
             if task.param_weight is not None:
                 w = task.param_weight
@@ -237,20 +237,24 @@ class MegatronShardDelta(BridgeExportSource):
                     sel = k == kk
                     pieces.setdefault(kk, []).append((local[sel] - base[kk], len(names) - 1, mine[sel]))
         self._plan_names = names
+        self._plan_index = {n: i for i, n in enumerate(names)}
         self._problem = problem
         self._runs = None if problem else [_build_runs(params[kk], plist) for kk, plist in sorted(pieces.items())]
+        self._params_of = {}
+        for k, runs in enumerate(self._runs or []):
+            for s in torch.unique(runs.seq).tolist():
+                self._params_of.setdefault(s, []).append(k)
 
     def _matches(self, name: str, tensor: torch.Tensor) -> bool:
         """Seed check: every element this rank owns of ``name`` equals the exported one, bit for bit."""
         source = next((src for src, al in self._aliases.items() if name in al), name)
-        if source not in self._plan_names:
+        s = self._plan_index.get(source)
+        if s is None:
             return True  # reported as a name mismatch after the stream
-        s = self._plan_names.index(source)
         flat = int_view(tensor.detach().reshape(-1))
-        for runs in self._runs:
+        for k in self._params_of.get(s, []):
+            runs = self._runs[k]
             sel = runs.seq == s
-            if not bool(sel.any()):
-                continue
             local = _expand(runs.local[sel], runs.length[sel])
             target = _expand(runs.target[sel], runs.length[sel])
             if not torch.equal(int_view(runs.param.detach()).take(local), flat.take(target)):

@@ -22,8 +22,12 @@ class BridgeExportSource:
         self.model = model
         self._tasks = None
 
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def tasks(self) -> list:
+        """Bridge's conversion tasks, planned once (collective on first call)."""
         if self._tasks is None:
             self._tasks = self.bridge.get_conversion_tasks(self.model)
+        return self._tasks
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         yield from self.bridge.export_hf_weights(self.model, cpu=True, show_progress=False,
-                                                 conversion_tasks=self._tasks)
+                                                 conversion_tasks=self.tasks())
