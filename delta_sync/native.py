@@ -97,19 +97,21 @@ def supports(t: torch.Tensor) -> bool:
 
 def _scan(fn, width: int, old64: torch.Tensor, new64: torch.Tensor, first: int, stop: int,
           lanes: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    idx = torch.empty(SCRATCH_ENTRIES, dtype=torch.int32)
-    val = torch.empty(SCRATCH_ENTRIES, dtype=_VALUE_DTYPE[width])
+    # a small tensor needs no more room than its own elements (>= one 8-word block: progress)
+    room = min(SCRATCH_ENTRIES, max(8 * lanes, (stop - first) * lanes))
+    idx = torch.empty(room, dtype=torch.int32)
+    val = torch.empty(room, dtype=_VALUE_DTYPE[width])
     done = ctypes.c_int64()
     out = []
     a, b = old64.data_ptr(), new64.data_ptr()
     w = first
     while w < stop:
-        k = fn(a + 8 * w, b + 8 * w, stop - w, w * lanes, idx.data_ptr(), val.data_ptr(),
-               SCRATCH_ENTRIES, ctypes.byref(done))
+        k = fn(a + 8 * w, b + 8 * w, stop - w, w * lanes, idx.data_ptr(), val.data_ptr(), room,
+               ctypes.byref(done))
         if k:
             out.append((idx[:k].clone(), val[:k].clone()))
-        if done.value == 0:  # cannot happen with SCRATCH_ENTRIES >= 8 words of lanes
-            raise RuntimeError(f"diff kernel made no progress at word {w} (scratch {SCRATCH_ENTRIES})")
+        if done.value == 0:  # cannot happen with room for 8 words of lanes
+            raise RuntimeError(f"diff kernel made no progress at word {w} (scratch {room})")
         w += done.value
     return out
 
