@@ -15,6 +15,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -98,8 +99,21 @@ def build(kind: str, seed: int = 0) -> Path:
         model.save_pretrained(tmp, safe_serialization=True)
         _tokenizer(tmp)
         if tmp.exists() and path.exists():
-            import shutil
             shutil.rmtree(path)
         os.replace(tmp, path)
         (path / "done").write_text(json.dumps({"kind": kind, "seed": seed}))
     return path
+
+
+def save_like(state: dict[str, torch.Tensor], like: str | Path, out: str | Path) -> Path:
+    """A checkpoint at ``out``: ``state`` as one safetensors file, every other file (config,
+    tokenizer) copied from ``like``; ``like``'s weights, shard index and build marker are not."""
+    out = Path(out)
+    if out.exists():
+        shutil.rmtree(out)
+    shutil.copytree(like, out, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json", "done"))
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    return out

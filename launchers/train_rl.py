@@ -30,7 +30,7 @@ from update_weight import add_update_weight_args
 from update_weight.args import resolve_update_weight_args
 
 from . import equivalence
-from .checkpoints import build
+from .checkpoints import build, save_like
 from .ranks import RanksFailed, run_ranks
 
 PROMPTS = ["one two three", "the quick brown fox", "alpha beta gamma", "def add(a, b):"]
@@ -98,11 +98,8 @@ def _trainer(rank: int, world: int, master_port: int, opts: dict) -> list[dict]:
 
 
 def _train(rank: int, world: int, opts: dict) -> list[dict]:
-    import shutil
-
     import torch.distributed as dist
     from megatron.core import parallel_state
-    from safetensors.torch import save_file
 
     from update_weight import build_updater
     from update_weight.args import UpdateWeightConfig
@@ -150,11 +147,7 @@ def _train(rank: int, world: int, opts: dict) -> list[dict]:
     # (1) an independent export: a complete Bridge conversion, no patches or snapshots involved
     exported = {name: t.clone() for name, t in BridgeExportSource(trainer.bridge, trainer.model)}
     if rank == 0:
-        out = Path(opts["export"])
-        if out.exists():
-            shutil.rmtree(out)
-        shutil.copytree(opts["model"], out, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json", "done"))
-        save_file(exported, str(out / "model.safetensors"), metadata={"format": "pt"})
+        save_like(exported, opts["model"], opts["export"])
     dist.barrier()
     return rows
 

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from delta_sync.channel import free_port
+from launchers.checkpoints import save_like as export  # noqa: F401 (re-exported for the tests)
 from launchers.equivalence import greedy as complete  # noqa: F401 (re-exported for the tests)
 from launchers.equivalence import start_engine, stop_engine as stop_server, tokenize, wait_ready  # noqa: F401
 
@@ -42,14 +42,6 @@ def evolve(state: dict[str, torch.Tensor], version: int) -> None:
         k = max(1, int(flat.numel() * frac))
         pos = torch.randint(0, flat.numel(), (k,), generator=g)
         flat[pos] = (flat[pos].float() + 0.05 * torch.randn(k, generator=g)).to(flat.dtype)
-
-
-def export(state: dict[str, torch.Tensor], src: Path, dst: Path) -> Path:
-    if dst.exists():
-        shutil.rmtree(dst)
-    shutil.copytree(src, dst)
-    save_file({k: v.contiguous() for k, v in state.items()}, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    return dst
 
 
 def fresh_engine(model: Path, prompts=PROMPTS, tp: int = 1, stock: bool = False) -> list[dict]:

@@ -88,11 +88,10 @@ def test_trainer_reconstruction_equals_independent_export(kind, world, tp, pp, e
 
 def _train_into_engine(rank, world, port, path, url, out, steps):
     import argparse
-    import shutil
 
     import torch.distributed as dist
-    from safetensors.torch import save_file
 
+    from launchers.checkpoints import save_like
     from launchers.megatron_trainer import MegatronTrainer
     from update_weight import add_update_weight_args, build_updater
     from update_weight.megatron_source import BridgeExportSource
@@ -109,8 +108,7 @@ def _train_into_engine(rank, world, port, path, url, out, steps):
     updater.close()
     exported = {n: t.clone() for n, t in BridgeExportSource(trainer.bridge, trainer.model)}  # independent export
     if rank == 0:
-        shutil.copytree(path, out, ignore=shutil.ignore_patterns("model.safetensors", "done"))
-        save_file(exported, f"{out}/model.safetensors", metadata={"format": "pt"})
+        save_like(exported, path, out)
     dist.barrier()
     return reports
 
