@@ -32,6 +32,16 @@ COMMON = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_k
               head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0,
               vocab_size=VOCAB, torch_dtype="bfloat16", bos_token_id=1, eos_token_id=2)
 
+#: MoE kinds: (shape overrides of COMMON, expert settings).
+MOE = {
+    "moe": ({}, dict(intermediate_size=256, moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2)),
+    # >= 10 experts per EP rank at EP=2: Bridge's export order depends on it
+    "moe-wide": ({}, dict(intermediate_size=256, moe_intermediate_size=32, num_experts=24, num_experts_per_tok=2)),
+    "moe-bench": (dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                       head_dim=64),
+                  dict(intermediate_size=1024, moe_intermediate_size=256, num_experts=32, num_experts_per_tok=4)),
+}
+
 
 def _tokenizer(path: Path) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -72,25 +82,12 @@ def build(kind: str, seed: int = 0) -> Path:
         from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
         if kind == "dense":
-            cfg = Qwen3Config(intermediate_size=256, tie_word_embeddings=True, **COMMON)
-            model = Qwen3ForCausalLM(cfg)
-        elif kind == "moe":
-            cfg = Qwen3MoeConfig(intermediate_size=256, moe_intermediate_size=64, num_experts=8,
-                                 num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
-                                 mlp_only_layers=[], tie_word_embeddings=False, **COMMON)
-            model = Qwen3MoeForCausalLM(cfg)
-        elif kind == "moe-wide":  # >= 10 experts per EP rank: Bridge's export order depends on it
-            cfg = Qwen3MoeConfig(intermediate_size=256, moe_intermediate_size=32, num_experts=24,
-                                 num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
-                                 mlp_only_layers=[], tie_word_embeddings=False, **COMMON)
-            model = Qwen3MoeForCausalLM(cfg)
-        elif kind == "moe-bench":
-            bench = dict(COMMON, hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
-                         head_dim=64)
-            cfg = Qwen3MoeConfig(intermediate_size=1024, moe_intermediate_size=256, num_experts=32,
-                                 num_experts_per_tok=4, norm_topk_prob=True, decoder_sparse_step=1,
-                                 mlp_only_layers=[], tie_word_embeddings=False, **bench)
-            model = Qwen3MoeForCausalLM(cfg)
+            model = Qwen3ForCausalLM(Qwen3Config(intermediate_size=256, tie_word_embeddings=True, **COMMON))
+        elif kind in MOE:
+            shape, experts = MOE[kind]
+            model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**dict(COMMON, **shape), **experts, norm_topk_prob=True,
+                                                       decoder_sparse_step=1, mlp_only_layers=[],
+                                                       tie_word_embeddings=False))
         else:
             raise ValueError(kind)
         _randomize(model, seed, std=0.02 if kind == "moe-bench" else 0.2)
