@@ -73,6 +73,9 @@ class ShardedSource(Protocol):
     reference stream. Every method is called on every trainer rank at the same point (they may be
     collective)."""
 
+    #: elements of all checkpoint tensors (the denominator of a report's changed fraction)
+    total_elements: int
+
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]: ...
 
     def ready(self) -> bool:
