@@ -49,3 +49,81 @@
 
 DEFINE_DIFF(16, uint16_t)
 DEFINE_DIFF(32, uint32_t)
+
+/* Position-weighted digest lanes over signed 16-bit words, fused with a non-finite scan
+ * (see delta_sync/digest.py for the definition; the torch-op path computes the same bits).
+ *
+ *   w          the words, `n` of them, standing at absolute word positions k0, k0+1, ...
+ *   lanes      number of lanes (1..4); lane l has prime p[l] and multiplier a[l]
+ *   lo, hi     per lane, DIGEST_BLOCK-periodic weights split in bytes: the weight of relative
+ *              word j (j < tab_len, a multiple of DIGEST_BLOCK) is hi[j] * 256 + lo[j] =
+ *              (a[l]*j + c[l]) mod p[l]; tables are laid out lane after lane
+ *   out        lanes residues in [0, p[l]) of sum_k w_k * ((a[l]*k + c[l]) mod p[l])
+ *   exp_mask   non-zero: count words with (w & exp_mask) == exp_mask at positions with
+ *              (k - k0) % stride == phase (bf16/fp16: every word; fp32: its high word)
+ *   returns    that count (0 when exp_mask is 0)
+ *
+ * Split weights keep every product below 2**23, so int32 sums over a DIGEST_BLOCK of words
+ * cannot overflow (and vectorise as multiply-add of 16-bit pairs); blocks are summed in int64
+ * and reduced modulo p, so the result is the exact integer definition.
+ */
+#define DIGEST_BLOCK 256
+
+int64_t digest_words(const int16_t *w, int64_t n, int64_t k0, int lanes, const int64_t *p,
+                     const int64_t *a, const int16_t *lo, const int16_t *hi, int64_t tab_len,
+                     int64_t *out, int16_t exp_mask, int64_t stride, int64_t phase) {
+    int64_t acc[4] = {0, 0, 0, 0};
+    int64_t bad = 0;
+    for (int64_t s = 0; s < n; s += tab_len) {
+        int64_t m = n - s < tab_len ? n - s : tab_len;
+        const int16_t *x = w + s;
+        int64_t total = 0;
+        int64_t dot[4] = {0, 0, 0, 0};
+        for (int64_t b = 0; b < m; b += DIGEST_BLOCK) {
+            int64_t e = m - b < DIGEST_BLOCK ? m - b : DIGEST_BLOCK;
+            const int16_t *xb = x + b;
+            int32_t t32 = 0;
+            for (int64_t j = 0; j < e; ++j) t32 += xb[j];
+            total += t32;
+            if (lanes == 4) {  /* one pass over the block for all lanes */
+                const int16_t *l0 = lo + b, *l1 = lo + tab_len + b, *l2 = lo + 2 * tab_len + b,
+                              *l3 = lo + 3 * tab_len + b, *h0 = hi + b, *h1 = hi + tab_len + b,
+                              *h2 = hi + 2 * tab_len + b, *h3 = hi + 3 * tab_len + b;
+                int32_t a0 = 0, a1 = 0, a2 = 0, a3 = 0, b0 = 0, b1 = 0, b2 = 0, b3 = 0;
+                for (int64_t j = 0; j < e; ++j) {
+                    int32_t v = xb[j];
+                    a0 += v * l0[j]; a1 += v * l1[j]; a2 += v * l2[j]; a3 += v * l3[j];
+                    b0 += v * h0[j]; b1 += v * h1[j]; b2 += v * h2[j]; b3 += v * h3[j];
+                }
+                dot[0] += (int64_t)b0 * 256 + a0; dot[1] += (int64_t)b1 * 256 + a1;
+                dot[2] += (int64_t)b2 * 256 + a2; dot[3] += (int64_t)b3 * 256 + a3;
+            } else {
+                for (int l = 0; l < lanes; ++l) {
+                    const int16_t *tl = lo + l * tab_len + b, *th = hi + l * tab_len + b;
+                    int32_t dl = 0, dh = 0;
+                    for (int64_t j = 0; j < e; ++j) {
+                        dl += (int32_t)xb[j] * (int32_t)tl[j];
+                        dh += (int32_t)xb[j] * (int32_t)th[j];
+                    }
+                    dot[l] += (int64_t)dh * 256 + dl;
+                }
+            }
+            if (exp_mask) {
+                int32_t c = 0;
+                if (stride == 1) {
+                    for (int64_t j = 0; j < e; ++j) c += (xb[j] & exp_mask) == exp_mask;
+                } else {
+                    for (int64_t j = 0; j < e; ++j)
+                        c += ((((k0 + s + b + j) - (k0 + phase)) % stride) == 0) & ((xb[j] & exp_mask) == exp_mask);
+                }
+                bad += c;
+            }
+        }
+        for (int l = 0; l < lanes; ++l) {
+            int64_t off = (a[l] % p[l]) * ((k0 + s) % p[l]) % p[l];
+            acc[l] = (acc[l] + dot[l] % p[l] + (total % p[l]) * off) % p[l];
+        }
+    }
+    for (int l = 0; l < lanes; ++l) out[l] = (acc[l] % p[l] + p[l]) % p[l];
+    return bad;
+}

@@ -1,30 +1,44 @@
 """Position-weighted digest, additive over flat-index ranges.
 
-For the 16-bit words ``k`` of a tensor (a bf16/fp16 element is one word, fp32 two) with bits
-``b_k``, lane ``l`` of the digest is::
+For the 16-bit words ``k`` of a tensor (a bf16/fp16 element is one word, fp32 two, low word
+first) read as signed integers ``s_k``, lane ``l`` of the digest is::
 
-    D_l = sum_k (b_k + 1) * ((a_l * k + c_l) mod P_l)   mod P_l
+    D_l = sum_k s_k * ((a_l * k + c_l) mod P_l)   mod P_l
 
 in four lanes with distinct primes ``P_l < 2**15`` (about 60 bits together; by the CRT two
 positions share every weight only if they are ~2**60 apart, so shifted rows, swapped elements
-and wrong shard offsets change the digest). Because it is a sum over words, the digest of a
-tensor is the sum of the digests of any partition of its flat indices: TP shards, buckets and
-patches add up to the whole.
+and wrong shard offsets change the digest; a changed word changes every lane, since no
+difference of two 16-bit words is a multiple of all four primes). Because it is a sum over
+words, the digest of a tensor is the sum of the digests of any partition of its flat indices:
+TP shards, buckets and patches add up to the whole.
 
 Every product is ``< 2**31`` and is summed in int64, so int32 multiply + int64 sum reproduce the
 same bits on CPU, CUDA and NPU; no float64 and no overflow anywhere (HCCL rejects float64
-all_reduce; ``torch.hash_tensor`` has no NPU kernel).
+all_reduce; ``torch.hash_tensor`` has no NPU kernel). Host tensors take the compiled kernel of
+:mod:`delta_sync.native` (the same integers, at memory speed, fused with the non-finite scan
+that validation needs, so verification costs no pass of its own); other devices take torch ops.
 """
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
+
+from . import native
 
 #: (P, a, c) per lane.
 _LANES = ((32749, 7919, 101), (32719, 20011, 7), (32717, 12347, 3571), (32713, 28657, 1597))
 #: words digested per step: bounds temporaries to a few MiB whatever the tensor size.
 CHUNK = 1 << 18
+#: words per native call's weight table (a multiple of the kernel's 256-word block).
+_NATIVE_TABLE = 1 << 12
+#: words per thread below which a range is digested on the calling thread.
+_MIN_WORDS_PER_THREAD = 1 << 20
+#: exponent bits that mark Inf/NaN in the word holding them, per element width.
+_EXP_MASK = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00, torch.float32: 0x7F80}
 _tables: dict[torch.device, torch.Tensor] = {}
+_native_tables: dict[str, object] = {}
 
 
 def _weight_table(device: torch.device) -> torch.Tensor:
@@ -36,12 +50,26 @@ def _weight_table(device: torch.device) -> torch.Tensor:
     return _tables[device]
 
 
-def _terms(values: torch.Tensor) -> torch.Tensor:
-    """``b_k + 1`` for the unsigned 16-bit words (bytes for 1-byte dtypes) of ``values``, int32."""
-    flat = values.reshape(-1).contiguous()
+def _native_args():
+    """(p, a, lo, hi) for the kernel: weights split in bytes, laid out lane after lane."""
+    if not _native_tables:
+        j = torch.arange(_NATIVE_TABLE, dtype=torch.int64)
+        w = torch.stack([(j * a + c) % p for p, a, c in _LANES])
+        _native_tables.update(p=torch.tensor([p for p, _, _ in _LANES], dtype=torch.int64),
+                              a=torch.tensor([a for _, a, _ in _LANES], dtype=torch.int64),
+                              lo=(w & 255).to(torch.int16).contiguous(), hi=(w >> 8).to(torch.int16).contiguous())
+    t = _native_tables
+    return t["p"], t["a"], t["lo"], t["hi"]
+
+
+def _words(values: torch.Tensor) -> torch.Tensor:
+    """The 16-bit words of ``values`` as int16, flattened (a contiguous copy only if needed)."""
+    flat = values.reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
     if flat.element_size() == 1:
-        return flat.view(torch.uint8).to(torch.int32) + 1
-    return (flat.view(torch.int16).to(torch.int32) & 0xFFFF) + 1
+        raise TypeError(f"digest of 1-byte dtype {flat.dtype} is not defined")
+    return flat.view(torch.int16)
 
 
 def _words_per_element(values: torch.Tensor) -> int:
@@ -49,7 +77,7 @@ def _words_per_element(values: torch.Tensor) -> int:
 
 
 class Digest(tuple):
-    """Residues of the four lanes; ``+`` combines digests of disjoint index sets."""
+    """Residues of the four lanes; ``+`` combines digests of disjoint index sets, ``-`` removes one."""
 
     def __new__(cls, *lanes: int):
         lanes = lanes or (0,) * len(_LANES)
@@ -58,6 +86,9 @@ class Digest(tuple):
     def __add__(self, other):  # type: ignore[override]
         return Digest(*(x + y for x, y in zip(self, other)))
 
+    def __sub__(self, other):
+        return Digest(*(x - y for x, y in zip(self, other)))
+
     def hex(self) -> str:
         return "".join(f"{x:04x}" for x in self)
 
@@ -65,27 +96,62 @@ class Digest(tuple):
     def parse(cls, text: str) -> "Digest":
         return cls(*(int(text[i:i + 4], 16) for i in range(0, 4 * len(_LANES), 4)))
 
-    def as_tensor(self) -> torch.Tensor:
-        """int64 lanes, for an all_reduce(SUM) across shards followed by ``Digest(*t.tolist())``."""
-        return torch.tensor(list(self), dtype=torch.int64)
+
+def _native_range(words: torch.Tensor, word0: int, lanes: int, exp_mask: int, stride: int) -> tuple[list[int], int]:
+    p, a, lo, hi = _native_args()
+    out = torch.zeros(4, dtype=torch.int64)
+    bad = native.kernel().digest_words(words.data_ptr(), words.numel(), word0, lanes, p.data_ptr(), a.data_ptr(),
+                                       lo.data_ptr(), hi.data_ptr(), _NATIVE_TABLE, out.data_ptr(),
+                                       ctypes.c_int16(exp_mask - 65536 if exp_mask > 32767 else exp_mask),
+                                       stride, stride - 1)
+    return out.tolist()[:lanes], int(bad)
+
+
+def _scan_words(words: torch.Tensor, word0: int, lanes: int, exp_mask: int, stride: int) -> tuple[list[int], int]:
+    """Lane sums and non-finite count of int16 ``words`` at word positions ``word0, ...``."""
+    if native.supports_words(words):
+        n = words.numel()
+        threads = max(1, min(torch.get_num_threads(), n // _MIN_WORDS_PER_THREAD))
+        if threads == 1:
+            return _native_range(words, word0, lanes, exp_mask, stride)
+        step = -(-n // threads)
+        step += (-step) % max(stride, 1)  # every part starts on an element boundary
+        futs = [native._pool(threads).submit(_native_range, words[s:s + step], word0 + s, lanes, exp_mask, stride)
+                for s in range(0, n, step)]
+        parts = [f.result() for f in futs]
+        return [sum(x[0][lane] for x in parts) for lane in range(lanes)], sum(x[1] for x in parts)
+    table = _weight_table(words.device)
+    acc = [0] * lanes
+    bad = 0
+    for e in range(0, words.numel(), CHUNK):  # CHUNK words at a time: bounded temporaries
+        part = words[e:e + CHUNK].to(torch.int32)
+        n = part.numel()
+        total = int(part.sum(dtype=torch.int64))
+        for lane, (p, a, _) in enumerate(_LANES[:lanes]):
+            weighted = int((part * table[lane, :n]).sum(dtype=torch.int64))
+            # sum_j s_j*((a*(k0+j)+c) mod P) == sum_j s_j*W_j + (a*k0 mod P)*sum_j s_j   (mod P)
+            acc[lane] += weighted + (a * (word0 + e) % p) * total
+        if exp_mask:
+            hits = (part[stride - 1::stride] & exp_mask) == exp_mask
+            bad += int(hits.sum())
+    return acc, bad
+
+
+def scan_range(values: torch.Tensor, start: int = 0) -> tuple[Digest, int]:
+    """Digest of ``values`` standing at flat indices ``start, ...`` and its count of Inf/NaN elements.
+
+    One pass over the bytes: what a receiver (and the packing sender) runs on every bulk value."""
+    w = _words_per_element(values)
+    mask = _EXP_MASK.get(values.dtype, 0)
+    lanes, bad = _scan_words(_words(values), start * w, len(_LANES), mask, w)
+    return Digest(*lanes), bad
 
 
 def digest_range(values: torch.Tensor, start: int = 0) -> Digest:
     """Digest of ``values`` (any shape, flattened) standing at flat indices ``start, start+1, ...``."""
-    flat = values.reshape(-1)
-    w = _words_per_element(flat)
-    word0 = start * w
-    table = _weight_table(flat.device)
-    acc = [0] * len(_LANES)
-    for e in range(0, flat.numel(), CHUNK // w):  # CHUNK words at a time: bounded temporaries
-        part = _terms(flat[e:e + CHUNK // w])
-        n = part.numel()
-        total = int(part.sum(dtype=torch.int64))
-        for lane, (p, a, _) in enumerate(_LANES):
-            weighted = int((part * table[lane, :n]).sum(dtype=torch.int64))
-            # sum_j t_j*((a*(p0+j)+c) mod P) == sum_j t_j*W_j + (a*p0 mod P)*sum_j t_j   (mod P)
-            acc[lane] += weighted + (a * (word0 + e * w) % p) * total
-    return Digest(*acc)
+    w = _words_per_element(values)
+    lanes, _ = _scan_words(_words(values), start * w, len(_LANES), 0, w)
+    return Digest(*lanes)
 
 
 def digest_elements(indices: torch.Tensor, values: torch.Tensor) -> Digest:
@@ -95,7 +161,7 @@ def digest_elements(indices: torch.Tensor, values: torch.Tensor) -> Digest:
     idx = indices.reshape(-1)
     acc = [0] * len(_LANES)
     for e in range(0, flat.numel(), CHUNK // w):  # CHUNK words at a time: bounded temporaries
-        part = _terms(flat[e:e + CHUNK // w])
+        part = _words(flat[e:e + CHUNK // w]).to(torch.int32)
         pos = idx[e:e + CHUNK // w].to(torch.int64)
         if w > 1:
             pos = (pos.unsqueeze(1) * w + torch.arange(w, device=pos.device)).reshape(-1)
@@ -109,20 +175,12 @@ def digest_tensor(t: torch.Tensor) -> Digest:
     return digest_range(t, 0)
 
 
-#: bucket checksum: one lane over 16-bit words, in chunks that are a multiple of its prime, so
-#: one cached weight table serves every chunk of every buffer.
-_CHECK_P = _LANES[0][0]
-_CHECK_CHUNK = _CHECK_P * 128
-_check_tables: dict[torch.device, torch.Tensor] = {}
-
-
 def checksum_bytes(*parts: torch.Tensor) -> str:
     """Checksum of byte buffers (a bucket's index and value payloads), in order, on their device.
 
-    Per buffer, over its 16-bit words ``w_k`` (a zero byte pads an odd length): the byte count,
-    ``sum w_k`` and ``sum w_k * (k mod P + 1)``; int32 products below 2**31 summed in int64, as the
-    digest, so every device computes the same bits. One lane where the digest has four: it
-    guards a bucket in flight (a flipped, dropped or shifted word), at ~3x the digest's speed.
+    Per buffer: its byte count and two digest lanes over its 16-bit words (a zero byte pads an
+    odd length). It guards a bucket in flight (a flipped, dropped or shifted word) at half the
+    digest's cost, with the same kernel.
     """
     out = []
     for buf in parts:
@@ -132,15 +190,6 @@ def checksum_bytes(*parts: torch.Tensor) -> str:
             padded = torch.zeros(n + n % 2, dtype=torch.uint8, device=flat.device)
             padded[:n] = flat
             flat = padded
-        words = flat.view(torch.int16)
-        table = _check_tables.get(words.device)
-        if table is None:
-            table = (torch.arange(_CHECK_CHUNK, device=words.device) % _CHECK_P + 1).to(torch.int32)
-            _check_tables[words.device] = table
-        s1 = s2 = 0
-        for s in range(0, words.numel(), _CHECK_CHUNK):
-            w = words[s:s + _CHECK_CHUNK].to(torch.int32)
-            s1 += int(w.sum(dtype=torch.int64))
-            s2 += int((w * table[:w.numel()]).sum(dtype=torch.int64))
-        out.append(f"{n:x}.{s1 % (1 << 64):x}.{s2 % (1 << 64):x}")
+        lanes, _ = _scan_words(flat.view(torch.int16), 0, 2, 0, 1)
+        out.append(f"{n:x}.{lanes[0] % _LANES[0][0]:x}.{lanes[1] % _LANES[1][0]:x}")
     return "/".join(out)

@@ -30,6 +30,16 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("_diff_kernel.c")
 CFLAGS = ["-O3", "-std=c99", "-shared", "-fPIC"]
+
+
+def _cpu_flags() -> list[str]:
+    """``-mavx2`` where this x86 host has it (the digest's 16-bit multiply-adds run ~1.7x faster)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return []
+    return ["-mavx2"] if " avx2" in flags else []
 #: output entries per kernel call and thread: bounds scratch to 8 MiB whatever the density.
 SCRATCH_ENTRIES = 1 << 20
 #: below this many words a tensor is scanned on the calling thread (pool overhead dominates).
@@ -47,7 +57,8 @@ def _cache_dir() -> Path:
 def _build() -> Path:
     cc = os.environ.get("CC", "cc")
     src = SOURCE.read_bytes()
-    key = hashlib.sha256(src + " ".join([cc, *CFLAGS, sys.platform]).encode()).hexdigest()[:16]
+    flags = CFLAGS + _cpu_flags()
+    key = hashlib.sha256(src + " ".join([cc, *flags, sys.platform]).encode()).hexdigest()[:16]
     out = _cache_dir() / f"diff_kernel-{key}.so"
     if out.exists():
         return out
@@ -56,7 +67,7 @@ def _build() -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp], check=True, capture_output=True,
+        subprocess.run([cc, *flags, str(SOURCE), "-o", tmp], check=True, capture_output=True,
                        timeout=120)
         os.replace(tmp, out)
     finally:
@@ -83,12 +94,22 @@ def kernel() -> ctypes.CDLL | None:
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                        ctypes.POINTER(ctypes.c_int64)]
+    lib.digest_words.restype = ctypes.c_int64
+    lib.digest_words.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
+                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                 ctypes.c_int64, ctypes.c_void_p, ctypes.c_int16, ctypes.c_int64,
+                                 ctypes.c_int64]
     return lib
 
 
 @functools.cache
 def _pool(workers: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(workers, thread_name_prefix="delta_sync-diff")
+
+
+def supports_words(t: torch.Tensor) -> bool:
+    """Host tensor whose bytes the word kernels (digest) can read."""
+    return t.device.type == "cpu" and kernel() is not None
 
 
 def supports(t: torch.Tensor) -> bool:
