@@ -7,9 +7,16 @@ A bucket is a small JSON header plus one ``int32`` index buffer and one value bu
 
 ``encoding`` is ``sparse`` (``count`` indices + values) or ``dense`` (``count`` values for flat
 elements ``start .. start+count-1``). A tensor larger than the room left in a bucket is split
-into several entries, across buckets, by index range; the receiver concatenates them. The
-checksum covers every payload byte. Buckets are bounded by ``max_bytes`` (default 512 MiB) of
-payload, so a 30B seed streams through fixed memory.
+into several entries, across buckets, by index range; the receiver concatenates them (a delta)
+or applies each range as it arrives (a seed or full update). Entries tile the buffers exactly.
+
+Integrity: a dense entry carries ``digest``, the :mod:`delta_sync.digest` of its values at their
+flat positions, computed by the packer in the same pass that checks them for Inf/NaN. The
+receiver recomputes it over what arrived (again fused with its finiteness check), so every bulk
+byte is checked in flight and the sum over a tensor's entries is that tensor's digest: a seed is
+verified end to end without a pass of its own. Buckets with sparse entries also carry
+``checksum`` over every payload byte (indices included). Buckets are bounded by ``max_bytes``
+(default 512 MiB) of payload, so a 30B seed streams through fixed memory.
 """
 
 from __future__ import annotations
@@ -20,7 +27,9 @@ from typing import Iterable, Iterator
 
 import torch
 
-from .digest import checksum_bytes
+import time
+
+from .digest import Digest, checksum_bytes, scan_range
 from .errors import ChecksumMismatch, PatchValidationError
 from .patch import DTYPES, Patch, dtype_name
 
@@ -47,17 +56,35 @@ class Bucket:
 
 
 class BucketPacker:
-    """Packs patches (in export order) into bounded buckets for one version."""
+    """Packs patches (in export order) into bounded buckets for one version.
+
+    Dense values are digested and checked for Inf/NaN as they are packed (one pass, see
+    :func:`delta_sync.digest.scan_range`): :attr:`digests` sums them per tensor and
+    :attr:`digest_s` is the time that took."""
 
     def __init__(self, version: int, kind: str, max_bytes: int = DEFAULT_BUCKET_BYTES,
-                 checksum: bool = True):
+                 checksum: bool = True, kept: str | None = None):
         if max_bytes < 64:
             raise ValueError(f"bucket size {max_bytes} B is too small")
         self.version, self.kind, self.max_bytes, self.checksum = version, kind, max_bytes, checksum
+        self.kept = kept
         self.seq = 0
+        self.digests: dict[str, Digest] = {}
+        self.digest_s = 0.0
 
-    def pack(self, patches: Iterable[Patch]) -> Iterator[Bucket]:
-        """Yield buckets; the last one has ``header['last'] = True`` (possibly with no entries)."""
+    def _scan_dense(self, p: Patch, done: int, take: int) -> str:
+        t0 = time.perf_counter()
+        d, bad = scan_range(p.values[done:done + take], done)
+        self.digest_s += time.perf_counter() - t0
+        if bad:
+            where = done + _first_nonfinite(p.values[done:done + take])
+            raise PatchValidationError(p.name, f"non-finite value at flat index {where}", index=where, kept=self.kept)
+        self.digests[p.name] = self.digests.get(p.name, Digest()) + d
+        return d.hex()
+
+    def pack(self, patches: Iterable[Patch], close: bool = True) -> Iterator[Bucket]:
+        """Yield buckets; with ``close`` the last one has ``header['last'] = True`` (possibly with no
+        entries); without it the caller ends the version with :meth:`closing`."""
         entries: list[dict] = []
         idx_parts: list[torch.Tensor] = []
         val_parts: dict[str, list[torch.Tensor]] = {}
@@ -70,7 +97,7 @@ class BucketPacker:
                       "entries": list(entries), "index_count": int(idx.numel()),
                       "value_counts": {k: int(v.numel()) for k, v in vals.items()}}
             b = Bucket(header, idx, vals)
-            header["checksum"] = b.payload_checksum() if self.checksum else None
+            header["checksum"] = b.payload_checksum() if self.checksum and idx.numel() else None
             self.seq += 1
             entries.clear(), idx_parts.clear(), val_parts.clear()
             counts.update(idx=0, bytes=0, vals={})
@@ -91,10 +118,13 @@ class BucketPacker:
                     continue
                 take = min(room, total - done)
                 vo = counts["vals"].get(dname, 0)
-                entries.append({"name": p.name, "dtype": dname, "shape": list(p.shape),
-                                "encoding": "dense" if p.dense else "sparse", "count": take,
-                                "start": done if p.dense else 0, "index_offset": counts["idx"],
-                                "value_offset": vo})
+                entry = {"name": p.name, "dtype": dname, "shape": list(p.shape),
+                         "encoding": "dense" if p.dense else "sparse", "count": take,
+                         "start": done if p.dense else 0, "index_offset": counts["idx"],
+                         "value_offset": vo}
+                if p.dense:
+                    entry["digest"] = self._scan_dense(p, done, take)
+                entries.append(entry)
                 if not p.dense:
                     idx_parts.append(p.indices[done:done + take])
                     counts["idx"] += take
@@ -104,7 +134,19 @@ class BucketPacker:
                 done += take
                 if done >= total:
                     break
-        yield flush(True)
+        if close or entries:
+            yield flush(close)
+
+    def closing(self) -> Bucket:
+        """The empty last bucket that ends a version packed with ``close=False``."""
+        header = {"version": self.version, "seq": self.seq, "last": True, "kind": self.kind, "entries": [],
+                  "index_count": 0, "value_counts": {}, "checksum": None}
+        self.seq += 1
+        return Bucket(header, torch.empty(0, dtype=torch.int32), {})
+
+
+def _first_nonfinite(values: torch.Tensor) -> int:
+    return int((~torch.isfinite(values)).to(torch.uint8).argmax())
 
 
 def parse_header(raw: bytes) -> dict:
@@ -130,6 +172,8 @@ def entry_patches(bucket: Bucket, kept: str | None = None) -> list[tuple[dict, P
             raise ChecksumMismatch(f"bucket {h['seq']} of version {h['version']}: payload checksum "
                                    f"{got} != header {h['checksum']}", kept=kept)
     out = []
+    used = {k: 0 for k in bucket.values}
+    used_idx = 0
     for e in h["entries"]:
         name = e.get("name", "<unnamed>")
         if e.get("dtype") not in DTYPES:
@@ -140,16 +184,45 @@ def entry_patches(bucket: Bucket, kept: str | None = None) -> list[tuple[dict, P
         n, vo = int(e["count"]), int(e["value_offset"])
         if n < 0 or vals_all is None or vo < 0 or vo + n > vals_all.numel():
             raise PatchValidationError(name, f"entry points outside the {e['dtype']} value buffer", kept=kept)
+        if vo != used[e["dtype"]]:
+            raise PatchValidationError(name, f"value offset {vo}, expected {used[e['dtype']]}: entries must "
+                                       "tile the value buffer", kept=kept)
+        used[e["dtype"]] += n
         vals = vals_all[vo:vo + n]
         shape = tuple(int(s) for s in e["shape"])
         if e["encoding"] == "sparse":
             io = int(e["index_offset"])
-            if io < 0 or io + n > bucket.indices.numel():
+            if io != used_idx or io + n > bucket.indices.numel():
                 raise PatchValidationError(name, "entry points outside the index buffer", kept=kept)
+            used_idx += n
             p = Patch(name, shape, DTYPES[e["dtype"]], bucket.indices[io:io + n], vals)
         else:
+            start = int(e.get("start", -1))
+            numel = 1
+            for d in shape:
+                numel *= d
+            if start < 0 or start + n > numel:
+                raise PatchValidationError(name, f"dense range [{start}, {start + n}) outside {numel} elements",
+                                           kept=kept)
+            if "digest" not in e and h.get("checksum") is None:
+                raise PatchValidationError(name, "dense entry without a digest in a bucket without a checksum",
+                                           kept=kept)
+            if "digest" in e:
+                got, bad = scan_range(vals, start)
+                if got.hex() != e["digest"]:
+                    raise ChecksumMismatch(f"bucket {h['seq']} of version {h['version']}: {name!r} values "
+                                           f"[{start}, {start + n}) digest {got.hex()} != header {e['digest']}",
+                                           kept=kept)
+                if bad:
+                    where = start + _first_nonfinite(vals)
+                    raise PatchValidationError(name, f"non-finite value at flat index {where}", index=where,
+                                               kept=kept)
             p = Patch(name, shape, DTYPES[e["dtype"]], None, vals)
         out.append((e, p))
+    if used_idx != bucket.indices.numel() or any(used[k] != v.numel() for k, v in bucket.values.items()):
+        raise PatchValidationError("<bucket>", f"bucket {h['seq']}: entries cover {used_idx} of "
+                                   f"{bucket.indices.numel()} indices and {used} of the value buffers "
+                                   f"{ {k: v.numel() for k, v in bucket.values.items()} }", kept=kept)
     return out
 
 
@@ -161,7 +234,10 @@ class TensorAssembler:
         self._parts: dict[str, list[tuple[dict, Patch]]] = {}
 
     def add(self, bucket: Bucket) -> None:
-        for e, p in entry_patches(bucket, self.kept):
+        self.add_entries(entry_patches(bucket, self.kept))
+
+    def add_entries(self, entries: list[tuple[dict, Patch]]) -> None:
+        for e, p in entries:
             self._parts.setdefault(p.name, []).append((e, p))
 
     def patches(self) -> list[Patch]:

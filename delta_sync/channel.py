@@ -91,18 +91,6 @@ class Channel:
             raise ChannelError(f"rank {self.rank}: broadcast from {src} failed: {e}") from None
         return tensor
 
-    def barrier(self) -> None:
-        self.broadcast(torch.zeros(1, dtype=torch.int64, device=self.device))
-
-    def all_reduce_max(self, value: int) -> int:
-        from torch.distributed import AllreduceOptions, ReduceOp
-
-        t = torch.tensor([value], dtype=torch.int64, device=self.device)
-        opts = AllreduceOptions()
-        opts.reduceOp = ReduceOp.MAX
-        self.pg.allreduce([t], opts).wait()
-        return int(t.item())
-
     def close(self) -> None:
         try:
             if hasattr(self.pg, "shutdown"):

@@ -117,11 +117,3 @@ class BitwiseDiff:
 
 def _word_aligned(flat: torch.Tensor) -> bool:
     return (flat.storage_offset() * flat.element_size()) % 8 == 0
-
-
-_default = BitwiseDiff()
-
-
-def diff_tensor(name: str, old: torch.Tensor, new: torch.Tensor) -> Patch:
-    """Module-level convenience over a shared :class:`BitwiseDiff`."""
-    return _default.diff(name, old, new)

@@ -26,6 +26,8 @@ class MemoryReceiver:
         self.version: int | None = None
         self.channel: Channel | None = None
         self._staged = None
+        #: most buckets alive at once while receiving (bounded by delta_sync.transfer.BUCKETS_IN_FLIGHT)
+        self.peak_buckets = 0
 
     def init(self, info: dict) -> None:
         if self.channel is not None:
@@ -44,9 +46,19 @@ class MemoryReceiver:
 
     def update(self, update_info: dict) -> None:
         try:
-            self._staged = receive_update(self.channel)
+            self._staged = receive_update(self.channel, bulk_sink=self._write_range)
         except Exception as e:  # what an engine client reports for a failed update RPC
             raise EngineError(self.name, f"{type(e).__name__}: {e}", kind="update") from e
+        self.peak_buckets = max(self.peak_buckets, self._staged.peak_buckets)
+
+    def _write_range(self, entry: dict, p) -> None:
+        """A seed/full entry, applied as it arrives: the old version is gone from here on."""
+        self.version = None
+        t = self.tensors.get(p.name)
+        if t is None or tuple(t.shape) != p.shape or t.dtype != p.dtype:
+            t = self.tensors[p.name] = torch.empty(p.shape, dtype=p.dtype)
+        start = int(entry["start"])
+        t.view(-1)[start:start + p.count].copy_(p.values)
 
     def finish(self, version: int) -> None:
         upd, self._staged = self._staged, None

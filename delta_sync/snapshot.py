@@ -59,10 +59,6 @@ class SnapshotStore:
     def owns(self, name: str, nbytes: int) -> bool:
         return self.owner(name, nbytes) == self.rank
 
-    @property
-    def bytes_held(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._base.values())
-
     # ---- prepare / commit ------------------------------------------------------------------
     def prepare(self, name: str, tensor: torch.Tensor, *, full: bool = False) -> Patch:
         """Stage ``tensor`` as the next value of ``name`` and return what must be sent.

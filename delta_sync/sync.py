@@ -32,9 +32,9 @@ from .digest import Digest, digest_tensor
 from .engines import EngineClient, as_engine
 from .errors import DeltaSyncError, GatherError
 from .gather import Ordered, PatchGather, order_and_merge
-from .patch import Patch
+from .patch import Patch, check_indexable
 from .snapshot import SnapshotStore
-from .transfer import send_abort, send_update
+from .transfer import BucketSender, SendStats
 
 log = logging.getLogger(__name__)
 
@@ -111,12 +111,33 @@ def _materialize(t: torch.Tensor) -> torch.Tensor:
     return full() if callable(full) else t
 
 
+@dataclass
+class Outcome:
+    """What trainer rank 0 tells every rank about one published update."""
+
+    ok: bool
+    error: str = ""
+    needs_seed: bool = False
+    report: dict = field(default_factory=dict)
+
+
 class WeightSync:
+    """Keeps engines equal to the trainer, one :meth:`update` per training step (see module doc).
+
+    An update runs in three phases: *prepare* (every rank reads the named tensors; owners diff or
+    stage their snapshots), *publish* (rank 0 drives the engines through pause -> start -> send ->
+    finish -> resume) and *settle* (every rank learns rank 0's :class:`Outcome` and commits, rolls
+    back, or resets its snapshots). Seeds and full updates stream: prepare and publish overlap,
+    rank 0 packs buckets straight from the stream while the engines apply the previous bucket,
+    and no process holds more than two buckets of payload. Deltas are gathered whole (their
+    payload is the changed elements), validated, then published.
+    """
+
     def __init__(self, engines: Iterable, *, mode: str = "delta", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  verify_every: int = 0, snapshot_device: str | torch.device = "cpu", pause_mode: str = "wait",
                  name_map: Callable[[str], str | None] = default_name_map, group=None,
                  host: str | None = None, port: int | None = None, backend: str | None = None,
-                 timeout_s: float = 300.0, dtype: torch.dtype | None = None, verify_seed: bool = True):
+                 timeout_s: float = 300.0, dtype: torch.dtype | None = None):
         if mode not in ("delta", "full"):
             raise ValueError(f"mode must be 'delta' or 'full', got {mode!r}")
         if pause_mode not in ("wait", "abort", "keep"):
@@ -133,8 +154,6 @@ class WeightSync:
         self.channel: Channel | None = None
         self.version = -1
         self.needs_seed = True
-        self.history: list[UpdateReport] = []
-        self.verify_seed = verify_seed
         self.sharded: ShardedSource | None = None  # the source whose shard snapshots back the deltas
 
     # ---- channel ---------------------------------------------------------------------------------
@@ -177,98 +196,274 @@ class WeightSync:
         if not self.needs_seed and self._from_rank0(self.rank == 0 and self._engines_lost_base()):
             self._reset()  # an engine restarted or lost its base: only a seed can repair it
             self._drop_channel()  # a restarted engine also left the channel: rejoin everyone
-        full = self.mode == "full" or self.needs_seed
         version = self.version + 1
-        kind = "seed" if self.needs_seed else ("full" if full else "delta")
-        timings: dict[str, float] = {}
-        totals = {"elements": 0}
+        kind = "seed" if self.needs_seed else ("full" if self.mode == "full" else "delta")
         sharded = named_tensors if isinstance(named_tensors, ShardedSource) else None
         if sharded is not self.sharded:  # another source: its snapshots know nothing of ours
             if self.sharded is not None:
                 self.sharded.reset()
             self.sharded = sharded
-        fast = sharded is not None and not full and sharded.ready()
-
-        def produce() -> list[Ordered]:
-            out = []
-            failure: Exception | None = None
-            t0 = time.perf_counter()
-            for seq, (mname, tensor) in enumerate(named_tensors):
-                # After a local failure this rank keeps consuming the stream (and materialising
-                # DTensors): Bridge's export and FSDP's full_tensor are collective, and the other
-                # ranks are still in them. The failure is raised at the end, then gathered.
-                name = self.name_map(mname)
-                if name is None:
-                    continue
-                try:
-                    t = _materialize(tensor.detach())
-                    if failure is not None:
-                        continue
-                    if self.dtype is not None and t.dtype != self.dtype:
-                        t = t.to(self.dtype)
-                    totals["elements"] += t.numel()
-                    if self.store.owns(name, t.numel() * t.element_size()):
-                        out.append(Ordered(seq, self.store.prepare(name, t, full=full)))
-                except Exception as e:
-                    failure = failure or e
-            if sharded is not None:
-                sharded.seeded()  # collective on every rank, even one that failed above
-            timings["diff_s"] = time.perf_counter() - t0
-            if failure is not None:
-                raise failure
-            return out
-
-        def produce_fast() -> list[Ordered]:
-            t0 = time.perf_counter()
-            out = sharded.local_patches()
-            totals["elements"] = sharded.total_elements
-            timings["diff_s"] = time.perf_counter() - t0
-            return out
-
-        producer = produce_fast if fast else produce
-
-        try:
-            t0 = time.perf_counter()
-            if self.gatherer is not None:
-                patches = self.gatherer.gather(producer)
-            else:
-                patches = order_and_merge(producer())
-            timings["prepare_s"] = time.perf_counter() - t0
-            outcome = self._publish(version, kind, patches, timings) if self.rank == 0 else None
-        except GatherError:
-            self._rollback()
-            raise
-        except BaseException as e:  # rank 0 failed before publishing the outcome: tell the others
-            outcome = {"ok": False, "error": f"{type(e).__name__}: {e}", "needs_seed": self.needs_seed, "exc": e}
-            if self.world == 1:
-                self._rollback()
-                raise
-        outcome = self._share(outcome)
-        if not outcome["ok"]:
-            if outcome.get("needs_seed"):
-                self._reset()
-            else:
-                self._rollback()
-            exc = outcome.get("exc")
-            if exc is not None:
-                raise exc
-            raise DeltaSyncError(f"update v{version} failed on trainer rank 0: {outcome['error']}",
+        timings: dict[str, float] = {}
+        if kind == "delta":
+            outcome, error, elements = self._delta(version, named_tensors, timings)
+        else:
+            outcome, error, elements = self._bulk(version, kind, named_tensors, timings)
+        outcome = self._from_rank0(outcome)
+        if not outcome.ok:
+            self._reset() if outcome.needs_seed else self._rollback()
+            if error is not None:
+                raise error
+            raise DeltaSyncError(f"update v{version} failed on trainer rank 0: {outcome.error}",
                                  kept="trainer snapshot at the last committed version")
         self.store.commit(version)
         if sharded is not None:
             sharded.commit()
         self.version, self.needs_seed = version, False
-        rep = UpdateReport(version, kind, **outcome["report"])
-        if (kind == "seed" and self.verify_seed) or (self.verify_every and version % self.verify_every == 0):
+        rep = UpdateReport(version, kind, **outcome.report)
+        rep.verified = kind != "delta"  # every bulk entry's digest was checked by the engines
+        if kind == "delta" and self.verify_every and version % self.verify_every == 0:
             t0 = time.perf_counter()
             self.verify()
             rep.verified = True
             timings["verify_s"] = time.perf_counter() - t0
-        rep.total_elements = totals["elements"]
+        rep.total_elements = elements
         rep.timings.update({k: round(v, 6) for k, v in timings.items()})
         rep.timings["total_s"] = round(time.perf_counter() - t_start, 6)
-        self.history.append(rep)
         return rep
+
+    def _tensors(self, named_tensors, elements: list[int]) -> Iterator[tuple[int, str, torch.Tensor | Exception]]:
+        """``(seq, checkpoint name, tensor or the exception converting it)`` of the stream, to its end.
+
+        A rank whose own conversion failed keeps consuming (and materialising DTensors): Bridge's
+        export and FSDP's full_tensor are collective, and the other ranks are still in them."""
+        for seq, (mname, tensor) in enumerate(named_tensors):
+            name = self.name_map(mname)
+            if name is None:
+                continue
+            try:
+                t = _materialize(tensor.detach())
+                if self.dtype is not None and t.dtype != self.dtype:
+                    t = t.to(self.dtype)
+                elements[0] += t.numel()
+            except Exception as e:
+                yield seq, name, e
+                continue
+            yield seq, name, t
+
+    # ---- delta: diff, gather, validate, publish ---------------------------------------------------
+    def _delta(self, version: int, named_tensors, timings: dict) -> tuple[Outcome | None, BaseException | None, int]:
+        sharded = self.sharded
+        fast = sharded is not None and sharded.ready()
+        elements = [0]
+
+        def produce() -> list[Ordered]:
+            t0 = time.perf_counter()
+            if fast:
+                out = sharded.local_patches()
+                elements[0] = sharded.total_elements
+            else:
+                out, failure = [], None
+                for seq, name, t in self._tensors(named_tensors, elements):
+                    if failure is not None:
+                        continue
+                    try:
+                        if isinstance(t, Exception):
+                            raise t
+                        if self.store.owns(name, t.numel() * t.element_size()):
+                            out.append(Ordered(seq, self.store.prepare(name, t)))
+                    except Exception as e:
+                        failure = e
+                if sharded is not None:
+                    sharded.seeded()  # collective on every rank, even one that failed above
+                if failure is not None:
+                    raise failure
+            timings["diff_s"] = time.perf_counter() - t0
+            return out
+
+        t0 = time.perf_counter()
+        try:
+            patches = self.gatherer.gather(produce) if self.gatherer is not None else order_and_merge(produce())
+        except GatherError:
+            self._rollback()  # every rank raises the same error
+            raise
+        except Exception as e:
+            if self.world == 1:
+                self._rollback()
+                raise
+            return Outcome(False, f"{type(e).__name__}: {e}"), e, elements[0]
+        timings["prepare_s"] = time.perf_counter() - t0
+        if self.rank != 0:
+            return None, None, elements[0]
+        try:
+            t0 = time.perf_counter()
+            for p in patches:
+                p.validate(kept=f"engines and trainer snapshot at v{self.version}")
+            timings["validate_s"] = time.perf_counter() - t0
+        except Exception as e:
+            return Outcome(False, f"{type(e).__name__}: {e}"), e, elements[0]
+        outcome, error = self._publish(version, "delta", timings, lambda sender: sender.close(patches))
+        return outcome, error, elements[0]
+
+    # ---- seed / full: one streaming pass ----------------------------------------------------------
+    def _bulk(self, version: int, kind: str, named_tensors, timings: dict
+              ) -> tuple[Outcome | None, BaseException | None, int]:
+        """Every rank reads the stream once; owners stage snapshots (delta mode only: a full-mode
+        trainer never diffs), rank 0 packs and sends every tensor as it comes. Before the last
+        bucket, the ranks agree that nobody failed; a failure aborts the update instead."""
+        snapshots = self.mode == "delta"
+        elements = [0]
+        failure: list[BaseException] = []
+        stream = self._tensors(named_tensors, elements)
+        kept = f"engines and trainer snapshot at v{self.version}"
+
+        def full_patches() -> Iterator[Patch]:
+            """The stream as full patches (rank 0); ``prepare_s``: reading it and staging snapshots."""
+            timings["prepare_s"] = 0.0
+            while True:
+                t0 = time.perf_counter()
+                item = next(stream, None)
+                if item is None:
+                    return
+                _, name, t = item
+                try:
+                    if isinstance(t, Exception):
+                        raise t
+                    if snapshots and self.store.owns(name, t.numel() * t.element_size()):
+                        self.store.prepare(name, t, full=True)
+                    if self.rank == 0:
+                        check_indexable(name, t.numel())
+                except Exception as e:
+                    failure.append(e)
+                    return
+                finally:
+                    timings["prepare_s"] += time.perf_counter() - t0
+                if self.rank == 0:
+                    yield Patch.full(name, t)
+
+        def finish_stream() -> None:
+            """Consume what is left (collective streams), stage shard snapshots, agree on failures."""
+            t0 = time.perf_counter()
+            for _ in stream:
+                pass
+            if self.sharded is not None:
+                self.sharded.seeded()  # collective on every rank, even one that failed
+            timings["drain_s"] = time.perf_counter() - t0
+            if self.gatherer is not None:
+                mine = failure[0] if failure else None
+
+                def status():
+                    if mine is not None:
+                        raise mine
+                    return []
+                self.gatherer.gather(status)  # GatherError on every rank if any failed
+            elif failure:
+                raise failure[0]
+
+        if self.rank != 0:
+            for _ in full_patches():
+                pass
+            try:
+                finish_stream()
+            except GatherError:
+                self._reset()
+                raise
+            return None, None, elements[0]
+
+        def send(sender: BucketSender) -> SendStats:
+            try:
+                sender.send(full_patches())
+            except Exception as e:  # a bad tensor found while packing (NaN, too large)
+                failure.append(e)
+            finish_stream()
+            return sender.close()
+
+        outcome, error = self._publish(version, kind, timings, send, bulk=True, kept=kept)
+        if isinstance(error, GatherError):
+            self._reset()
+            raise error
+        return outcome, error, elements[0]
+
+    # ---- publish (rank 0) ------------------------------------------------------------------------
+    def _publish(self, version: int, kind: str, timings: dict, send: Callable[[BucketSender], SendStats],
+                 bulk: bool = False, kept: str | None = None) -> tuple[Outcome, BaseException | None]:
+        """pause -> start -> send (while every engine's ``update`` receives) -> finish -> resume."""
+        try:
+            self._connect()
+        except Exception as e:
+            return Outcome(False, f"{type(e).__name__}: {e}", needs_seed=self.needs_seed), e
+        t_pause = time.perf_counter()
+        started: list[EngineClient] = []
+        finished: list[EngineClient] = []
+        try:
+            for e in self.engines:
+                e.pause(self.pause_mode)
+            for e in self.engines:
+                e.start()
+                started.append(e)
+            stats = self._send(version, kind, timings, send, kept)
+            t2 = time.perf_counter()
+            for e in self.engines:
+                e.finish(version)
+                finished.append(e)
+            timings["finish_s"] = time.perf_counter() - t2
+            for e in self.engines:
+                e.reset_prefix_cache()
+                e.resume()
+        except Exception as err:
+            # Engines left on different versions, or a bulk update they started writing, can only
+            # be repaired by a seed; they report it themselves.
+            needs_seed = kind == "seed" or 0 < len(finished) < len(self.engines) or self._engines_lost_base()
+            for e in started:
+                if e in finished:
+                    continue
+                for step in (e.discard, lambda: e.finish(self.version)):
+                    try:
+                        step()  # ends the engine's session without applying v
+                    except Exception:
+                        pass
+            if not needs_seed:  # engines are on v-1 and consistent: serve again
+                for e in self.engines:
+                    try:
+                        e.reset_prefix_cache()
+                        e.resume()
+                    except Exception:
+                        pass
+            log.error("delta-sync v%d failed (%s); %s", version, err,
+                      "engines stay paused until a seed" if needs_seed else f"engines resumed on v{self.version}")
+            return Outcome(False, f"{type(err).__name__}: {err}", needs_seed=needs_seed), err
+        report = {"tensors": stats.tensors, "changed_elements": stats.elements, "payload_bytes": stats.payload_bytes,
+                  "buckets": stats.buckets, "pause_window_s": round(time.perf_counter() - t_pause, 6)}
+        return Outcome(True, report=report), None
+
+    def _send(self, version: int, kind: str, timings: dict, send: Callable[[BucketSender], SendStats],
+              kept: str | None):
+        """Stream the buckets while each engine's ``update`` RPC receives them, concurrently."""
+        t1 = time.perf_counter()
+        sender = BucketSender(self.channel, version, kind, self.bucket_bytes, kept=kept)
+        with ThreadPoolExecutor(max_workers=len(self.engines)) as pool:
+            futs = [pool.submit(e.update, {"version": version}) for e in self.engines]
+            try:
+                stats = send(sender)
+            except Exception as err:
+                try:
+                    sender.abort(f"sender failed: {type(err).__name__}: {err}")
+                except Exception:
+                    sender.shutdown()
+                    self._drop_channel()  # receivers time out and discard; the next update reconnects
+                for f in futs:
+                    f.exception()
+                raise
+            errors = [f.exception() for f in futs]
+        timings["send_s"] = time.perf_counter() - t1
+        timings["pack_s"] = stats.pack_s
+        if kind != "delta":
+            timings["verify_s"] = stats.digest_s  # the digests the engines checked every entry against
+        timings["peak_buckets"] = stats.peak_buckets
+        for err in errors:
+            if err is not None:
+                self._drop_channel()  # the receivers may be out of step with the stream: reconnect next time
+                raise err
+        return stats
 
     def _rollback(self) -> None:
         self.store.rollback()
@@ -290,94 +485,13 @@ class WeightSync:
         dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group)
         return box[0]
 
-    def _share(self, outcome: dict | None) -> dict:
-        if self.world == 1:
-            return outcome  # type: ignore[return-value]
-        shared = self._from_rank0(None if outcome is None else {k: v for k, v in outcome.items() if k != "exc"})
-        if self.rank == 0 and outcome is not None and "exc" in outcome:
-            shared = dict(shared, exc=outcome["exc"])
-        return shared
-
-    def _publish(self, version: int, kind: str, patches: list[Patch], timings: dict) -> dict:
-        """Rank 0: validate, then pause -> start -> send -> finish -> resume on every engine."""
-        t0 = time.perf_counter()
-        for p in patches:
-            p.validate(kept=f"engines and trainer snapshot at v{self.version}")
-        timings["validate_s"] = time.perf_counter() - t0
-        self._connect()
-        t_pause = time.perf_counter()
-        started: list[EngineClient] = []
-        finished: list[EngineClient] = []
-        try:
-            for e in self.engines:
-                e.pause(self.pause_mode)
-            for e in self.engines:
-                e.start()
-                started.append(e)
-            stats = self._send(version, kind, patches, timings)
-            t2 = time.perf_counter()
-            for e in self.engines:
-                e.finish(version)
-                finished.append(e)
-            timings["finish_s"] = time.perf_counter() - t2
-            for e in self.engines:
-                e.reset_prefix_cache()
-                e.resume()
-        except BaseException as err:
-            # A failed seed, or engines left on different versions, can only be repaired by a seed.
-            needs_seed = kind == "seed" or 0 < len(finished) < len(self.engines) or self._engines_lost_base()
-            for e in started:
-                if e in finished:
-                    continue
-                for step in (e.discard, lambda: e.finish(self.version)):
-                    try:
-                        step()  # ends the engine's session without applying v
-                    except Exception:
-                        pass
-            if not needs_seed:  # engines are on v-1 and consistent: serve again
-                for e in self.engines:
-                    try:
-                        e.reset_prefix_cache()
-                        e.resume()
-                    except Exception:
-                        pass
-            log.error("delta-sync v%d failed (%s); %s", version, err,
-                      "engines stay paused until a seed" if needs_seed else f"engines resumed on v{self.version}")
-            return {"ok": False, "error": f"{type(err).__name__}: {err}", "needs_seed": needs_seed, "exc": err}
-        return {"ok": True, "report": {"tensors": stats.tensors, "changed_elements": stats.elements,
-                                       "payload_bytes": stats.payload_bytes, "buckets": stats.buckets,
-                                       "pause_window_s": round(time.perf_counter() - t_pause, 6)}}
-
-    def _send(self, version: int, kind: str, patches: list[Patch], timings: dict):
-        """Broadcast every bucket while each engine's ``update`` RPC receives them, concurrently."""
-        t1 = time.perf_counter()
-        with ThreadPoolExecutor(max_workers=len(self.engines)) as pool:
-            futs = [pool.submit(e.update, {"version": version}) for e in self.engines]
-            try:
-                stats = send_update(self.channel, version, kind, patches, self.bucket_bytes)
-            except BaseException as err:
-                try:
-                    send_abort(self.channel, version, f"sender failed: {type(err).__name__}: {err}")
-                except Exception:
-                    self._drop_channel()  # receivers time out and discard; the next update reconnects
-                for f in futs:
-                    f.exception()
-                raise
-            errors = [f.exception() for f in futs]
-        timings["send_s"] = time.perf_counter() - t1
-        timings["pack_s"] = stats.pack_s
-        for err in errors:
-            if err is not None:
-                self._drop_channel()  # the receivers may be out of step with the stream: reconnect next time
-                raise err
-        return stats
-
     # ---- integrity -------------------------------------------------------------------------------
     def verify(self) -> dict[str, str]:
         """Compare every engine's per-tensor digests with the trainer snapshot (collective).
 
-        Each owner digests its snapshot shard; rank 0 compares. A mismatch is drift: raises
-        :class:`DriftDetected` on every rank and the next update is a full seed.
+        Each owner digests its snapshot shard; rank 0 compares. A tensor the engine did not digest
+        counts as a mismatch. A mismatch is drift: raises :class:`DriftDetected` on every rank and
+        the next update is a full seed.
         """
         if self.sharded is not None and self.sharded.ready():  # shard snapshots back the deltas
             mine = {name: d.hex() for name, d in self.sharded.local_digests().items()}
@@ -394,12 +508,16 @@ class WeightSync:
         want = {k: d.hex() for k, d in sums.items()}
         problem = None
         if self.rank == 0:
-            for e in self.engines:
-                got = combine_reports(e.report(digests=True))
-                bad = [n for n in want if n in got and got[n] != want[n]]
-                if bad:
-                    problem = f"engine {e.name}: digest mismatch for {len(bad)} tensor(s), first {bad[0]!r}"
-                    break
+            try:
+                for e in self.engines:
+                    got = combine_reports(e.report(digests=True))
+                    bad = [n for n in want if got.get(n) != want[n]]
+                    if bad:
+                        what = "missing" if bad[0] not in got else "digest mismatch"
+                        problem = f"engine {e.name}: {len(bad)} tensor(s) differ, first {bad[0]!r} ({what})"
+                        break
+            except Exception as err:  # every rank must hear about it, not wait in the broadcast below
+                problem = f"digest report failed: {type(err).__name__}: {err}"
         problem = self._from_rank0(problem)
         if problem:
             self._reset()

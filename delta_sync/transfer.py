@@ -1,21 +1,37 @@
-"""Send and receive one whole update (all buckets of a version) over a :class:`Channel`.
+"""Send and receive one update (all buckets of a version) over a :class:`Channel`.
 
-The sender streams buckets; the last carries ``last=True``. An update can be aborted by a final
-bucket of kind ``abort`` whose header carries the reason: receivers discard what they staged.
+Both ends are pipelined and bounded to two buckets in flight:
+
+* the sender packs bucket k+1 while a sender thread broadcasts bucket k (a packed bucket waits for
+  one of two slots, so a slow link never piles buckets up in memory);
+* the receiver's thread receives bucket k+1 while the caller validates and applies bucket k (it
+  starts receiving k+2 only once k was handed back).
+
+A seed or full update (*bulk*) is applied bucket by bucket as it arrives (:func:`receive_stream`);
+a delta is assembled whole, validated, then applied at finish (:func:`receive_update`). The
+sender ends a version with a bucket carrying ``last=True``; an aborted update ends with a bucket of
+kind ``abort`` whose header carries the reason: receivers discard what they staged (a bulk update
+that was partly applied leaves the receiver needing a seed).
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Callable, Iterable, Iterator
 
-from .bucket import Bucket, BucketPacker, TensorAssembler, DEFAULT_BUCKET_BYTES
+import torch
+
+from .bucket import Bucket, BucketPacker, DEFAULT_BUCKET_BYTES, TensorAssembler, entry_patches
 from .channel import Channel
 from .errors import DeltaSyncError
 from .patch import Patch
 
-import torch
+#: buckets alive at once on either side of a bulk update (one on the wire, one being packed/applied)
+BUCKETS_IN_FLIGHT = 2
+BULK_KINDS = ("seed", "full")
 
 
 class UpdateAborted(DeltaSyncError):
@@ -30,6 +46,9 @@ class SendStats:
     payload_bytes: int = 0
     pack_s: float = 0.0
     send_s: float = 0.0
+    digest_s: float = 0.0
+    #: most buckets alive at once on the sender (packed and not yet sent)
+    peak_buckets: int = 0
 
 
 @dataclass
@@ -39,77 +58,246 @@ class ReceivedUpdate:
     patches: list[Patch] = field(default_factory=list)
     buckets: int = 0
     payload_bytes: int = 0
+    #: most buckets alive at once on the receiver (received and not yet handed back)
+    peak_buckets: int = 0
+
+
+class _Slots:
+    """Counts buckets alive at once and blocks the producer at ``limit``."""
+
+    def __init__(self, limit: int):
+        self._free = threading.Semaphore(limit)
+        self._lock = threading.Lock()
+        self.live = self.peak = 0
+
+    def take(self) -> None:
+        self._free.acquire()
+        with self._lock:
+            self.live += 1
+            self.peak = max(self.peak, self.live)
+
+    def give(self) -> None:
+        with self._lock:
+            self.live -= 1
+        self._free.release()
+
+
+class BucketSender:
+    """Sends the buckets of one version on a thread while the caller packs the next one.
+
+    ``send(patches)`` may be called several times (its buckets keep their sequence numbers);
+    ``close()`` ends the version, ``abort(reason)`` cancels it. Any failure of the thread is
+    raised by the next call."""
+
+    def __init__(self, channel: Channel, version: int, kind: str, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 checksum: bool = True, kept: str | None = None):
+        self.channel = channel
+        self.packer = BucketPacker(version, kind, bucket_bytes, checksum, kept=kept)
+        self.stats = SendStats()
+        self._names: set[str] = set()
+        self._slots = _Slots(BUCKETS_IN_FLIGHT)
+        self._queue: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="delta_sync-send", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            bucket = self._queue.get()
+            if bucket is None:
+                return
+            try:
+                if self._error is None:
+                    t0 = time.perf_counter()
+                    self.channel.send_bucket(bucket)
+                    self.stats.send_s += time.perf_counter() - t0
+            except BaseException as e:  # the caller raises it at its next call
+                self._error = e
+            finally:
+                self._slots.give()
+
+    def _put(self, bucket: Bucket) -> None:
+        self._raise()
+        self.stats.buckets += 1
+        self.stats.payload_bytes += bucket.payload_bytes
+        self._queue.put(bucket)
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def send(self, patches: Iterable[Patch]) -> None:
+        """Pack and send ``patches`` (lazily consumed) without ending the version."""
+        self._pack(patches, close=False)
+
+    def _pack(self, patches: Iterable[Patch], close: bool) -> None:
+        it = iter(self.packer.pack(self._count(patches), close=close))
+        while True:
+            self._slots.take()  # room for one more bucket before packing it
+            t0 = time.perf_counter()
+            try:
+                bucket = next(it)
+            except StopIteration:
+                self._slots.give()
+                return
+            except BaseException:
+                self._slots.give()
+                raise
+            finally:
+                self.stats.pack_s += time.perf_counter() - t0
+            self._put(bucket)
+
+    def _count(self, patches: Iterable[Patch]) -> Iterator[Patch]:
+        for p in patches:
+            self.stats.elements += p.count
+            if p.count or p.dense:
+                self._names.add(p.name)
+            yield p
+
+    def close(self, patches: Iterable[Patch] = ()) -> SendStats:
+        """Send ``patches`` and the last bucket; wait until everything is on the wire."""
+        self._pack(patches, close=True)
+        return self._finish()
+
+    def abort(self, reason: str) -> None:
+        """End the version with an abort bucket (receivers discard it); waits for the wire."""
+        self._slots.take()
+        self._queue.put(_abort_bucket(self.packer.version, reason))
+        self._finish()
+
+    def _finish(self) -> SendStats:
+        self._queue.put(None)
+        self._thread.join()
+        self._raise()
+        self.stats.tensors = len(self._names)
+        self.stats.digest_s = self.packer.digest_s
+        self.stats.peak_buckets = self._slots.peak
+        return self.stats
+
+    def shutdown(self) -> None:
+        """Stop the thread without sending anything more (after a failure)."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
 
 
 def send_update(channel: Channel, version: int, kind: str, patches: Iterable[Patch],
                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, checksum: bool = True) -> SendStats:
-    stats = SendStats()
-    packer = BucketPacker(version, kind, bucket_bytes, checksum)
-    names = set()
-    it = iter(packer.pack(_count(patches, stats, names)))
-    while True:
-        t0 = time.perf_counter()
-        try:
-            bucket = next(it)
-        except StopIteration:
-            break
-        t1 = time.perf_counter()
-        channel.send_bucket(bucket)
-        t2 = time.perf_counter()
-        stats.pack_s += t1 - t0
-        stats.send_s += t2 - t1
-        stats.buckets += 1
-        stats.payload_bytes += bucket.payload_bytes
-    stats.tensors = len(names)
-    return stats
+    """Send a whole version (every bucket, then the last); pipelined, two buckets in flight."""
+    sender = BucketSender(channel, version, kind, bucket_bytes, checksum)
+    try:
+        return sender.close(patches)
+    finally:
+        sender.shutdown()
 
 
-def _count(patches: Iterable[Patch], stats: SendStats, names: set):
-    for p in patches:
-        stats.elements += p.count
-        if p.count or p.dense:
-            names.add(p.name)
-        yield p
+def _abort_bucket(version: int, reason: str) -> Bucket:
+    header = {"version": version, "seq": -1, "last": True, "kind": "abort", "reason": reason,
+              "entries": [], "index_count": 0, "value_counts": {}, "checksum": None}
+    return Bucket(header, torch.empty(0, dtype=torch.int32), {})
 
 
 def send_abort(channel: Channel, version: int, reason: str) -> None:
-    header = {"version": version, "seq": -1, "last": True, "kind": "abort", "reason": reason,
-              "entries": [], "index_count": 0, "value_counts": {}, "checksum": None}
-    channel.send_bucket(Bucket(header, torch.empty(0, dtype=torch.int32), {}))
+    channel.send_bucket(_abort_bucket(version, reason))
 
 
-def receive_update(channel: Channel, kept: str | None = None) -> ReceivedUpdate:
-    """Receive buckets until the last one; returns the assembled per-tensor patches.
+def _prefetch(channel: Channel, slots: _Slots) -> Iterator[Bucket]:
+    """Buckets of one version, each received on a thread while the previous one is in use."""
+    q: queue.Queue = queue.Queue()
 
-    Raises :class:`UpdateAborted` for an aborted update and the typed validation errors of
-    :mod:`delta_sync.bucket` for a corrupt one (after draining the rest of the update, so the
-    channel stays in step with the sender).
-    """
-    asm = TensorAssembler(kept)
-    first_error: Exception | None = None
-    update: ReceivedUpdate | None = None
-    expect_seq = 0
+    def run():
+        try:
+            while True:
+                slots.take()
+                b = channel.recv_bucket()
+                q.put(b)
+                if b.header.get("last") or b.header.get("kind") == "abort":
+                    return
+        except BaseException as e:  # raised in the consumer
+            q.put(e)
+
+    th = threading.Thread(target=run, name="delta_sync-recv", daemon=True)
+    th.start()  # a consumer that stops early leaves it in recv: that channel is dropped then
     while True:
-        bucket = channel.recv_bucket()
-        h = bucket.header
-        if h["kind"] == "abort":
-            raise UpdateAborted(f"sender aborted version {h['version']}: {h.get('reason')}", kept=kept)
-        if update is None:
-            update = ReceivedUpdate(int(h["version"]), h["kind"])
-        update.buckets += 1
-        update.payload_bytes += bucket.payload_bytes
-        if first_error is None:
-            try:
-                if h["seq"] != expect_seq or h["version"] != update.version:
-                    raise DeltaSyncError(f"bucket out of order: got v{h['version']} seq {h['seq']}, "
-                                         f"expected v{update.version} seq {expect_seq}", kept=kept)
-                asm.add(bucket)
-            except Exception as e:  # keep draining so the channel stays in step
-                first_error = e
-        expect_seq += 1
-        if h["last"]:
-            break
+        item = q.get()
+        if isinstance(item, BaseException):
+            raise item
+        yield item
+        slots.give()  # the consumer is done with it
+        if item.header.get("last") or item.header.get("kind") == "abort":
+            return
+
+
+def receive_stream(channel: Channel, kept: str | None = None) -> Iterator[tuple[dict, list[tuple[dict, Patch]]]]:
+    """``(header, [(entry, patch), ...])`` per bucket of one version, checked (checksum, per-entry
+    digests, bounds, tiling) before it is yielded; the next bucket is received meanwhile.
+
+    A bad bucket raises after the rest of the version was drained, so the channel stays in step
+    with the sender. Raises :class:`UpdateAborted` for an aborted update."""
+    slots = _Slots(BUCKETS_IN_FLIGHT)
+    first_error: Exception | None = None
+    version = None
+    expect_seq = 0
+    stream = _prefetch(channel, slots)
+    try:
+        for bucket in stream:
+            h = bucket.header
+            if h["kind"] == "abort":
+                raise UpdateAborted(f"sender aborted version {h['version']}: {h.get('reason')}", kept=kept)
+            if version is None:
+                version = h["version"]
+            if first_error is None:
+                try:
+                    if h["seq"] != expect_seq or h["version"] != version:
+                        raise DeltaSyncError(f"bucket out of order: got v{h['version']} seq {h['seq']}, "
+                                             f"expected v{version} seq {expect_seq}", kept=kept)
+                    entries = entry_patches(bucket, kept)
+                except Exception as e:  # keep draining so the channel stays in step
+                    first_error = e
+                else:
+                    h["_payload_bytes"] = bucket.payload_bytes
+                    h["_peak_buckets"] = slots.peak
+                    yield h, entries
+            expect_seq += 1
+    finally:
+        stream.close()
     if first_error is not None:
         raise first_error
+
+
+def receive_update(channel: Channel, kept: str | None = None,
+                   bulk_sink: Callable[[dict, Patch], None] | None = None) -> ReceivedUpdate:
+    """Receive one version.
+
+    A delta (or any version without ``bulk_sink``) is assembled into one patch per tensor: the
+    transactional path, nothing is applied here. A seed or full update with ``bulk_sink`` hands
+    every checked entry to ``bulk_sink(entry, patch)`` as its bucket arrives (the next bucket is
+    received meanwhile) and returns no patches; if the sink raises, the rest of the version is
+    drained unapplied and the sink's error is raised at the end."""
+    asm = TensorAssembler(kept)
+    update: ReceivedUpdate | None = None
+    sink_error: Exception | None = None
+    for h, entries in receive_stream(channel, kept):
+        if update is None:
+            update = ReceivedUpdate(int(h["version"]), h["kind"])
+        elif h["kind"] != update.kind and sink_error is None:  # drained below, raised at the end
+            sink_error = DeltaSyncError(f"bucket {h['seq']} of v{update.version} is a {h['kind']!r} bucket "
+                                        f"in a {update.kind!r} update", kept=kept)
+        update.buckets += 1
+        update.payload_bytes += h["_payload_bytes"]
+        update.peak_buckets = max(update.peak_buckets, h["_peak_buckets"])
+        if bulk_sink is not None and update.kind in BULK_KINDS:
+            if sink_error is None:
+                try:
+                    for e, p in entries:
+                        bulk_sink(e, p)
+                except Exception as err:  # keep draining: the channel stays in step with the sender
+                    sink_error = err
+        else:
+            asm.add_entries(entries)
+    if update is None:
+        raise DeltaSyncError("the update ended before its first bucket", kept=kept)
+    if sink_error is not None:
+        raise sink_error
     update.patches = asm.patches()
     return update

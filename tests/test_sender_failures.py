@@ -70,8 +70,8 @@ def sender_dies_mid_send(rank: int, sync: WeightSync):
         return
     real, bucket_bytes = transfer.BucketPacker.pack, sync.bucket_bytes
 
-    def broken_pack(self, patches):
-        for i, b in enumerate(real(self, patches)):
+    def broken_pack(self, patches, **kwargs):
+        for i, b in enumerate(real(self, patches, **kwargs)):
             if i == 1:
                 raise RuntimeError("sender died while packing bucket 1")
             yield b

@@ -1,0 +1,109 @@
+"""The bulk path streams: seeds and full updates never hold more than two buckets on either side,
+the receiver applies each bucket as it arrives, and a bulk update that fails midway ends in a
+seed. Buffers are counted, not timed (this machine is shared)."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from delta_sync.errors import EngineError, PatchValidationError
+from delta_sync.memory_receiver import MemoryReceiver
+from delta_sync.sync import WeightSync
+from delta_sync.transfer import BUCKETS_IN_FLIGHT
+
+from .test_channel import model_at
+
+
+class SlowReceiver(MemoryReceiver):
+    """Applies each bulk range slowly, so an unbounded sender would pile buckets up meanwhile;
+    remembers how many ranges were applied before the version's last bucket arrived."""
+
+    def __init__(self, delay_s: float = 0.002):
+        super().__init__()
+        self.delay_s = delay_s
+        self.ranges = 0
+
+    def _write_range(self, entry, p):
+        time.sleep(self.delay_s)
+        self.ranges += 1
+        super()._write_range(entry, p)
+
+
+def _many_tensors(n: int = 48) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return {f"layers.{i}.w": torch.randn(64, 40 + i, generator=g).to(torch.bfloat16) for i in range(n)}
+
+
+@pytest.mark.parametrize("mode", ["delta", "full"])
+def test_seed_and_full_hold_at_most_two_buckets_each_side(mode):
+    state = _many_tensors()
+    receiver = SlowReceiver()
+    sync = WeightSync([receiver], mode=mode, bucket_bytes=8 << 10, timeout_s=60)
+    try:
+        seed = sync.update(state.items())
+        assert seed.kind == "seed" and seed.buckets > 40  # ~300 KiB through 8 KiB buckets
+        assert seed.verified and seed.timings["verify_s"] > 0  # every entry's digest was checked in flight
+        assert seed.timings["peak_buckets"] <= BUCKETS_IN_FLIGHT
+        assert 1 <= receiver.peak_buckets <= BUCKETS_IN_FLIGHT
+        assert receiver.ranges >= len(state)  # applied range by range, as buckets arrived
+        assert receiver.mismatched(state.items()) == []
+        for t in state.values():
+            t.view(-1)[::7] = (t.view(-1)[::7].float() * 1.5 + 0.25).to(t.dtype)
+        rep = sync.update(state.items())
+        assert rep.kind == ("full" if mode == "full" else "delta")
+        assert receiver.mismatched(state.items()) == []
+        if mode == "full":
+            assert rep.timings["peak_buckets"] <= BUCKETS_IN_FLIGHT and receiver.peak_buckets <= BUCKETS_IN_FLIGHT
+            assert not sync.store.snapshots()  # a full-mode trainer never diffs: no snapshot at all
+        else:
+            assert len(sync.store.snapshots()) == len(state)
+    finally:
+        sync.close()
+
+
+def test_full_update_failing_midway_ends_in_a_seed():
+    """A full update writes as it goes (no undo copy): a failure after the first bucket leaves the
+    receiver without a valid version, and the trainer's next update is a seed that repairs it."""
+    state = model_at(3)
+    receiver = MemoryReceiver()
+    sync = WeightSync([receiver], mode="full", bucket_bytes=2 << 10, timeout_s=60)
+    try:
+        sync.update(model_at(2).items())
+        bad = dict(state)
+        name = list(bad)[-1]  # the last tensor: earlier buckets are already applied when it is packed
+        bad[name] = bad[name].clone()
+        bad[name].view(-1)[5] = float("nan")
+        with pytest.raises(PatchValidationError, match=f"{name}.*non-finite value at flat index 5"):
+            sync.update(bad.items())
+        assert receiver.version is None and sync.needs_seed  # partly written: only a seed can repair
+        rep = sync.update(state.items())
+        assert rep.kind == "seed" and receiver.mismatched(state.items()) == []
+    finally:
+        sync.close()
+
+
+def test_receiver_error_midway_through_a_seed_is_reported_and_reseeded():
+    state = model_at(1)
+
+    class Failing(MemoryReceiver):
+        fail = True
+
+        def _write_range(self, entry, p):
+            if self.fail and p.name == "layers.1.w":
+                raise RuntimeError("disk full while writing layers.1.w")
+            super()._write_range(entry, p)
+
+    receiver = Failing()
+    sync = WeightSync([receiver], bucket_bytes=1 << 10, timeout_s=60)
+    try:
+        with pytest.raises(EngineError, match="disk full while writing layers.1.w"):
+            sync.update(state.items())
+        assert sync.needs_seed and receiver.version is None
+        receiver.fail = False
+        assert sync.update(state.items()).kind == "seed"
+        assert receiver.mismatched(state.items()) == []
+        assert threading.active_count() < 20  # sender/receiver threads end with their version
+    finally:
+        sync.close()
