@@ -234,6 +234,41 @@ def apply_dense(view: LoaderView, params: dict[str, torch.Tensor], values: torch
     return written
 
 
+#: checkpoint elements mapped per step when a range meets a strided (non-contiguous) segment
+RANGE_CHUNK = 1 << 20
+
+
+def apply_dense_range(view: LoaderView, params: dict[str, torch.Tensor], values: torch.Tensor, start: int) -> int:
+    """Write checkpoint flat elements ``[start, start + len(values))`` through ``view`` (no undo:
+    the bulk path of a seed or full update, whose failure ends in ``needs_seed``).
+
+    Contiguous segments take one slice copy; strided ones (TP column shards) a whole-tensor
+    strided copy when the range is the whole tensor, else index mapping in bounded chunks."""
+    src = values.reshape(-1)
+    stop = start + src.numel()
+    whole = start == 0 and stop == math.prod(view.shape)
+    written = 0
+    for seg in view.segments:
+        flat = flat_param(params[seg.param])
+        if whole:
+            seg.dst_view(flat).copy_(seg.src_view(src))
+            written += seg.numel
+        elif seg.contiguous:
+            lo, hi = max(start, seg.src_offset), min(stop, seg.src_offset + seg.numel)
+            if lo < hi:
+                d = seg.dst_offset + lo - seg.src_offset
+                flat[d:d + hi - lo].copy_(src[lo - start:hi - start])
+                written += hi - lo
+        else:
+            for c in range(start, stop, RANGE_CHUNK):
+                idx = torch.arange(c, min(c + RANGE_CHUNK, stop), device=src.device)
+                sel, dst = seg.map(idx)
+                if sel.numel():
+                    flat.index_copy_(0, dst, src.index_select(0, sel + (c - start)).to(flat.dtype))
+                    written += sel.numel()
+    return written
+
+
 def read_through(view: LoaderView, params: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """``(flat checkpoint indices, values)`` this worker holds for ``view`` (for digests)."""
     idx_parts, val_parts = [], []

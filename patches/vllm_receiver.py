@@ -6,11 +6,15 @@ Lifecycle (names match vLLM's wire protocol)::
                           that in-place patching would corrupt
     start_weight_update   check that no parameter's storage or strides changed since the views
                           were built
-    update_weights        receive *all* buckets of version v, validate every patch (name, shape,
-                          dtype, bounds, order, duplicates, finite values, checksum) and stage it;
-                          nothing touches the weights yet
-    finish_weight_update  apply everything staged with an undo log; on failure restore v-1
-                          (a failed seed leaves ``needs_seed``)
+    update_weights        a delta: receive *all* buckets of version v, validate every patch (name,
+                          shape, dtype, bounds, order, duplicates, finite values, checksum) and
+                          stage it; nothing touches the weights yet.
+                          a seed or full update: check and apply each bucket as it arrives (the
+                          next one is received meanwhile; each entry's digest and finiteness
+                          checked in one pass), no undo copy: from the first write on, the worker
+                          reports ``needs_seed`` until the version completes
+    finish_weight_update  a delta: apply everything staged with an undo log; on failure restore
+                          v-1. a bulk update: take the version it completed
 
 Loader views are recorded at the first seed (the seed names every checkpoint tensor and its
 shape). Names whose loader is not a plain strided copy go through vLLM's own loader instead:
@@ -31,9 +35,10 @@ from delta_sync.channel import Channel
 from delta_sync.digest import digest_elements
 from delta_sync.errors import DeltaSyncError, LayoutNotSupported, NeedsSeed, PatchValidationError
 from delta_sync.patch import Patch
-from delta_sync.transfer import receive_update
+from delta_sync.transfer import BULK_KINDS, receive_update
 
-from .loader_views import LoaderView, UndoLog, apply_dense, apply_sparse, probe_views, read_through
+from .loader_views import (LoaderView, UndoLog, apply_dense, apply_dense_range, apply_sparse, probe_views,
+                           read_through)
 
 from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
                                                    WeightTransferUpdateInfo)
@@ -89,6 +94,40 @@ def check_layout_supported(vllm_config, model: torch.nn.Module, device: torch.de
 
 def _fingerprint(model: torch.nn.Module) -> dict[str, tuple]:
     return {n: (p.data_ptr(), tuple(p.stride()), tuple(p.shape), p.dtype) for n, p in model.named_parameters()}
+
+
+class _BulkState:
+    """What one seed/full update has written so far on this worker."""
+
+    def __init__(self):
+        self.writing = False
+        self.done: dict[str, int] = {}  # name -> elements written, ranges arrive in order
+        self.numel: dict[str, int] = {}
+        self.pending: dict[str, list[torch.Tensor]] = {}  # fallback names: ranges until complete
+        self.apply_s = 0.0
+        self._params = None
+
+    def params(self, model) -> dict[str, torch.Tensor]:
+        if self._params is None:
+            self._params = dict(model.named_parameters())
+        return self._params
+
+    def advance(self, name: str, start: int, count: int, numel: int) -> None:
+        have = self.done.get(name, 0)
+        if start != have:
+            raise PatchValidationError(name, f"dense range starts at {start}, expected {have}", kept="needs_seed")
+        self.done[name] = have + count
+        self.numel[name] = numel
+
+    def check_complete(self, upd, shapes: dict, kept: str) -> None:
+        short = [n for n, k in self.done.items() if k != self.numel[n]]
+        if short:
+            raise PatchValidationError(short[0], f"{upd.kind} v{upd.version} ended with {self.done[short[0]]} of "
+                                       f"{self.numel[short[0]]} elements written", kept=kept)
+        missing = sorted(set(shapes) - set(self.done))
+        if missing:
+            raise PatchValidationError(missing[0], f"{upd.kind} v{upd.version} left out {len(missing)} seeded "
+                                       f"tensor(s); they would keep stale values", kept=kept)
 
 
 class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, DeltaSyncUpdateInfo]):
@@ -155,21 +194,71 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
             raise DeltaSyncError("init_transfer_engine was not called", kept=self._kept())
         t0 = time.perf_counter()
         self._staged = None
+        self._bulk = _BulkState()
         try:
-            upd = receive_update(self.channel, kept=self._kept())
+            upd = receive_update(self.channel, kept=self._kept(), bulk_sink=self._apply_bulk_entry)
             if update_info.version is not None and upd.version != update_info.version:
                 raise DeltaSyncError(f"received version {upd.version}, the sender announced {update_info.version}",
                                      kept=self._kept())
-            if upd.kind != "seed" and (self.version is None or self.needs_seed):
-                raise NeedsSeed(f"delta v{upd.version} arrived but this engine has no base version",
-                                kept=self._kept())
-            for p in upd.patches:
-                self._validate(p, seed=upd.kind == "seed")
+            if upd.kind in BULK_KINDS:
+                self._bulk.check_complete(upd, self.shapes, self._kept())
+            else:
+                if self.version is None or self.needs_seed:
+                    raise NeedsSeed(f"delta v{upd.version} arrived but this engine has no base version",
+                                    kept=self._kept())
+                for p in upd.patches:
+                    self._validate(p, seed=False)
         except Exception as e:
             self.last_error = str(e)
             raise
         self._staged = upd
-        self.last_timings = {"receive_s": time.perf_counter() - t0}
+        self.last_timings = {"receive_s": time.perf_counter() - t0, "peak_buckets": float(upd.peak_buckets),
+                             "bulk_apply_s": self._bulk.apply_s}
+
+    def _apply_bulk_entry(self, entry: dict, p: Patch) -> None:
+        """One checked dense range of a seed/full update, written through its loader view now."""
+        state = self._bulk
+        if not state.writing:
+            state.writing = True
+            self.version, self.needs_seed = None, True  # the old version is being overwritten
+        t0 = time.perf_counter()
+        try:
+            self._write_bulk_range(entry, p)
+        except Exception as e:
+            kept = "engine paused with partially written weights; needs_seed: the next update must be a full seed"
+            if isinstance(e, DeltaSyncError):
+                raise
+            raise DeltaSyncError(f"apply of {p.name!r} [{entry['start']}, +{p.count}) failed: "
+                                 f"{type(e).__name__}: {e}", kept=kept) from e
+        finally:
+            state.apply_s += time.perf_counter() - t0
+
+    def _write_bulk_range(self, entry: dict, p: Patch) -> None:
+        state = self._bulk
+        known = self.shapes.get(p.name)
+        if known is not None and known != (p.shape, p.dtype):
+            raise PatchValidationError(p.name, f"shape/dtype {p.shape}/{p.dtype} differ from the seeded "
+                                       f"{known[0]}/{known[1]}", kept="needs_seed")
+        state.advance(p.name, int(entry["start"]), p.count, p.numel)
+        self.shapes[p.name] = (p.shape, p.dtype)
+        if p.name not in self.views and p.name not in self.fallback:
+            with self._loader_layout():
+                views, unsupported = probe_views(self.model, [(p.name, p.shape, p.dtype)])
+            self.views.update(views)
+            self.fallback.update(unsupported)
+            for name, why in unsupported.items():
+                log.warning("delta-sync: %s has no loader view (%s); it uses vLLM's loader", name, why)
+        view = self.views.get(p.name)
+        with torch.no_grad():
+            if view is not None:
+                apply_dense_range(view, state.params(self.model), p.values, int(entry["start"]))
+            else:  # vLLM's loader needs the whole tensor: hold its ranges until the last one
+                parts = state.pending.setdefault(p.name, [])
+                parts.append(p.values.clone())
+                if state.done[p.name] == p.numel:
+                    full = torch.cat(state.pending.pop(p.name)).reshape(p.shape)
+                    with self._loader_layout():
+                        self.model.load_weights([(p.name, full)])
 
     def _validate(self, p: Patch, seed: bool) -> None:
         known = self.shapes.get(p.name)
@@ -183,22 +272,19 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         upd, self._staged = self._staged, None
         if upd is None:
             return  # start/finish with nothing received (e.g. the sender aborted before sending)
+        if upd.kind in BULK_KINDS:  # applied while it arrived, and complete
+            self.version, self.needs_seed, self.last_error = upd.version, False, None
+            self._fingerprint = _fingerprint(self.model)
+            return
         t0 = time.perf_counter()
         params = dict(self.model.named_parameters())
         undo = UndoLog()
         try:
             with torch.no_grad():
-                if upd.kind == "seed":
-                    self._apply_seed(upd.patches, params, undo)
-                else:
-                    self._apply_delta(upd.patches, params, undo)
+                self._apply_delta(upd.patches, params, undo)
         except Exception as e:
             undo.restore()
-            if upd.kind == "seed":
-                self.version, self.needs_seed = None, True
-                kept = "engine paused with partially seeded weights; needs_seed: the next update must be a full seed"
-            else:
-                kept = self._kept() + " (undo log restored)"
+            kept = self._kept() + " (undo log restored)"
             self.last_error = f"apply of v{upd.version} failed: {type(e).__name__}: {e}"
             raise DeltaSyncError(self.last_error, kept=kept) from e
         self.version, self.needs_seed, self.last_error = upd.version, False, None
@@ -206,28 +292,6 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         self.last_timings.update(apply_s=time.perf_counter() - t0, undo_bytes=float(undo.nbytes))
 
     # ---- apply ---------------------------------------------------------------------------------
-    def _apply_seed(self, patches: list[Patch], params, undo: UndoLog) -> None:
-        new = [(p.name, p.shape, p.dtype) for p in patches if p.name not in self.views and p.name not in self.fallback]
-        if new:
-            with self._loader_layout():
-                views, unsupported = probe_views(self.model, new)
-            self.views.update(views)
-            self.fallback.update(unsupported)
-            for name, why in unsupported.items():
-                log.warning("delta-sync: %s has no loader view (%s); it uses vLLM's loader", name, why)
-        slow = []
-        for p in patches:
-            self.shapes[p.name] = (p.shape, p.dtype)
-            view = self.views.get(p.name)
-            if view is not None:
-                apply_dense(view, params, p.values, undo)
-            else:
-                slow.append(p)
-        if slow:
-            self._snapshot_all(params, undo)
-            with self._loader_layout():
-                self.model.load_weights([(p.name, p.values.reshape(p.shape)) for p in slow])
-
     def _apply_delta(self, patches: list[Patch], params, undo: UndoLog) -> None:
         slow = []
         for p in patches:

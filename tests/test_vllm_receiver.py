@@ -196,7 +196,7 @@ def test_seed_failure_leaves_needs_seed_and_next_update_reseeds(engine, monkeypa
     state, sync = _seeded(llm, path)
     sync.close()
     fresh = WeightSync([llm], mode="delta")  # a new trainer: its first update is a seed
-    real = receiver.apply_dense
+    real = receiver.apply_dense_range
     calls = {"n": 0}
 
     def failing(*args, **kwargs):
@@ -204,11 +204,11 @@ def test_seed_failure_leaves_needs_seed_and_next_update_reseeds(engine, monkeypa
         if calls["n"] == 3:
             raise RuntimeError("injected seed failure")
         return real(*args, **kwargs)
-    monkeypatch.setattr(receiver, "apply_dense", failing)
+    monkeypatch.setattr(receiver, "apply_dense_range", failing)
     with pytest.raises(EngineError, match="injected seed failure.*needs_seed"):
         fresh.update(state.items())
     assert fresh.needs_seed and _worker_engine(llm).needs_seed
-    monkeypatch.setattr(receiver, "apply_dense", real)
+    monkeypatch.setattr(receiver, "apply_dense_range", real)
     rep = fresh.update(state.items())
     assert rep.kind == "seed" and rep.verified and not _worker_engine(llm).needs_seed
     fresh.close()
