@@ -55,6 +55,35 @@ class Bucket:
         return json.dumps(self.header, separators=(",", ":")).encode()
 
 
+class Arena:
+    """A reusable byte buffer that one bucket's index and value buffers are carved from.
+
+    Two arenas alternate on each side of a bulk update, so a seed allocates (and page-faults) two
+    buckets' worth of memory, not the model's."""
+
+    ALIGN = 64
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.buf: torch.Tensor | None = None
+
+    def carve(self, wants: list[tuple[torch.dtype, int]]) -> list[torch.Tensor]:
+        """One 1-D tensor of ``n`` elements of ``dtype`` per ``(dtype, n)``, aligned, from this arena."""
+        offsets, total = [], 0
+        for dtype, n in wants:
+            offsets.append(total)
+            nbytes = n * torch.empty(0, dtype=dtype).element_size()
+            total += -(-nbytes // self.ALIGN) * self.ALIGN
+        if self.buf is None or self.buf.numel() < total:
+            self.buf = None  # free the old one first
+            self.buf = torch.empty(max(total, self.ALIGN), dtype=torch.uint8, device=self.device)
+        out = []
+        for (dtype, n), off in zip(wants, offsets):
+            esize = torch.empty(0, dtype=dtype).element_size()
+            out.append(self.buf[off:off + n * esize].view(dtype))
+        return out
+
+
 class BucketPacker:
     """Packs patches (in export order) into bounded buckets for one version.
 
@@ -71,6 +100,8 @@ class BucketPacker:
         self.seq = 0
         self.digests: dict[str, Digest] = {}
         self.digest_s = 0.0
+        #: where the next bucket's buffers are carved (None: fresh allocations)
+        self.arena: Arena | None = None
 
     def _scan_dense(self, p: Patch, done: int, take: int) -> str:
         t0 = time.perf_counter()
@@ -91,8 +122,15 @@ class BucketPacker:
         counts = {"idx": 0, "bytes": 0, "vals": {}}
 
         def flush(last: bool) -> Bucket:
-            idx = torch.cat(idx_parts) if idx_parts else torch.empty(0, dtype=torch.int32)
-            vals = {k: torch.cat(v) for k, v in val_parts.items()}
+            if self.arena is not None:
+                names = sorted(val_parts)
+                bufs = self.arena.carve([(torch.int32, counts["idx"])] +
+                                        [(DTYPES[k], counts["vals"][k]) for k in names])
+                idx = torch.cat(idx_parts, out=bufs[0]) if idx_parts else bufs[0]
+                vals = {k: torch.cat(val_parts[k], out=b) for k, b in zip(names, bufs[1:])}
+            else:
+                idx = torch.cat(idx_parts) if idx_parts else torch.empty(0, dtype=torch.int32)
+                vals = {k: torch.cat(v) for k, v in val_parts.items()}
             header = {"version": self.version, "seq": self.seq, "last": last, "kind": self.kind,
                       "entries": list(entries), "index_count": int(idx.numel()),
                       "value_counts": {k: int(v.numel()) for k, v in vals.items()}}

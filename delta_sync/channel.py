@@ -21,7 +21,9 @@ import torch
 from torch.distributed import BroadcastOptions, PrefixStore, TCPStore
 
 from . import accelerator
-from .bucket import Bucket, parse_header
+from typing import Callable
+
+from .bucket import Arena, Bucket, parse_header
 from .errors import ChannelError
 from .patch import DTYPES
 
@@ -111,19 +113,26 @@ class Channel:
         for k in names:
             self.broadcast(bucket.values[k].to(self.device).contiguous())
 
-    def recv_bucket(self) -> Bucket:
+    def recv_bucket(self, arena_for: Callable[[dict], Arena | None] | None = None) -> Bucket:
+        """The next bucket; its buffers are carved from ``arena_for(header)`` when that gives an arena."""
         sizes = self.broadcast(torch.empty(3, dtype=torch.int64, device=self.device))
         hlen, nidx, nval = (int(x) for x in sizes.tolist())
         raw = self.broadcast(torch.empty(hlen, dtype=torch.uint8, device=self.device))
         header = parse_header(bytes(raw.cpu().numpy()))
-        idx = self.broadcast(torch.empty(nidx, dtype=torch.int32, device=self.device))
         counts = header["value_counts"]
         if len(counts) != nval:
             raise ChannelError(f"bucket {header['seq']}: header lists {len(counts)} value buffers, "
                                f"sender announced {nval}")
-        values = {}
-        for k in sorted(counts):
+        for k in counts:
             if k not in DTYPES:
                 raise ChannelError(f"bucket {header['seq']}: unknown dtype {k!r}")
-            values[k] = self.broadcast(torch.empty(int(counts[k]), dtype=DTYPES[k], device=self.device))
+        names = sorted(counts)
+        wants = [(torch.int32, nidx)] + [(DTYPES[k], int(counts[k])) for k in names]
+        arena = arena_for(header) if arena_for is not None else None
+        if arena is not None:
+            bufs = arena.carve(wants)
+        else:
+            bufs = [torch.empty(n, dtype=dt, device=self.device) for dt, n in wants]
+        idx = self.broadcast(bufs[0])
+        values = {k: self.broadcast(b) for k, b in zip(names, bufs[1:])}
         return Bucket(header, idx, values)

@@ -24,7 +24,7 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from .bucket import Bucket, BucketPacker, DEFAULT_BUCKET_BYTES, TensorAssembler, entry_patches
+from .bucket import Arena, Bucket, BucketPacker, DEFAULT_BUCKET_BYTES, TensorAssembler, entry_patches
 from .channel import Channel
 from .errors import DeltaSyncError
 from .patch import Patch
@@ -63,23 +63,27 @@ class ReceivedUpdate:
 
 
 class _Slots:
-    """Counts buckets alive at once and blocks the producer at ``limit``."""
+    """At most ``limit`` buckets alive at once, each in its own reusable :class:`Arena`: ``take``
+    blocks until one is free, ``give`` returns it. Counts the peak."""
 
-    def __init__(self, limit: int):
-        self._free = threading.Semaphore(limit)
+    def __init__(self, limit: int, device: torch.device | str = "cpu"):
+        self._free: queue.Queue = queue.Queue()
+        for _ in range(limit):
+            self._free.put(Arena(device))
         self._lock = threading.Lock()
         self.live = self.peak = 0
 
-    def take(self) -> None:
-        self._free.acquire()
+    def take(self) -> Arena:
+        arena = self._free.get()
         with self._lock:
             self.live += 1
             self.peak = max(self.peak, self.live)
+        return arena
 
-    def give(self) -> None:
+    def give(self, arena: Arena) -> None:
         with self._lock:
             self.live -= 1
-        self._free.release()
+        self._free.put(arena)
 
 
 class BucketSender:
@@ -95,7 +99,7 @@ class BucketSender:
         self.packer = BucketPacker(version, kind, bucket_bytes, checksum, kept=kept)
         self.stats = SendStats()
         self._names: set[str] = set()
-        self._slots = _Slots(BUCKETS_IN_FLIGHT)
+        self._slots = _Slots(BUCKETS_IN_FLIGHT, channel.device)
         self._queue: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="delta_sync-send", daemon=True)
@@ -103,9 +107,10 @@ class BucketSender:
 
     def _run(self) -> None:
         while True:
-            bucket = self._queue.get()
-            if bucket is None:
+            item = self._queue.get()
+            if item is None:
                 return
+            bucket, arena = item
             try:
                 if self._error is None:
                     t0 = time.perf_counter()
@@ -114,13 +119,13 @@ class BucketSender:
             except BaseException as e:  # the caller raises it at its next call
                 self._error = e
             finally:
-                self._slots.give()
+                self._slots.give(arena)
 
-    def _put(self, bucket: Bucket) -> None:
+    def _put(self, bucket: Bucket, arena: Arena) -> None:
         self._raise()
         self.stats.buckets += 1
         self.stats.payload_bytes += bucket.payload_bytes
-        self._queue.put(bucket)
+        self._queue.put((bucket, arena))
 
     def _raise(self) -> None:
         if self._error is not None:
@@ -133,19 +138,20 @@ class BucketSender:
     def _pack(self, patches: Iterable[Patch], close: bool) -> None:
         it = iter(self.packer.pack(self._count(patches), close=close))
         while True:
-            self._slots.take()  # room for one more bucket before packing it
+            arena = self._slots.take()  # room for one more bucket before packing it
+            self.packer.arena = arena
             t0 = time.perf_counter()
             try:
                 bucket = next(it)
             except StopIteration:
-                self._slots.give()
+                self._slots.give(arena)
                 return
             except BaseException:
-                self._slots.give()
+                self._slots.give(arena)
                 raise
             finally:
                 self.stats.pack_s += time.perf_counter() - t0
-            self._put(bucket)
+            self._put(bucket, arena)
 
     def _count(self, patches: Iterable[Patch]) -> Iterator[Patch]:
         for p in patches:
@@ -161,8 +167,7 @@ class BucketSender:
 
     def abort(self, reason: str) -> None:
         """End the version with an abort bucket (receivers discard it); waits for the wire."""
-        self._slots.take()
-        self._queue.put(_abort_bucket(self.packer.version, reason))
+        self._queue.put((_abort_bucket(self.packer.version, reason), self._slots.take()))
         self._finish()
 
     def _finish(self) -> SendStats:
@@ -202,15 +207,19 @@ def send_abort(channel: Channel, version: int, reason: str) -> None:
 
 
 def _prefetch(channel: Channel, slots: _Slots) -> Iterator[Bucket]:
-    """Buckets of one version, each received on a thread while the previous one is in use."""
+    """Buckets of one version, each received on a thread while the previous one is in use.
+
+    Bulk buckets are received into the slots' reusable arenas (their consumer copies the values
+    out before asking for the next bucket); delta buckets get buffers of their own, since a delta
+    is assembled whole before it is applied."""
     q: queue.Queue = queue.Queue()
 
     def run():
         try:
             while True:
-                slots.take()
-                b = channel.recv_bucket()
-                q.put(b)
+                arena = slots.take()
+                b = channel.recv_bucket(lambda h: arena if h.get("kind") in BULK_KINDS else None)
+                q.put((b, arena))
                 if b.header.get("last") or b.header.get("kind") == "abort":
                     return
         except BaseException as e:  # raised in the consumer
@@ -222,9 +231,10 @@ def _prefetch(channel: Channel, slots: _Slots) -> Iterator[Bucket]:
         item = q.get()
         if isinstance(item, BaseException):
             raise item
-        yield item
-        slots.give()  # the consumer is done with it
-        if item.header.get("last") or item.header.get("kind") == "abort":
+        bucket, arena = item
+        yield bucket
+        slots.give(arena)  # the consumer is done with it
+        if bucket.header.get("last") or bucket.header.get("kind") == "abort":
             return
 
 
@@ -234,7 +244,7 @@ def receive_stream(channel: Channel, kept: str | None = None) -> Iterator[tuple[
 
     A bad bucket raises after the rest of the version was drained, so the channel stays in step
     with the sender. Raises :class:`UpdateAborted` for an aborted update."""
-    slots = _Slots(BUCKETS_IN_FLIGHT)
+    slots = _Slots(BUCKETS_IN_FLIGHT, channel.device)
     first_error: Exception | None = None
     version = None
     expect_seq = 0
