@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from delta_sync.digest import Digest, digest_elements, digest_range
+
 
 @dataclass(frozen=True)
 class Segment:
@@ -267,6 +269,32 @@ def apply_dense_range(view: LoaderView, params: dict[str, torch.Tensor], values:
                     flat.index_copy_(0, dst, src.index_select(0, sel + (c - start)).to(flat.dtype))
                     written += sel.numel()
     return written
+
+
+def digest_view(view: LoaderView, params: dict[str, torch.Tensor]) -> tuple[Digest, int]:
+    """Digest of the checkpoint elements this worker holds for ``view``, read from the parameters,
+    and how many there are. Contiguous segments and rows contiguous on both sides go through
+    :func:`~delta_sync.digest.digest_range` (memory speed on the host); other layouts map every
+    element (:func:`read_through`)."""
+    total, count = Digest(), 0
+    for seg in view.segments:
+        dst = seg.dst_view(flat_param(params[seg.param]))
+        if seg.contiguous:
+            total = total + digest_range(dst.reshape(-1), seg.src_offset)
+        elif len(seg.shape) >= 1 and seg.src_stride[-1] == 1 and seg.shape[-1] > 1 and dst.stride()[-1] == 1:
+            rows = dst.reshape(-1, seg.shape[-1])
+            starts = torch.full(seg.shape[:-1], seg.src_offset, dtype=torch.int64)
+            for d, (n, st) in enumerate(zip(seg.shape[:-1], seg.src_stride[:-1])):
+                shape = [1] * (len(seg.shape) - 1)
+                shape[d] = n
+                starts = starts + (torch.arange(n) * st).reshape(shape)
+            for row, start in zip(rows, starts.reshape(-1).tolist()):
+                total = total + digest_range(row, start)
+        else:
+            idx, vals = read_through(LoaderView(view.name, view.shape, view.dtype, [seg]), params)
+            total = total + digest_elements(idx, vals)
+        count += seg.numel
+    return total, count
 
 
 def read_through(view: LoaderView, params: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -32,13 +32,13 @@ import torch
 
 from delta_sync import accelerator
 from delta_sync.channel import Channel
-from delta_sync.digest import digest_elements
+from delta_sync.digest import digest_tensor
 from delta_sync.errors import DeltaSyncError, LayoutNotSupported, NeedsSeed, PatchValidationError
-from delta_sync.patch import Patch
+from delta_sync.patch import Patch, apply_patch
 from delta_sync.transfer import BULK_KINDS, receive_update
 
-from .loader_views import (LoaderView, UndoLog, apply_dense, apply_dense_range, apply_sparse, probe_views,
-                           read_through)
+from .loader_views import (LoaderView, UndoLog, apply_dense, apply_dense_range, apply_sparse, digest_view,
+                           probe_views)
 
 from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
                                                    WeightTransferUpdateInfo)
@@ -142,6 +142,9 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         self.needs_seed = False
         self.views: dict[str, LoaderView] = {}
         self.fallback: dict[str, str] = {}  # name -> why it has no view
+        #: checkpoint value of every name without a view, as handed to vLLM's loader (its digest
+        #: is what ``report`` can say for it: the loader's result cannot be read back)
+        self.fallback_values: dict[str, torch.Tensor] = {}
         self.shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         self._staged = None
         self._fingerprint: dict | None = None
@@ -259,6 +262,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
                     full = torch.cat(state.pending.pop(p.name)).reshape(p.shape)
                     with self._loader_layout():
                         self.model.load_weights([(p.name, full)])
+                    self.fallback_values[p.name] = full
 
     def _validate(self, p: Patch, seed: bool) -> None:
         known = self.shapes.get(p.name)
@@ -313,6 +317,11 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
                              for p in slow if p.dense == dense]
                     if group:
                         load_checkpoint_weight_patches(self.model, group)
+            for p in slow:
+                held = self.fallback_values.get(p.name)
+                if held is not None:
+                    undo.record_view(held)
+                    apply_patch(held, p)
 
     def _loader_layout(self):
         """The parameter layout vLLM's loader expects: on Ascend, MoE weights transposed back."""
@@ -338,12 +347,14 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         if digests:
             params = dict(self.model.named_parameters())
             d = {}
-            for name in (names or sorted(self.views)):
+            for name in (names or sorted(set(self.views) | set(self.fallback_values))):
                 view = self.views.get(name)
-                if view is None:
-                    continue
-                idx, vals = read_through(view, params)
-                d[name] = [digest_elements(idx, vals).hex(), int(idx.numel()), int(torch.Size(view.shape).numel())]
+                if view is not None:
+                    digest, count = digest_view(view, params)
+                    d[name] = [digest.hex(), count, int(torch.Size(view.shape).numel())]
+                elif name in self.fallback_values:  # what vLLM's loader was given (whole, on every worker)
+                    held = self.fallback_values[name]
+                    d[name] = [digest_tensor(held).hex(), held.numel(), held.numel()]
             out["digests"] = d
         return out
 
