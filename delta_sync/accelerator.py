@@ -53,14 +53,24 @@ def require_family(family: str) -> None:
 
 
 def detect_family() -> str:
-    """The best family present: npu, then cuda, then cpu."""
+    """The best family present: npu, then cuda, then cpu.
+
+    A driver that is installed but fails (``torch.npu.is_available()`` raising, a broken
+    torch_npu) is an error, not "cpu": a silent CPU run looks healthy and is 100x slower."""
     for family in ("npu", "cuda"):
         try:
             if family_available(family):
                 return family
-        except Exception:  # a broken driver install is "not available"
-            continue
+        except Exception as e:
+            raise DeviceNotAvailable(f"checking for {family} devices failed ({type(e).__name__}: {e}); fix the "
+                                     f"driver install, or ask for the CPU explicitly (device 'cpu', backend "
+                                     f"'gloo')") from e
     return "cpu"
+
+
+def accelerated() -> bool:
+    """This process has an accelerator (NPU or CUDA GPU): CPU-only shims must stay off."""
+    return detect_family() != "cpu"
 
 
 def backend_for(family: str) -> str:

@@ -126,8 +126,9 @@ class BucketPacker:
                 names = sorted(val_parts)
                 bufs = self.arena.carve([(torch.int32, counts["idx"])] +
                                         [(DTYPES[k], counts["vals"][k]) for k in names])
-                idx = torch.cat(idx_parts, out=bufs[0]) if idx_parts else bufs[0]
-                vals = {k: torch.cat(val_parts[k], out=b) for k, b in zip(names, bufs[1:])}
+                dev = self.arena.device  # parts move to the wire's device as they are packed
+                idx = torch.cat([t.to(dev) for t in idx_parts], out=bufs[0]) if idx_parts else bufs[0]
+                vals = {k: torch.cat([t.to(dev) for t in val_parts[k]], out=b) for k, b in zip(names, bufs[1:])}
             else:
                 idx = torch.cat(idx_parts) if idx_parts else torch.empty(0, dtype=torch.int32)
                 vals = {k: torch.cat(v) for k, v in val_parts.items()}

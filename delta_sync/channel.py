@@ -18,9 +18,9 @@ import hashlib
 import logging
 
 import torch
-from torch.distributed import BroadcastOptions, PrefixStore, TCPStore
+from torch.distributed import PrefixStore, TCPStore
 
-from . import accelerator
+from . import accelerator, collectives
 from typing import Callable
 
 from .bucket import Arena, Bucket, parse_header
@@ -84,14 +84,12 @@ class Channel:
 
     # ---- primitives ------------------------------------------------------------------------
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-        opts = BroadcastOptions()
-        opts.rootRank = src
-        opts.rootTensor = 0
         try:
-            self.pg.broadcast([tensor], opts).wait()
+            return collectives.pg_broadcast(self.pg, tensor, src)
+        except collectives.DeviceMismatch:
+            raise
         except Exception as e:
             raise ChannelError(f"rank {self.rank}: broadcast from {src} failed: {e}") from None
-        return tensor
 
     def close(self) -> None:
         try:

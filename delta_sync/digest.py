@@ -29,6 +29,8 @@ from . import native
 
 #: (P, a, c) per lane.
 _LANES = ((32749, 7919, 101), (32719, 20011, 7), (32717, 12347, 3571), (32713, 28657, 1597))
+#: each lane's modulus (lane sums from several parts add up modulo these)
+PRIMES = tuple(p for p, _, _ in _LANES)
 #: words digested per step: bounds temporaries to a few MiB whatever the tensor size.
 CHUNK = 1 << 18
 #: words per native call's weight table (a multiple of the kernel's 256-word block).
@@ -120,21 +122,35 @@ def _scan_words(words: torch.Tensor, word0: int, lanes: int, exp_mask: int, stri
                 for s in range(0, n, step)]
         parts = [f.result() for f in futs]
         return [sum(x[0][lane] for x in parts) for lane in range(lanes)], sum(x[1] for x in parts)
-    table = _weight_table(words.device)
-    acc = [0] * lanes
-    bad = 0
-    for e in range(0, words.numel(), CHUNK):  # CHUNK words at a time: bounded temporaries
-        part = words[e:e + CHUNK].to(torch.int32)
-        n = part.numel()
-        total = int(part.sum(dtype=torch.int64))
-        for lane, (p, a, _) in enumerate(_LANES[:lanes]):
-            weighted = int((part * table[lane, :n]).sum(dtype=torch.int64))
-            # sum_j s_j*((a*(k0+j)+c) mod P) == sum_j s_j*W_j + (a*k0 mod P)*sum_j s_j   (mod P)
-            acc[lane] += weighted + (a * (word0 + e) % p) * total
+    sums = lane_sums(words, word0, lanes, exp_mask, stride)
+    values = sums.tolist()  # the one host sync of a device digest
+    return values[:lanes], values[lanes]
+
+
+def lane_sums(words: torch.Tensor, word0: int, lanes: int = len(_LANES), exp_mask: int = 0,
+              stride: int = 1) -> torch.Tensor:
+    """int64 ``[lane residues..., non-finite count]`` of int16 ``words`` on their own device.
+
+    Torch ops only, no host round trip: what device tensors run (and what the fake-device tests
+    check for host/device mixing)."""
+    table = _weight_table(words.device).narrow(0, 0, lanes)
+    primes = torch.tensor([p for p, _, _ in _LANES[:lanes]], dtype=torch.int64, device=words.device)
+    mults = torch.tensor([a for _, a, _ in _LANES[:lanes]], dtype=torch.int64, device=words.device)
+    acc = torch.zeros(lanes, dtype=torch.int64, device=words.device)
+    bad = torch.zeros((), dtype=torch.int64, device=words.device)
+    total_words = words.numel()
+    for e in range(0, total_words, CHUNK):  # CHUNK words at a time: bounded temporaries
+        n = min(CHUNK, total_words - e)
+        part = words.narrow(0, e, n).to(torch.int32)  # narrow, not [a:b]: indexing syncs with the device
+        total = part.sum(dtype=torch.int64)
+        weighted = (part.unsqueeze(0) * table.narrow(1, 0, n)).sum(dim=1, dtype=torch.int64)
+        # sum_j s_j*((a*(k0+j)+c) mod P) == sum_j s_j*W_j + (a*k0 mod P)*sum_j s_j   (mod P)
+        offset = (mults * ((word0 + e) % primes)) % primes
+        acc = (acc + weighted % primes + (total % primes) * offset) % primes
         if exp_mask:
-            hits = (part[stride - 1::stride] & exp_mask) == exp_mask
-            bad += int(hits.sum())
-    return acc, bad
+            high = part if stride == 1 else part.view(-1, stride).select(1, stride - 1)
+            bad = bad + ((high & exp_mask) == exp_mask).sum()
+    return torch.cat([acc, bad.view(1)])
 
 
 def scan_range(values: torch.Tensor, start: int = 0) -> tuple[Digest, int]:
@@ -156,19 +172,27 @@ def digest_range(values: torch.Tensor, start: int = 0) -> Digest:
 
 def digest_elements(indices: torch.Tensor, values: torch.Tensor) -> Digest:
     """Digest of the elements ``values[k]`` standing at flat index ``indices[k]``."""
+    return Digest(*element_sums(indices, values).tolist())
+
+
+def element_sums(indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """int64 lane residues of :func:`digest_elements`, on the values' device (no host round trip)."""
     flat = values.reshape(-1)
     w = _words_per_element(flat)
     idx = indices.reshape(-1)
-    acc = [0] * len(_LANES)
+    primes = torch.tensor([p for p, _, _ in _LANES], dtype=torch.int64, device=flat.device).unsqueeze(1)
+    mults = torch.tensor([a for _, a, _ in _LANES], dtype=torch.int64, device=flat.device).unsqueeze(1)
+    adds = torch.tensor([c for _, _, c in _LANES], dtype=torch.int64, device=flat.device).unsqueeze(1)
+    acc = torch.zeros(len(_LANES), dtype=torch.int64, device=flat.device)
     for e in range(0, flat.numel(), CHUNK // w):  # CHUNK words at a time: bounded temporaries
-        part = _words(flat[e:e + CHUNK // w]).to(torch.int32)
-        pos = idx[e:e + CHUNK // w].to(torch.int64)
+        n = min(CHUNK // w, flat.numel() - e)
+        part = _words(flat.narrow(0, e, n)).to(torch.int32)
+        pos = idx.narrow(0, e, n).to(torch.int64)
         if w > 1:
             pos = (pos.unsqueeze(1) * w + torch.arange(w, device=pos.device)).reshape(-1)
-        for lane, (p, a, c) in enumerate(_LANES):
-            weight = ((pos % p) * a + c) % p
-            acc[lane] += int((part * weight.to(torch.int32)).sum(dtype=torch.int64))
-    return Digest(*acc)
+        weight = ((pos.unsqueeze(0) % primes) * mults + adds) % primes
+        acc = (acc + (part.unsqueeze(0) * weight.to(torch.int32)).sum(dim=1, dtype=torch.int64)) % primes.squeeze(1)
+    return acc
 
 
 def digest_tensor(t: torch.Tensor) -> Digest:

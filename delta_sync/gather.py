@@ -1,14 +1,16 @@
 """Ordered gather of patches from every trainer rank to one rank (the sender).
 
-Protocol, per call, over a torch.distributed group:
+Protocol, per call, over the trainer's groups (:class:`~delta_sync.collectives.TrainerGroups`):
 
-1. **status + sizes** (one ``all_gather`` of 3 int64 per rank): ``[failed, payload_bytes,
-   meta_bytes]``. A rank whose local work raised reports ``failed=1``; then every rank takes the
-   same branch: the failure messages are exchanged with ``all_gather_object`` and every rank
-   raises the same :class:`GatherError`. No rank ever waits in a collective another rank skipped.
-2. **payloads** (point-to-point, exact lengths): each non-empty rank packs its patches into one
-   byte buffer (JSON meta | int32 indices | values) and sends it once; empty ranks send nothing.
-   The destination receives into one reused buffer, grown only when needed.
+1. **status + sizes** (host group, one ``all_gather`` of 3 int64 per rank): ``[failed,
+   payload_bytes, meta_bytes]``. A rank whose local work raised reports ``failed=1``; then every
+   rank takes the same branch: the failure messages are exchanged with ``all_gather_object`` and
+   every rank raises the same :class:`GatherError`. No rank ever waits in a collective another
+   rank skipped.
+2. **payloads** (device group, point-to-point, exact lengths): each non-empty rank packs its
+   patches into one byte buffer on the trainer's device (JSON meta | int32 indices | values) and
+   sends it once; empty ranks send nothing. The destination receives into one reused buffer,
+   grown only when needed.
 
 The destination returns the patches in export order (``seq``); a tensor whose changes come from
 several ranks (shards of one tensor) is merged into one patch with increasing indices.
@@ -22,8 +24,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
+from . import collectives
+from .collectives import TrainerGroups
 from .errors import GatherError, PatchValidationError
 from .patch import DTYPES, Patch, dtype_name
 
@@ -94,15 +97,14 @@ def merge_shards(parts: list[Patch]) -> Patch:
 class PatchGather:
     """Reusable gatherer: keeps its receive buffer across updates."""
 
-    def __init__(self, group=None, dst: int = 0, device: torch.device | str = "cpu"):
-        self.group = group
+    def __init__(self, groups: TrainerGroups | None = None, dst: int = 0):
+        self.groups = groups or TrainerGroups.around(None)
         self.dst = dst
-        self.device = torch.device(device)
         self._recv: torch.Tensor | None = None
 
     def _buffer(self, n: int) -> torch.Tensor:
         if self._recv is None or self._recv.numel() < n:
-            self._recv = torch.empty(n, dtype=torch.uint8, device=self.device)
+            self._recv = torch.empty(n, dtype=torch.uint8, device=self.groups.device)
         return self._recv[:n]
 
     def gather(self, produce: Callable[[], list[Ordered]] | list[Ordered]) -> list[Patch] | None:
@@ -111,26 +113,25 @@ class PatchGather:
         Returns the ordered, merged patches on ``dst`` and ``None`` elsewhere; raises
         :class:`GatherError` on every rank if any rank failed.
         """
-        rank = dist.get_rank(self.group)
-        world = dist.get_world_size(self.group)
+        g = self.groups
+        rank, world = g.rank, g.world
         error = None
         items: list[Ordered] = []
-        buf = torch.empty(0, dtype=torch.uint8, device=self.device)
+        buf = torch.empty(0, dtype=torch.uint8, device=g.device)
         meta_bytes = 0
         try:
             items = produce() if callable(produce) else list(produce)
             if rank != self.dst and items:
-                buf, meta_bytes = _pack(items, self.device)
+                buf, meta_bytes = _pack(items, g.device)
         except Exception as e:  # becomes the same GatherError on every rank
             error = f"{type(e).__name__}: {e}"
             tb = traceback.format_exc(limit=4)
-        status = torch.tensor([1 if error else 0, buf.numel(), meta_bytes], dtype=torch.int64, device=self.device)
-        sizes = torch.empty(world * 3, dtype=torch.int64, device=self.device)
-        dist.all_gather_into_tensor(sizes, status, group=self.group)
-        sizes = sizes.view(world, 3).cpu()
+        status = torch.tensor([1 if error else 0, buf.numel(), meta_bytes], dtype=torch.int64)
+        sizes = torch.empty(world * 3, dtype=torch.int64)
+        collectives.all_gather_into_tensor(sizes, status, g.host_group)
+        sizes = sizes.view(world, 3)
         if int(sizes[:, 0].sum()):
-            msgs: list = [None] * world
-            dist.all_gather_object(msgs, error, group=self.group)
+            msgs = collectives.all_gather_object(error, g.host_group)
             failures = {r: m for r, m in enumerate(msgs) if m is not None}
             err = GatherError(failures, kept="trainer snapshot at the last committed version")
             if error:
@@ -138,22 +139,17 @@ class PatchGather:
             raise err
         if rank != self.dst:
             if buf.numel():
-                dist.send(buf, self._global(self.dst), group=self.group)
+                collectives.send(buf, self.dst, g.device_group)
             return None
-        received: list[Ordered] = list(items)
+        received = [Ordered(it.seq, it.patch.to(g.device)) for it in items]  # one device for the merge
         for r in range(world):
             n, mb = int(sizes[r, 1]), int(sizes[r, 2])
             if r == self.dst or n == 0:
                 continue
             rb = self._buffer(n)
-            dist.recv(rb, self._global(r), group=self.group)
+            collectives.recv(rb, r, g.device_group)
             received.extend(_unpack(rb, mb))
         return order_and_merge(received)
-
-    def _global(self, group_rank: int) -> int:
-        if self.group is None:
-            return group_rank
-        return dist.get_global_rank(self.group, group_rank)
 
 
 def order_and_merge(items: list[Ordered]) -> list[Patch]:

@@ -69,6 +69,13 @@ class Patch:
         idx = 0 if self.indices is None else self.indices.numel() * 4
         return idx + self.values.numel() * self.values.element_size()
 
+    def to(self, device: torch.device) -> "Patch":
+        """This patch with its tensors on ``device`` (itself when they are there already)."""
+        if self.values.device == torch.device(device):
+            return self
+        idx = None if self.indices is None else self.indices.to(device)
+        return Patch(self.name, self.shape, self.dtype, idx, self.values.to(device))
+
     @classmethod
     def full(cls, name: str, tensor: torch.Tensor) -> "Patch":
         return cls(name, tuple(tensor.shape), tensor.dtype, None, tensor.reshape(-1))

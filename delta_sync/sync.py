@@ -26,8 +26,10 @@ from typing import Callable, Iterable, Iterator, Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 
+from . import collectives
 from .bucket import DEFAULT_BUCKET_BYTES
 from .channel import Channel, free_port
+from .collectives import TrainerGroups
 from .digest import Digest, digest_tensor
 from .engines import EngineClient, as_engine
 from .errors import DeltaSyncError, GatherError
@@ -144,11 +146,13 @@ class WeightSync:
             raise ValueError(f"pause_mode must be 'wait', 'abort' or 'keep', got {pause_mode!r}")
         self.mode, self.bucket_bytes, self.verify_every = mode, bucket_bytes, verify_every
         self.pause_mode, self.name_map, self.group, self.dtype = pause_mode, name_map, group, dtype
-        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
-        self.world = dist.get_world_size(group) if dist.is_initialized() else 1
+        #: device group (payloads) and host group (metadata) of the trainer; None without a world
+        self.groups = TrainerGroups.around(group) if dist.is_initialized() else None
+        self.rank = self.groups.rank if self.groups else 0
+        self.world = self.groups.world if self.groups else 1
         self.engines: list[EngineClient] = [as_engine(e) for e in engines] if self.rank == 0 else []
         self.store = SnapshotStore(self.rank, self.world, snapshot_device)
-        self.gatherer = PatchGather(group) if self.world > 1 else None
+        self.gatherer = PatchGather(self.groups) if self.world > 1 else None
         self.host = host or "127.0.0.1"
         self.port, self.backend, self.timeout_s = port, backend, timeout_s
         self.channel: Channel | None = None
@@ -481,9 +485,7 @@ class WeightSync:
         """Trainer rank 0's ``obj`` on every trainer rank (a collective when world > 1)."""
         if self.world == 1:
             return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group)
-        return box[0]
+        return collectives.broadcast_object(obj, 0, self.groups.host_group)
 
     # ---- integrity -------------------------------------------------------------------------------
     def verify(self) -> dict[str, str]:
@@ -497,10 +499,7 @@ class WeightSync:
             mine = {name: d.hex() for name, d in self.sharded.local_digests().items()}
         else:
             mine = {name: digest_tensor(snap).hex() for name, snap in self.store.snapshots()}
-        parts: list = [mine]
-        if self.world > 1:
-            parts = [None] * self.world
-            dist.all_gather_object(parts, mine, group=self.group)
+        parts = collectives.all_gather_object(mine, self.groups.host_group) if self.world > 1 else [mine]
         sums: dict[str, Digest] = {}
         for part in parts:  # an owner's whole tensor, or shares that add up
             for k, v in part.items():

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from delta_sync.digest import Digest, digest_elements, digest_range
+from delta_sync.digest import PRIMES, Digest, digest_range, element_sums
 
 
 @dataclass(frozen=True)
@@ -259,7 +259,7 @@ def apply_dense_range(view: LoaderView, params: dict[str, torch.Tensor], values:
             lo, hi = max(start, seg.src_offset), min(stop, seg.src_offset + seg.numel)
             if lo < hi:
                 d = seg.dst_offset + lo - seg.src_offset
-                flat[d:d + hi - lo].copy_(src[lo - start:hi - start])
+                flat.narrow(0, d, hi - lo).copy_(src.narrow(0, lo - start, hi - lo))
                 written += hi - lo
         else:
             for c in range(start, stop, RANGE_CHUNK):
@@ -273,40 +273,60 @@ def apply_dense_range(view: LoaderView, params: dict[str, torch.Tensor], values:
 
 def digest_view(view: LoaderView, params: dict[str, torch.Tensor]) -> tuple[Digest, int]:
     """Digest of the checkpoint elements this worker holds for ``view``, read from the parameters,
-    and how many there are. Contiguous segments and rows contiguous on both sides go through
-    :func:`~delta_sync.digest.digest_range` (memory speed on the host); other layouts map every
-    element (:func:`read_through`)."""
-    total, count = Digest(), 0
+    and how many there are (one host round trip per tensor)."""
+    sums, count = view_sums(view, params)
+    return Digest(*sums.tolist()), count
+
+
+def view_sums(view: LoaderView, params: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """Digest lanes of :func:`digest_view` as a tensor on the parameters' device.
+
+    Host parameters: contiguous segments and rows contiguous on both sides take the compiled
+    range kernel (memory speed). Elsewhere, and for any other layout, every element is mapped on
+    the parameters' device (:func:`read_through`); one device per computation throughout."""
+    total, count = None, 0
     for seg in view.segments:
         dst = seg.dst_view(flat_param(params[seg.param]))
-        if seg.contiguous:
-            total = total + digest_range(dst.reshape(-1), seg.src_offset)
-        elif len(seg.shape) >= 1 and seg.src_stride[-1] == 1 and seg.shape[-1] > 1 and dst.stride()[-1] == 1:
-            rows = dst.reshape(-1, seg.shape[-1])
-            starts = torch.full(seg.shape[:-1], seg.src_offset, dtype=torch.int64)
-            for d, (n, st) in enumerate(zip(seg.shape[:-1], seg.src_stride[:-1])):
-                shape = [1] * (len(seg.shape) - 1)
-                shape[d] = n
-                starts = starts + (torch.arange(n) * st).reshape(shape)
-            for row, start in zip(rows, starts.reshape(-1).tolist()):
-                total = total + digest_range(row, start)
+        if dst.device.type == "cpu" and seg.contiguous:
+            part = torch.tensor(digest_range(dst.reshape(-1), seg.src_offset), dtype=torch.int64)
+        elif dst.device.type == "cpu" and seg.src_stride[-1:] == (1,) and dst.stride()[-1:] == (1,) and seg.numel:
+            part = Digest()
+            for row, start in zip(dst.reshape(-1, seg.shape[-1]), _row_starts(seg)):
+                part = part + digest_range(row, start)
+            part = torch.tensor(part, dtype=torch.int64)
         else:
             idx, vals = read_through(LoaderView(view.name, view.shape, view.dtype, [seg]), params)
-            total = total + digest_elements(idx, vals)
+            part = element_sums(idx, vals)
+        total = part if total is None else (total + part) % _PRIMES.to(part.device)
         count += seg.numel
+    if total is None:
+        total = torch.zeros(len(_PRIMES), dtype=torch.int64)
     return total, count
 
 
+_PRIMES = torch.tensor(PRIMES, dtype=torch.int64)
+
+
+def _row_starts(seg: Segment) -> list[int]:
+    """Checkpoint flat index of the first element of every row (last dim) of ``seg``, in order."""
+    starts = [seg.src_offset]
+    for n, stride in zip(seg.shape[:-1], seg.src_stride[:-1]):
+        starts = [s + i * stride for s in starts for i in range(n)]
+    return starts
+
+
 def read_through(view: LoaderView, params: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(flat checkpoint indices, values)`` this worker holds for ``view`` (for digests)."""
+    """``(flat checkpoint indices, values)`` this worker holds for ``view``, both on the parameters'
+    device (for digests)."""
     idx_parts, val_parts = [], []
     for seg in view.segments:
         flat = flat_param(params[seg.param])
         vals = seg.dst_view(flat).reshape(-1)
-        grids = torch.meshgrid(*[torch.arange(n) for n in seg.shape], indexing="ij") if seg.shape else []
-        idx = torch.full(seg.shape, seg.src_offset, dtype=torch.int64)
-        for g, s in zip(grids, seg.src_stride):
-            idx += g * s
+        idx = torch.full(seg.shape, seg.src_offset, dtype=torch.int64, device=flat.device)
+        for d, (n, s) in enumerate(zip(seg.shape, seg.src_stride)):
+            shape = [1] * len(seg.shape)
+            shape[d] = n
+            idx += (torch.arange(n, device=flat.device) * s).reshape(shape)
         idx_parts.append(idx.reshape(-1))
         val_parts.append(vals)
     if not idx_parts:

@@ -26,6 +26,8 @@ import importlib
 import sys
 import types
 
+from delta_sync import accelerator
+
 _installed = False
 #: megatron-core modules that probe TE/triton: imported before the stand-in window
 _HONEST_FIRST = (
@@ -159,7 +161,7 @@ def install_cpu() -> None:
     moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
     # mcore 0.16.1 imports te_general_gemm only when TE is present but tests it unconditionally
     moe_utils.__dict__.setdefault("te_general_gemm", None)
-    if torch.cuda.is_available():
+    if accelerator.accelerated():  # NPUs too: the shims are for machines without any accelerator
         return
     proxy = _TorchOnCpu(torch)
     for name, module in list(sys.modules.items()):
@@ -301,7 +303,7 @@ def cpu_tied_embeddings() -> None:
 
     def wrap(original):
         def setup_embeddings_and_output_layer(self, *args, **kwargs):
-            if torch.cuda.is_available():
+            if accelerator.accelerated():
                 return original(self, *args, **kwargs)
             cuda = torch.Tensor.cuda
             torch.Tensor.cuda = lambda t, *a, **k: t

@@ -5,11 +5,13 @@ Bridge's export gathers every TP/EP shard, broadcasts every PP stage and re-lays
 experts into Hugging Face tensors on every rank (~0.3 GB/s on CPU). A delta only needs where each
 *changed* element of a local shard lands in the checkpoint. That map is fixed for a given model
 layout, so it is learned once, at the seed, by running Bridge's ``megatron_to_hf`` conversions on
-*probe* tensors: each local element holds its own id (``rank * 2**40 + offset``, exact in
-float64). Every output element then names the rank and local offset it came from, through
+*probe* tensors: each local element holds its own id (``rank * 2**40 + offset``, as int64: no
+float64 ever enters a collective, which HCCL lacks). Every output element then names the rank and
+local offset it came from, through
 whatever Bridge does (TP gather, QKV per-group interleave, gate/up halves, expert renumbering,
 PP broadcast, vocab padding dropped). Where several ranks hold the same element (replicated norms
-at TP>1, data-parallel replicas), the lowest rank is its owner (one ``all_reduce(MIN)``).
+at TP>1, data-parallel replicas), the lowest rank is its owner (one ``all_reduce(MIN)`` over the
+host group).
 
 Each rank keeps, per local parameter, the *runs* of owned elements that are contiguous in both
 coordinates (``local_start, length, tensor, checkpoint_start``) and a bf16 snapshot of that
@@ -33,6 +35,8 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from delta_sync import collectives
+from delta_sync.collectives import TrainerGroups
 from delta_sync.diff import BitwiseDiff, int_view
 from delta_sync.digest import Digest, digest_elements
 from delta_sync.gather import Ordered
@@ -42,7 +46,7 @@ from .megatron_source import BridgeExportSource
 
 log = logging.getLogger(__name__)
 
-_RANK_STRIDE = 1 << 40  # ids: rank * 2**40 + local offset, exact in float64 below 2**53
+_RANK_STRIDE = 1 << 40  # ids: rank * 2**40 + local offset (int64)
 _NOBODY = torch.iinfo(torch.int32).max
 _EMBED = "model.embed_tokens.weight"
 
@@ -65,6 +69,7 @@ class MegatronShardDelta(BridgeExportSource):
     def __init__(self, bridge, model: list, group=None):
         super().__init__(bridge, model)
         self.group = group
+        self._groups: TrainerGroups | None = None  # made at the first plan (a collective)
         self.differ = BitwiseDiff()
         self.total_elements = 0
         self._names: list[str] = []  # export order of the reference stream
@@ -129,15 +134,12 @@ class MegatronShardDelta(BridgeExportSource):
             if idx.numel() == 0:
                 continue
             pos = idx.to(torch.int64)
-            r = (torch.searchsorted(runs.local, pos, right=True) - 1).clamp_(min=0)
-            inside = (pos >= runs.local.take(r)) & (pos < runs.local.take(r) + runs.length.take(r))
+            inside, target, seqs = _locate(runs, pos)
             if not bool(inside.all()):  # elements another rank owns, or padding
-                pos, bits, r = pos[inside], bits[inside], r[inside]
+                pos, bits, target, seqs = pos[inside], bits[inside], target[inside], seqs[inside]
             if pos.numel() == 0:
                 continue
             staged[k] = (pos, bits)
-            target = runs.target.take(r) + (pos - runs.local.take(r))
-            seqs = runs.seq.take(r)
             for s in torch.unique(seqs).tolist():
                 sel = seqs == s
                 per_seq.setdefault(s, []).append((target[sel], bits[sel]))
@@ -185,11 +187,16 @@ class MegatronShardDelta(BridgeExportSource):
     def _rank(self) -> int:
         return dist.get_rank(self.group) if dist.is_initialized() else 0
 
+    def _host_group(self):
+        if self._groups is None:
+            self._groups = TrainerGroups.around(self.group)
+        return self._groups.host_group
+
     def _agree(self, ok: bool) -> bool:
         if not dist.is_initialized():
             return ok
         flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        collectives.all_reduce(flag, self._host_group(), op=dist.ReduceOp.MIN)
         return bool(flag.item())
 
     def _plan(self) -> None:
@@ -208,20 +215,20 @@ class MegatronShardDelta(BridgeExportSource):
                 w = task.param_weight
                 params.append(w)
                 base.append(offset)
-                probe = torch.arange(offset, offset + w.numel(), dtype=torch.float64).add_(rank * _RANK_STRIDE)
+                probe = torch.arange(offset, offset + w.numel(), dtype=torch.int64).add_(rank * _RANK_STRIDE)
                 probe = probe.reshape(w.shape).to(w.device)
                 offset += w.numel()
             try:
                 converted = task.mapping.megatron_to_hf(probe, task.megatron_module)
                 converted = self.bridge._model_bridge.maybe_modify_converted_hf_weight(task, converted or {}, {})
-            finally:  # mappings cache the (shape, dtype) they broadcast: forget the probe's float64
+            finally:  # mappings cache the (shape, dtype) they broadcast: forget the probe's int64
                 _clear_caches(task.mapping)
             for name, ids in (converted or {}).items():
-                ids = ids.reshape(-1).to("cpu", torch.float64)
+                ids = ids.reshape(-1).to("cpu", torch.int64)
                 owner = torch.full(ids.shape, _NOBODY, dtype=torch.int32)
                 owner[torch.div(ids, _RANK_STRIDE, rounding_mode="floor") == rank] = rank
                 if dist.is_initialized():
-                    dist.all_reduce(owner, op=dist.ReduceOp.MIN, group=self.group)
+                    collectives.all_reduce(owner, self._host_group(), op=dist.ReduceOp.MIN)
                 if bool((owner == _NOBODY).any()):
                     problem = problem or f"no owner for some elements of {name}"
                 if name in names:
@@ -231,7 +238,7 @@ class MegatronShardDelta(BridgeExportSource):
                 mine = (owner == rank).nonzero().squeeze(1)
                 if mine.numel() == 0:
                     continue
-                local = ids.take(mine).sub_(rank * _RANK_STRIDE).to(torch.int64)
+                local = ids.take(mine).sub_(rank * _RANK_STRIDE)
                 k = torch.searchsorted(torch.tensor(base, dtype=torch.int64), local, right=True) - 1
                 for kk in torch.unique(k).tolist():
                     sel = k == kk
@@ -251,9 +258,10 @@ class MegatronShardDelta(BridgeExportSource):
         s = self._plan_index.get(source)
         if s is None:
             return True  # reported as a name mismatch after the stream
-        flat = int_view(tensor.detach().reshape(-1))
+        exported = int_view(tensor.detach().reshape(-1))
         for k in self._params_of.get(s, []):
             runs = self._runs[k]
+            flat = exported.to(runs.param.device)  # one device per comparison
             sel = runs.seq == s
             local = _expand(runs.local[sel], runs.length[sel])
             target = _expand(runs.target[sel], runs.length[sel])
@@ -278,6 +286,11 @@ def _clear_caches(mapping, seen=None) -> None:
 
 
 def _build_runs(param: torch.Tensor, plist) -> _Runs:
+    return _place(param, *_host_runs(plist))
+
+
+def _host_runs(plist) -> tuple[torch.Tensor, ...]:
+    """``(local, length, seq, target)`` of the runs of one parameter's owned elements, on the host."""
     local = torch.cat([p[0] for p in plist])
     seq = torch.cat([torch.full_like(p[0], p[1]) for p in plist])
     target = torch.cat([p[2] for p in plist])
@@ -288,7 +301,22 @@ def _build_runs(param: torch.Tensor, plist) -> _Runs:
         brk[1:] = (local[1:] != local[:-1] + 1) | (target[1:] != target[:-1] + 1) | (seq[1:] != seq[:-1])
     starts = brk.nonzero().squeeze(1)
     ends = torch.cat([starts[1:], torch.tensor([local.numel()])])
-    return _Runs(param, local.take(starts), ends - starts, seq.take(starts), target.take(starts))
+    return local.take(starts), ends - starts, seq.take(starts), target.take(starts)
+
+
+def _place(param: torch.Tensor, local, length, seq, target) -> _Runs:
+    """The runs on the parameter's device: where the diffs they map are computed."""
+    dev = param.device
+    return _Runs(param, local.to(dev), length.to(dev), seq.to(dev), target.to(dev))
+
+
+def _locate(runs: _Runs, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For local flat offsets ``pos`` (increasing): which fall inside an owned run, their checkpoint
+    flat index and their tensor's export position. Torch ops on one device, no host round trip."""
+    r = (torch.searchsorted(runs.local, pos, right=True) - 1).clamp_(min=0)
+    start = runs.local.take(r)
+    inside = (pos >= start) & (pos < start + runs.length.take(r))
+    return inside, runs.target.take(r) + (pos - start), runs.seq.take(r)
 
 
 def _expand(start: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
@@ -296,4 +324,4 @@ def _expand(start: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
     if start.numel() == 0:
         return start
     first = torch.repeat_interleave(start - torch.cumsum(length, 0) + length, length)
-    return first + torch.arange(int(length.sum()))
+    return first + torch.arange(first.numel(), device=start.device)

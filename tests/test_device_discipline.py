@@ -1,0 +1,169 @@
+"""Device discipline, checked on a CPU-only machine.
+
+* Every collective of the sync path goes through ``delta_sync.collectives``, which checks each
+  tensor against its group's backend: a host tensor into NCCL/HCCL, a device tensor into gloo, or
+  float64 anywhere fails here, not at the first update on an accelerator.
+* The pure tensor functions (digests, loader-view apply and read, the fast path's mapping) run on
+  fake "cuda" tensors (FakeTensorMode works on this CPU build and raises on host/device mixing).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from delta_sync import accelerator, collectives
+from delta_sync.collectives import DeviceMismatch
+from delta_sync.errors import DeviceNotAvailable
+
+ROOT = Path(__file__).resolve().parents[1]
+#: torch.distributed calls that move tensors or objects between ranks
+COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast",
+               "broadcast_object_list", "send", "recv", "isend", "irecv", "reduce_scatter", "reduce_scatter_tensor",
+               "gather", "scatter", "all_to_all", "all_to_all_single", "barrier", "allreduce", "allgather"}
+
+
+class FakeGroup:
+    """A process group that only reports its backend: enough for the device check."""
+
+    def __init__(self, backend: str):
+        self.backend = backend
+
+    def name(self) -> str:
+        return self.backend
+
+
+def fake_cuda(*shape, dtype=torch.bfloat16):
+    return torch.empty(shape, dtype=dtype, device="cuda")
+
+
+@pytest.mark.parametrize("backend", ["nccl", "hccl"])
+def test_host_tensor_into_a_device_group_is_refused(backend):
+    with pytest.raises(DeviceMismatch, match=f"broadcast on device group \\({backend}\\): host tensor"):
+        collectives.check("broadcast", FakeGroup(backend), torch.zeros(3))
+    with FakeTensorMode():
+        collectives.check("broadcast", FakeGroup(backend), fake_cuda(3))  # a device tensor is fine
+
+
+def test_device_tensor_into_the_host_group_and_float64_are_refused():
+    with FakeTensorMode():
+        with pytest.raises(DeviceMismatch, match="host group \\(gloo\\): tensor on cuda"):
+            collectives.check("all_gather_into_tensor", FakeGroup("gloo"), torch.zeros(2), fake_cuda(2))
+    with pytest.raises(DeviceMismatch, match="float64"):
+        collectives.check("all_reduce", FakeGroup("gloo"), torch.zeros(2, dtype=torch.float64))
+    with pytest.raises(DeviceMismatch, match="Python objects go over the host group"):
+        collectives.all_gather_object({"a": 1}, FakeGroup("nccl"))
+
+
+def test_mixed_group_routes_each_tensor_by_device():
+    mixed = FakeGroup("cpu:gloo,cuda:nccl")
+    collectives.check("all_reduce", mixed, torch.zeros(2))
+    with FakeTensorMode():
+        collectives.check("all_reduce", mixed, fake_cuda(2))
+    with pytest.raises(DeviceMismatch, match="no backend for a tensor on meta"):
+        collectives.check("all_reduce", mixed, torch.empty(2, device="meta"))
+
+
+def _direct_collectives(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in COLLECTIVES:
+            owner = node.func.value
+            name = owner.id if isinstance(owner, ast.Name) else getattr(owner, "attr", "")
+            if name in ("dist", "distributed", "pg", "c10d") or name.endswith("pg"):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} {name}.{node.func.attr}")
+    return found
+
+
+def test_no_module_of_the_sync_path_calls_collectives_directly():
+    files = [p for d in ("delta_sync", "update_weight", "patches") for p in (ROOT / d).rglob("*.py")]
+    assert len(files) > 20
+    direct = [hit for p in files if p.name != "collectives.py" for hit in _direct_collectives(p)]
+    assert direct == [], "call delta_sync.collectives instead (it checks devices against the group):\n" + \
+        "\n".join(direct)
+
+
+def test_the_scan_finds_a_direct_call(tmp_path):
+    bad = ROOT / "delta_sync" / "_probe_direct_call.py"
+    bad.write_text("import torch.distributed as dist\n\ndef f(t):\n    dist.all_reduce(t)\n")
+    try:
+        assert _direct_collectives(bad) == ["delta_sync/_probe_direct_call.py:4 dist.all_reduce"]
+    finally:
+        bad.unlink()
+
+
+# ---- pure tensor functions on fake device tensors ---------------------------------------------
+def test_digests_stay_on_the_device():
+    from delta_sync.digest import element_sums, lane_sums
+
+    with FakeTensorMode():
+        v = fake_cuda(1000)
+        sums = lane_sums(v.view(torch.int16), 7, exp_mask=0x7F80)
+        assert sums.device.type == "cuda" and sums.shape == (5,)
+        idx = torch.arange(1000, device="cuda")
+        assert element_sums(idx, v).device.type == "cuda"
+        with pytest.raises(Exception, match="[Dd]evice"):  # a host index against device values
+            element_sums(torch.arange(1000), v)
+
+
+def _stand_in_views():
+    from patches.loader_views import probe_views
+
+    from .test_loader_views import SPECS, FusedStandIn
+
+    model = FusedStandIn()
+    views, _ = probe_views(model, [(n, s, torch.float32) for n, s in SPECS])
+    return views, {n: tuple(p.shape) for n, p in model.named_parameters()}
+
+
+def test_loader_views_read_on_the_device():
+    """What the engine digests (read_through, view_sums) and its undo log stay on the parameters'
+    device. (Fake "cuda" tensors cannot ``copy_`` on this CPU build, so the writes are covered by
+    the CPU tests and launchers/device_check.sh.)"""
+    from patches.loader_views import UndoLog, read_through, view_sums
+
+    views, shapes = _stand_in_views()
+    with FakeTensorMode():
+        params = {n: torch.nn.Parameter(torch.empty(s, device="cuda"), requires_grad=False)
+                  for n, s in shapes.items()}
+        for name in ("q", "cols", "tr"):  # contiguous, column-sliced, transposed segments
+            view = views[name]
+            idx, vals = read_through(view, params)
+            assert idx.device.type == vals.device.type == "cuda"
+            sums, _ = view_sums(view, params)
+            assert sums.device.type == "cuda"
+        undo = UndoLog()
+        flat = params["qk"].view(-1)
+        undo.record_positions(flat, torch.arange(3, device="cuda"))
+        undo.restore()
+
+
+def test_fast_path_mapping_runs_where_the_shard_lives():
+    from update_weight.megatron_shard_delta import _host_runs, _locate, _place
+
+    local = torch.arange(0, 32)
+    host = _host_runs([(local[:16], 0, local[:16] + 100), (local[16:], 1, local[16:])])  # the probed plan
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        param = torch.empty(4, 8, dtype=torch.bfloat16, device="cuda")
+        runs = _place(param, *host)
+        assert runs.local.device.type == "cuda"  # the runs moved to the shard's device
+        inside, target, seqs = _locate(runs, torch.tensor([1, 17, 30], device="cuda"))
+        assert inside.device.type == target.device.type == seqs.device.type == "cuda"
+
+
+def test_broken_driver_is_an_error_not_a_cpu_run(monkeypatch):
+    def broken(family):
+        if family == "npu":
+            raise RuntimeError("drvGetDevNum failed")
+        return family == "cpu"
+
+    monkeypatch.setattr(accelerator, "family_available", broken)
+    with pytest.raises(DeviceNotAvailable, match="checking for npu devices failed.*drvGetDevNum"):
+        accelerator.detect_family()
+    with pytest.raises(DeviceNotAvailable):
+        accelerator.accelerated()  # the Megatron CPU shims ask this, so they never apply on NPUs
