@@ -7,7 +7,8 @@ the MoE model (as Qwen3-30B-A3B). Weights are N(0, 0.2) so greedy outputs are di
 
 ``moe-wide`` has 24 experts (12 per rank at EP=2: two-digit local expert numbers, which changed
 Bridge's export order). ``moe-bench`` is larger (54M parameters, 32 experts, experts ~93% of the weights as in
-Qwen3-30B-A3B, weights N(0, 0.02) as real initialisations) for the sync benchmark, not for engines.
+Qwen3-30B-A3B, weights N(0, 0.02) as real initialisations) for the sync benchmark, not for engines;
+``moe-e2e`` (0.33B parameters, same init) is the end-to-end benchmark's Megatron model.
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ MOE = {
     "moe-bench": (dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
                        head_dim=64),
                   dict(intermediate_size=1024, moe_intermediate_size=256, num_experts=32, num_experts_per_tok=4)),
+    # 0.33B parameters (experts ~92%), for the end-to-end benchmark's Megatron section (bench e2e)
+    "moe-e2e": (dict(hidden_size=1024, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8,
+                     head_dim=64),
+                dict(intermediate_size=3072, moe_intermediate_size=384, num_experts=32, num_experts_per_tok=4)),
 }
 
 
@@ -69,8 +74,7 @@ def _randomize(model: torch.nn.Module, seed: int, std: float = 0.2) -> None:
 
 
 def build(kind: str, seed: int = 0) -> Path:
-    """Path of the cached checkpoint ``kind`` in {"dense", "moe", "moe-wide", "moe-bench"}; built once, under
-    a lock."""
+    """Path of the cached checkpoint ``kind`` ("dense" or a row of ``MOE``); built once, under a lock."""
     path = ROOT / f"qwen3-{kind}-s{seed}"
     if (path / "done").exists():
         return path
@@ -90,7 +94,7 @@ def build(kind: str, seed: int = 0) -> Path:
                                                        tie_word_embeddings=False))
         else:
             raise ValueError(kind)
-        _randomize(model, seed, std=0.02 if kind == "moe-bench" else 0.2)
+        _randomize(model, seed, std=0.02 if kind in ("moe-bench", "moe-e2e") else 0.2)
         model = model.to(torch.bfloat16)
         tmp = path.with_suffix(".tmp")
         model.save_pretrained(tmp, safe_serialization=True)

@@ -1,0 +1,945 @@
+"""``python -m delta_sync.bench e2e``: the whole sync, trainer process to serving engine, against the wire.
+
+One run, one checkpoint (a random one with Qwen3-0.6B shapes, ``--layers`` deep, or ``--model DIR``),
+everything measured on this machine in the same run:
+
+* **wire**: a raw ``broadcast`` of the model's bytes between two processes over gloo on 127.0.0.1,
+  in chunks of the bucket size (best of 3): the floor every bulk sync is compared with;
+* **vLLM load**: vLLM's own ``model.load_weights`` of the full state from memory, in an in-process
+  ``vllm.LLM`` in its own process (best of 2);
+* **our sync**: one vLLM HTTP engine (checkpoint-layout mode) driven by ``WeightSync`` from a
+  trainer of 1 rank, then of 2 ranks: a seed, a full update, a second seed (the delta sync's own),
+  deltas at ``--densities`` (that fraction of every tensor's elements moved by ~1%) and the delta
+  of one AdamW step (lr ``--lr``) on fp32 masters of the state; digests checked against the
+  engine after the last delta (``verify``), then a few greedy tokens through the HTTP API;
+* **memory**: a sampler thread reads ``VmRSS`` every ~20 ms for the engine's process tree and for
+  every trainer rank; per update: the engine tree's growth over its value just before the update,
+  and each rank's peak, its growth over its value before the update and over its RSS before the
+  first update;
+* ``apply_over_native`` (``bench apply`` at 0.2%) and ``diff_over_copy`` (``bench diff`` on 0.5 GiB),
+  each in its own process;
+* **Megatron fast path** (``--megatron``, on by default): Megatron ranks (2, EP=2, Adam lr 1e-6)
+  on a Qwen3-MoE (``--megatron-model``, default ``moe-e2e``: 0.33B parameters) seed and then sync
+  ``MegatronShardDelta`` deltas into an in-memory receiver, checked bit for bit against an
+  independent export; then one seed of Bridge's plain export through a full-mode updater (the
+  bulk path without the shard map); with the wire floor of that model's bytes.
+
+Artifacts in ``--out``: ``e2e.json`` (everything), ``rss.json`` (the raw samples), ``e2e.png``
+(update time vs density against the wire / seed / full / vLLM-load lines; peak memory per side),
+``engine.log``. Last line: one JSON object with the ratios (``seed_over_wire``, ``full_over_wire``,
+``delta_over_wire``, ``delta_pause_over_wire``, ``verify_over_seed``, ``engine_seed_peak_over_bucket``,
+``trainer_seed_peak_over_model``, ``apply_over_native``, ``diff_over_copy``) and the times behind them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import math
+import os
+import signal
+import statistics
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+DENSITIES = "0.0001,0.001,0.002,0.01,0.1"
+HEADLINE_DENSITY = 0.002
+PROMPTS = ["the quick brown fox", "one two three four"]
+MIB = 1 << 20
+SAMPLE_S = 0.02  # RSS sampling interval
+
+
+def _say(msg: str) -> None:
+    print(f"[e2e] {msg}", flush=True)
+
+
+# ---- checkpoint files ------------------------------------------------------------------------------
+
+
+def _safetensors(path: Path) -> list[Path]:
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise SystemExit(f"{path}: no *.safetensors file")
+    return files
+
+
+_FLOATS = ("F64", "F32", "F16", "BF16")  # safetensors dtypes the bench moves as bf16
+
+
+def _checkpoint_size(files: list[Path]) -> dict:
+    """Bytes (floating tensors counted as bf16, what the sync sends), elements and tensors of the
+    checkpoint, from the safetensors headers (nothing loaded)."""
+    nbytes = elements = tensors = 0
+    for f in files:
+        with open(f, "rb") as fh:
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            start, end = meta["data_offsets"]
+            n = math.prod(meta["shape"])
+            nbytes += 2 * n if meta["dtype"] in _FLOATS else end - start
+            elements += n
+            tensors += 1
+    return {"bytes": nbytes, "elements": elements, "tensors": tensors}
+
+
+def _load_state(files: list[Path]) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors in this process's own memory, floating ones as bf16.
+
+    ``load_file`` returns tensors backed by a mapping of the file: their pages enter RSS only when
+    first read, which would count the model itself as growth of the first update. Copies don't."""
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        mapped = load_file(str(f))
+        for name in list(mapped):
+            t = mapped.pop(name)
+            state[name] = t.to(torch.bfloat16, copy=True) if t.is_floating_point() else t.clone()
+        del mapped
+    return state
+
+
+def _bucket_for(nbytes: int) -> int:
+    return max(MIB, min(nbytes // 8, 512 * MIB))
+
+
+# ---- RSS of process trees --------------------------------------------------------------------------
+
+
+def _rss(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        return None
+    return 0  # a zombie has no VmRSS line
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out.extend(int(x) for x in f.read().split())
+        except OSError:
+            pass
+    return out
+
+
+def _tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants."""
+    seen, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.append(p)
+        todo.extend(_children(p))
+    return seen
+
+
+def _kill_pids(pids: list[int]) -> None:
+    """SIGKILL the given processes (ids we started, or descendants of those) that are still alive."""
+    for pid in pids:
+        if pid == os.getpid():
+            continue
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+class RssSampler(threading.Thread):
+    """Every ``interval`` s: the summed RSS of the engine's process tree and the RSS of every other
+    descendant of this process (trainer ranks, helper processes). Timestamps are ``time.monotonic()``,
+    which is system wide on Linux, so windows recorded by other processes line up."""
+
+    def __init__(self, interval: float = SAMPLE_S, refresh: float = 0.5):
+        super().__init__(daemon=True, name="rss-sampler")
+        self.interval, self.refresh = interval, refresh
+        self.engine_pid: int | None = None
+        self.times: list[float] = []
+        self.engine: list[int | None] = []
+        self.procs: list[dict[int, int]] = []
+        self._stop_evt = threading.Event()
+        self._lock = threading.Lock()
+
+    def set_engine(self, pid: int | None) -> None:
+        self.engine_pid = pid
+
+    def stop(self) -> None:
+        self._stop_evt.set()
+        if self.is_alive():
+            self.join(5)
+
+    def run(self) -> None:
+        me = os.getpid()
+        engine_tree: list[int] = []
+        others: list[int] = []
+        next_refresh = 0.0
+        while not self._stop_evt.is_set():
+            t = time.monotonic()
+            if t >= next_refresh:  # walking /proc/*/task/*/children is the costly part: not every sample
+                epid = self.engine_pid
+                engine_tree = _tree(epid) if epid is not None else []
+                others = [p for p in _tree(me) if p != me and p not in engine_tree]
+                next_refresh = t + self.refresh
+            if engine_tree:
+                vals = [_rss(p) for p in engine_tree]
+                engine = sum(v for v in vals if v) if any(v is not None for v in vals) else None
+            else:
+                engine = None
+            procs = {}
+            for p in others:
+                v = _rss(p)
+                if v is not None:
+                    procs[p] = v
+            with self._lock:
+                self.times.append(t)
+                self.engine.append(engine)
+                self.procs.append(procs)
+            self._stop_evt.wait(max(0.0, self.interval - (time.monotonic() - t)))
+
+    def _series(self, key) -> tuple[list[float], list[int]]:
+        with self._lock:
+            if key == "engine":
+                pairs = [(t, v) for t, v in zip(self.times, self.engine) if v is not None]
+            else:
+                pairs = [(t, d[key]) for t, d in zip(self.times, self.procs) if key in d]
+        return [p[0] for p in pairs], [p[1] for p in pairs]
+
+    def window(self, key, t0: float, t1: float) -> dict | None:
+        """RSS of ``key`` ("engine" or a pid) just before ``t0`` and its peak within [t0, t1]."""
+        ts, vs = self._series(key)
+        if not ts:
+            return None
+        i = bisect.bisect_right(ts, t0) - 1  # last sample at or before t0
+        j = bisect.bisect_right(ts, t1)
+        inside = vs[i + 1:j]
+        before = vs[i] if i >= 0 else (inside[0] if inside else None)
+        if before is None:
+            return None
+        peak = max([before, *inside])
+        return {"before": before, "peak": peak, "growth": peak - before, "samples": len(inside)}
+
+    def dump(self) -> dict:
+        with self._lock:
+            pids = sorted({p for d in self.procs for p in d})
+            return {"interval_s": self.interval, "t": [round(t, 4) for t in self.times], "engine": list(self.engine),
+                    "procs": {str(p): [d.get(p) for d in self.procs] for p in pids}}
+
+
+# ---- a function in its own process ---------------------------------------------------------------
+
+
+def _child(fn, args, env, queue) -> None:
+    os.environ.update(env)
+    try:
+        queue.put(("ok", fn(*args)))
+    except BaseException as e:  # report, never hang the parent
+        queue.put(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def _spawned(fn, *args, timeout: float, env: dict | None = None):
+    """``fn(*args)`` in a fresh spawned process (default thread settings, like an engine); its return value."""
+    import queue as q
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_child, args=(fn, args, env or {}, queue))
+    proc.start()
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            try:
+                status, value = queue.get(timeout=1.0)
+                break
+            except q.Empty:
+                if not proc.is_alive():
+                    raise RuntimeError(f"{fn.__name__}: process exited with code {proc.exitcode} and no result")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{fn.__name__}: still running after {timeout:.0f} s")
+    finally:
+        descendants = _tree(proc.pid) if proc.pid else []
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=10)
+        _kill_pids([p for p in descendants if p != proc.pid])
+    if status != "ok":
+        raise RuntimeError(f"{fn.__name__} failed: {value}")
+    return value
+
+
+def _init_gloo(rank: int, world: int, port: int, timeout_s: float) -> None:
+    """The trainer world over gloo, with a collective timeout long enough for a slow seed on rank 0."""
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+
+
+# ---- the wire ------------------------------------------------------------------------------------
+
+
+def _wire_rank(rank, world, port, files, bucket, reps, timeout_s):
+    """Rank 0 broadcasts the checkpoint's bytes to rank 1 in ``bucket``-sized chunks (best of ``reps``)."""
+    import torch.distributed as dist
+
+    _init_gloo(rank, world, port, timeout_s)
+    try:
+        total = _checkpoint_size(files)["bytes"]
+        sizes = [min(bucket, total - off) for off in range(0, total, bucket)]
+        if rank == 0:  # the model's bytes, laid out in chunks before the clock starts
+            chunks = [torch.empty(s, dtype=torch.uint8) for s in sizes]
+            ci = off = 0
+            for t in _load_state(files).values():
+                src = t.contiguous().view(-1).view(torch.uint8)
+                pos = 0
+                while pos < src.numel():
+                    n = min(src.numel() - pos, sizes[ci] - off)
+                    chunks[ci][off:off + n].copy_(src[pos:pos + n])
+                    pos, off = pos + n, off + n
+                    if off == sizes[ci]:
+                        ci, off = ci + 1, 0
+        else:  # receive buffers touched once, so no page fault lands in the timing
+            chunks = [torch.zeros(s, dtype=torch.uint8) for s in sizes]
+        times = []
+        for _ in range(reps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            for c in chunks:
+                dist.broadcast(c, src=0)
+            dist.barrier()
+            times.append(time.perf_counter() - t0)
+        # the receiver got the model's bytes: compare a checksum of every chunk
+        sums = torch.stack([c[::4099].sum(dtype=torch.int64) for c in chunks])
+        ref = sums.clone()
+        dist.broadcast(ref, src=0)
+        if not torch.equal(ref, sums):
+            raise RuntimeError("wire: received bytes differ from the sent ones")
+        return {"bytes": total, "chunks": len(chunks), "bucket_bytes": bucket, "times_s": times}
+    finally:
+        dist.destroy_process_group()
+
+
+def _wire(files, bucket, reps, timeout):
+    from launchers.ranks import run_ranks
+
+    res = run_ranks(_wire_rank, 2, files, bucket, reps, timeout, timeout=timeout, init_world=False)
+    times = [max(a, b) for a, b in zip(res[0]["times_s"], res[1]["times_s"])]
+    best = min(times)
+    return dict(res[0], times_s=[round(t, 4) for t in times], seconds=round(best, 4),
+                gbps=round(res[0]["bytes"] / best / 1e9, 3))
+
+
+# ---- vLLM's own load, bench apply, bench diff (each in its own process) -----------------------------
+
+
+def _vllm_load(path, reps, kv_bytes, max_len):
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # as the HTTP engine (start_engine)
+    from vllm import LLM
+
+    llm = LLM(model=str(path), dtype="bfloat16", enforce_eager=True, max_model_len=max_len,
+              kv_cache_memory_bytes=kv_bytes, distributed_executor_backend="uni", seed=0,
+              weight_transfer_config={"backend": "delta_sync"})
+    model = llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+    state = _load_state(_safetensors(Path(path)))
+    times = []
+    with torch.no_grad():
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            model.load_weights(state.items())
+            times.append(time.perf_counter() - t0)
+    return {"times_s": [round(t, 4) for t in times], "seconds": round(min(times), 4),
+            "threads": torch.get_num_threads()}
+
+
+def _apply_bench(cache, layers, model_dir):
+    from launchers import bench_apply
+
+    if model_dir is not None:  # bench apply builds its own checkpoint: point it at --model instead
+        bench_apply._checkpoint = lambda root, n: Path(model_dir)
+    return bench_apply.main(["--layers", str(layers), "--densities", str(HEADLINE_DENSITY), "--cache", str(cache)])
+
+
+def _diff_bench(total_gib):
+    from delta_sync.bench import bench_diff
+
+    return bench_diff(["--total-gib", str(total_gib)])
+
+
+# ---- the trainer ranks ---------------------------------------------------------------------------
+
+
+def _perturb(state: dict[str, torch.Tensor], density: float, g: torch.Generator) -> None:
+    """Move ``density`` of each tensor's elements (random positions) by ~1%, every one bitwise different."""
+    for t in state.values():
+        if t.dtype != torch.bfloat16:
+            continue
+        flat = t.view(-1)
+        k = max(1, round(flat.numel() * density))
+        pos = torch.randint(0, flat.numel(), (k,), generator=g).unique()
+        old = flat[pos]
+        new = (old.float() * 1.01 + 1e-3).to(t.dtype)
+        bits, old_bits = new.view(torch.int16), old.view(torch.int16)
+        same = bits == old_bits
+        if bool(same.any()):  # x * 1.01 + 1e-3 rounds back to x near x = -0.1: flip the last mantissa bit
+            bits[same] = old_bits[same] ^ 1
+        flat[pos] = new
+
+
+def _adam_step(state: dict[str, torch.Tensor], lr: float, g: torch.Generator, chunk: int = 1 << 24) -> None:
+    """One AdamW step on fp32 master copies of the state with random gradients, cast back to bf16.
+
+    AdamW is elementwise, so stepping chunk by chunk is the same step with bounded memory."""
+    for t in state.values():
+        if t.dtype != torch.bfloat16:
+            continue
+        for part in t.view(-1).split(chunk):
+            p = torch.nn.Parameter(part.float())
+            p.grad = torch.randn(p.shape, generator=g)
+            try:
+                opt = torch.optim.AdamW([p], lr=lr, fused=True)  # fused kernel: ~2.5x faster on CPU
+            except (RuntimeError, ValueError):
+                opt = torch.optim.AdamW([p], lr=lr)
+            opt.step()
+            part.copy_(p.detach().to(t.dtype))
+
+
+def _trainer_rank(rank, world, port, files, url, bucket, densities, lr, timeout_s):
+    """Every rank: the same full state through ``WeightSync.update`` (rank 0 drives the engine)."""
+    import gc
+
+    import torch.distributed as dist
+
+    from delta_sync import WeightSync
+
+    _init_gloo(rank, world, port, timeout_s)
+    tag = f"[{world} rank{'s' if world > 1 else ''}]"
+    try:
+        state = _load_state(files)
+        engines = [url] if rank == 0 else []
+        rows = []
+
+        def run(sync, label, density=None):
+            # settle: memory freed just now (the mapped checkpoint, perturbation temporaries) leaves RSS
+            # before the sampler's last sample ahead of t0, which is the update's baseline
+            time.sleep(5 * SAMPLE_S)
+            dist.barrier()
+            t0 = time.monotonic()
+            rep = sync.update(state.items())
+            t1 = time.monotonic()
+            row = {"label": label, "kind": rep.kind, "density": density, "version": rep.version,
+                   "total_s": rep.timings.get("total_s", t1 - t0), "timings": dict(rep.timings),
+                   "pause_window_s": rep.pause_window_s, "payload_bytes": rep.payload_bytes,
+                   "changed_fraction": rep.changed_fraction, "changed_elements": rep.changed_elements,
+                   "total_elements": rep.total_elements, "buckets": rep.buckets, "verified": rep.verified,
+                   "t0": t0, "t1": t1}
+            rows.append(row)
+            if rank == 0:
+                print(f"[e2e] {tag} {label} ({rep.kind}): {row['total_s']:.3f} s, pause {rep.pause_window_s:.3f} s, "
+                      f"changed {100 * rep.changed_fraction:.4f}%, payload {rep.payload_bytes / 1e6:.2f} MB, "
+                      f"stages {rep.timings}", flush=True)
+
+        # seed and full update through a full-mode sync (its first update is a seed, its second a full one)
+        full_sync = WeightSync(engines, mode="full", dtype=torch.bfloat16, bucket_bytes=bucket, group=None)
+        try:
+            run(full_sync, "seed")
+            run(full_sync, "full")
+        finally:
+            full_sync.close()
+        del full_sync
+        gc.collect()
+        # the delta sync: its own seed, then deltas
+        sync = WeightSync(engines, mode="delta", dtype=torch.bfloat16, bucket_bytes=bucket, group=None)
+        try:
+            run(sync, "reseed")
+            g = torch.Generator().manual_seed(1234)  # the same perturbation on every rank
+            for d in densities:
+                _perturb(state, d, g)
+                run(sync, f"delta {d:g}", d)
+            _adam_step(state, lr, g)
+            run(sync, "adam")
+            t0 = time.perf_counter()
+            sync.verify()  # engine digests == trainer snapshot (raises on a mismatch, on every rank)
+            verify_s = time.perf_counter() - t0
+        finally:
+            sync.close()
+        return {"pid": os.getpid(), "rows": rows, "verify_s": round(verify_s, 4), "verified": True}
+    finally:
+        dist.destroy_process_group()
+
+
+def _trainer(world, files, url, bucket, densities, lr, timeout):
+    from launchers.ranks import run_ranks
+
+    return run_ranks(_trainer_rank, world, files, url, bucket, densities, lr, timeout, timeout=timeout,
+                     init_world=False)
+
+
+# ---- Megatron fast path --------------------------------------------------------------------------
+
+
+def _megatron_rank(rank, world, port, path, ep, steps, lr, seq, bucket, timeout_s):
+    import torch.distributed as dist
+
+    _init_gloo(rank, world, port, timeout_s)
+    try:
+        from megatron.core import parallel_state
+
+        from delta_sync.memory_receiver import MemoryReceiver
+        from launchers.megatron_trainer import MegatronTrainer
+        from update_weight import build_updater
+        from update_weight.args import UpdateWeightConfig
+        from update_weight.megatron_shard_delta import MegatronShardDelta
+        from update_weight.megatron_source import BridgeExportSource
+
+        t0 = time.perf_counter()
+        trainer = MegatronTrainer.from_hf(path, ep=ep, lr=lr)
+        load_s = time.perf_counter() - t0
+        rows = []
+
+        def sync(updater, source, label):
+            dist.barrier()
+            rep = updater.update_weights(source)
+            rows.append({"label": label, "kind": rep.kind, "total_s": rep.timings.get("total_s"),
+                         "timings": dict(rep.timings), "pause_window_s": rep.pause_window_s,
+                         "payload_bytes": rep.payload_bytes, "changed_fraction": rep.changed_fraction,
+                         "changed_elements": rep.changed_elements, "total_elements": rep.total_elements})
+            if rank == 0:
+                r = rows[-1]
+                print(f"[e2e] [megatron] {label} ({rep.kind}): {r['total_s']:.3f} s, pause "
+                      f"{rep.pause_window_s:.3f} s, changed {100 * rep.changed_fraction:.4f}%, payload "
+                      f"{rep.payload_bytes / 1e6:.2f} MB, stages {rep.timings}", flush=True)
+
+        # the fast path: its seed learns the shard map, then every delta is shard-local
+        source = MegatronShardDelta(trainer.bridge, trainer.model)
+        receiver = MemoryReceiver() if rank == 0 else None
+        updater = build_updater(UpdateWeightConfig("delta", "sparse_gloo", "gloo", bucket, 0),
+                                [receiver] if rank == 0 else [])
+        try:
+            sync(updater, source, "seed")
+            vocab = trainer.bridge.hf_pretrained.config.vocab_size
+            g = torch.Generator().manual_seed(0)
+            dp_rank = parallel_state.get_data_parallel_rank()
+            dp = parallel_state.get_data_parallel_world_size()
+            for step in range(steps):
+                ids = torch.randint(3, vocab, (2 * dp, seq), generator=g)
+                trainer.step(ids[dp_rank::dp])
+                sync(updater, source, f"step {step}")
+            exported = list(BridgeExportSource(trainer.bridge, trainer.model))  # independent export, every rank
+            bad = receiver.mismatched(exported) if rank == 0 else []
+            del exported
+            fast_on = source.ready()
+        finally:
+            updater.close()
+        # the plain bulk path for comparison: Bridge's export streamed by a full-mode updater
+        full_rx = MemoryReceiver() if rank == 0 else None
+        full = build_updater(UpdateWeightConfig("full", "gloo", "gloo", bucket, 0), [full_rx] if rank == 0 else [])
+        try:
+            sync(full, BridgeExportSource(trainer.bridge, trainer.model), "export seed")
+            if rank == 0:
+                bad += [f"export seed: {n}" for n in full_rx.mismatched(receiver.tensors.items())]
+        finally:
+            full.close()
+        return {"rows": rows, "mismatched": bad, "fast_path": fast_on, "load_s": round(load_s, 2)}
+    finally:
+        dist.destroy_process_group()
+
+
+def _megatron(kind, ranks, ep, steps, lr, seq, reps, timeout):
+    from launchers.checkpoints import build
+    from launchers.ranks import run_ranks
+
+    path = build(kind)
+    files = _safetensors(path)
+    size = _checkpoint_size(files)
+    bucket = _bucket_for(size["bytes"])
+    _say(f"megatron: {kind} ({size['elements'] / 1e6:.0f}M params, {size['bytes'] / 1e9:.3f} GB), {ranks} ranks "
+         f"EP={ep}, bucket {bucket / MIB:.0f} MiB")
+    wire = _wire(files, bucket, reps, timeout)
+    _say(f"megatron wire: {wire['seconds']:.3f} s ({wire['gbps']} GB/s, {wire['chunks']} chunks)")
+    res = run_ranks(_megatron_rank, ranks, str(path), ep, steps, lr, seq, bucket, timeout, timeout=timeout,
+                    init_world=False)
+    rows, bad, fast = res[0]["rows"], res[0]["mismatched"], [r["fast_path"] for r in res]
+    if bad or not all(fast):
+        raise RuntimeError(f"megatron: receiver differs from an independent export ({bad[:3]}) "
+                           f"or fast path off ({fast})")
+    seed = rows[0]
+    deltas = [r for r in rows if r["label"].startswith("step ")]
+    export = next((r for r in rows if r["label"] == "export seed"), None)
+    delta_s = statistics.median(r["total_s"] for r in deltas) if deltas else None
+    out = {"model": kind, "params": size["elements"], "bytes": size["bytes"], "ranks": ranks, "ep": ep,
+           "lr": lr, "steps": steps, "bucket_bytes": bucket, "wire": wire, "load_s": res[0]["load_s"],
+           "rows": rows, "seed_s": seed["total_s"], "delta_s": delta_s,
+           "export_seed_s": export and export["total_s"],
+           "changed_fraction": statistics.median(r["changed_fraction"] for r in deltas) if deltas else None,
+           "delta_payload_bytes": deltas[-1]["payload_bytes"] if deltas else None,
+           "seed_over_wire": _ratio(seed["total_s"], wire["seconds"]),
+           "export_seed_over_wire": _ratio(export and export["total_s"], wire["seconds"]),
+           "delta_over_wire": _ratio(delta_s, wire["seconds"]), "exact": True}
+    _say(f"megatron: seed {out['seed_s']:.3f} s ({out['seed_over_wire']} x wire; export-only seed "
+         f"{out['export_seed_s']} s), delta "
+         f"{delta_s if delta_s is None else round(delta_s, 3)} s ({out['delta_over_wire']} x wire), changed "
+         f"{out['changed_fraction']}, receiver == export bit for bit")
+    return out
+
+
+# ---- summary, plot -------------------------------------------------------------------------------
+
+
+def _ratio(a, b, digits: int = 4):
+    if a is None or b is None or not b:
+        return None
+    return round(a / b, digits)
+
+
+def _memory(rows0: list[dict], results: list[dict], sampler: RssSampler, model_bytes: int, bucket: int) -> None:
+    """Attach RSS windows to rank 0's rows: the engine tree, and every rank (its own windows)."""
+    firsts = {}
+    for res in results:
+        first = res["rows"][0]
+        firsts[res["pid"]] = sampler.window(res["pid"], first["t0"], first["t0"])
+    for i, row in enumerate(rows0):
+        eng = sampler.window("engine", row["t0"], row["t1"])
+        row["engine_rss"] = eng
+        row["engine_growth_over_bucket"] = _ratio(eng["growth"], bucket) if eng else None
+        ranks = []
+        for res in results:
+            r = res["rows"][i]
+            w = sampler.window(res["pid"], r["t0"], r["t1"])
+            start = (firsts.get(res["pid"]) or {}).get("before")
+            if w:
+                w.update(peak_over_model=_ratio(w["peak"], model_bytes),
+                         growth_over_model=_ratio(w["growth"], model_bytes),
+                         growth_from_start_over_model=_ratio(w["peak"] - start, model_bytes) if start else None)
+            ranks.append(w)
+        row["trainer_rss"] = ranks
+
+
+def _pass_summary(rows: list[dict], wire_s: float) -> dict:
+    by = {r["label"]: r for r in rows}
+    deltas = [r for r in rows if r["kind"] == "delta" and r["density"] is not None]
+    head = min(deltas, key=lambda r: abs(math.log(r["density"] / HEADLINE_DENSITY))) if deltas else None
+    seed, full = by.get("seed"), by.get("full")
+    adam = by.get("adam")
+
+    def trainer_growth(row):
+        if not row or not row.get("trainer_rss"):
+            return None
+        vals = [w["growth_over_model"] for w in row["trainer_rss"] if w and w.get("growth_over_model") is not None]
+        return max(vals) if vals else None
+
+    return {
+        "seed_s": seed and seed["total_s"], "full_s": full and full["total_s"],
+        "reseed_s": by.get("reseed", {}).get("total_s"),
+        "delta_s": {f"{r['density']:g}": r["total_s"] for r in deltas},
+        "delta_pause_s": {f"{r['density']:g}": r["pause_window_s"] for r in deltas},
+        "delta_changed_fraction": {f"{r['density']:g}": r["changed_fraction"] for r in deltas},
+        "adam_s": adam and adam["total_s"], "adam_density": adam and adam["changed_fraction"],
+        "adam_pause_s": adam and adam["pause_window_s"],
+        "headline_density": head and head["density"],
+        "seed_over_wire": _ratio(seed and seed["total_s"], wire_s),
+        "full_over_wire": _ratio(full and full["total_s"], wire_s),
+        "delta_over_wire": _ratio(head and head["total_s"], wire_s),
+        "delta_pause_over_wire": _ratio(head and head["pause_window_s"], wire_s),
+        "adam_over_wire": _ratio(adam and adam["total_s"], wire_s),
+        "verify_over_seed": _ratio((seed or {}).get("timings", {}).get("verify_s", 0.0), seed and seed["total_s"]),
+        "engine_seed_peak_over_bucket": seed and seed.get("engine_growth_over_bucket"),
+        "engine_full_peak_over_bucket": full and full.get("engine_growth_over_bucket"),
+        "engine_delta_peak_over_bucket": head and head.get("engine_growth_over_bucket"),
+        "trainer_seed_peak_over_model": trainer_growth(seed),
+        "trainer_full_peak_over_model": trainer_growth(full),
+        "trainer_delta_peak_over_model": trainer_growth(head),
+    }
+
+
+def _plot(result: dict, path: Path) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:  # the JSON is the result; the picture is a convenience
+        return f"no plot: {type(e).__name__}: {e}"
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(14, 5.5))
+    refs = [("wire (raw broadcast)", result.get("wire_s"), "k", "-"),
+            ("vLLM load_weights", result.get("vllm_load_s"), "tab:purple", "--"),
+            ("seed", result.get("seed_s"), "tab:red", "--"), ("full", result.get("full_s"), "tab:orange", "--")]
+    for label, y, color, style in refs:
+        if y:
+            ax.axhline(y, color=color, linestyle=style, linewidth=1.5, label=f"{label}: {y:.2f} s")
+    for passname, marker, color in (("one_rank", "o", "tab:blue"), ("two_ranks", "s", "tab:green")):
+        p = result.get(passname)
+        if not p:
+            continue
+        rows = [r for r in p["rows"] if r["kind"] == "delta" and r["density"] is not None]
+        n = p["ranks"]
+        ranks = f"{n} trainer rank{'s' * (n > 1)}"
+        if rows:
+            x = [max(r["changed_fraction"], 1e-9) for r in rows]
+            ax.plot(x, [r["total_s"] for r in rows], marker + "-", color=color, label=f"delta total, {ranks}")
+            ax.plot(x, [max(r["pause_window_s"], 1e-6) for r in rows], marker + ":", color=color, alpha=0.6,
+                    label=f"delta pause window, {ranks}")
+        adam = next((r for r in p["rows"] if r["label"] == "adam"), None)
+        if adam:
+            ax.plot([max(adam["changed_fraction"], 1e-9)], [adam["total_s"]], "*", color=color, markersize=15,
+                    markeredgecolor="k", label=f"AdamW step, {ranks}: {100 * adam['changed_fraction']:.3f}% changed")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("changed fraction of elements")
+    ax.set_ylabel("seconds per update")
+    ax.set_title(f"update time vs density ({result['model']})", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left", framealpha=0.8)
+
+    labels, values, colors = [], [], []
+    for passname, shade in (("one_rank", ("tab:blue", "tab:orange")), ("two_ranks", ("lightsteelblue", "navajowhite"))):
+        p = result.get(passname) or {}
+        head = p.get("summary", {}).get("headline_density")
+        picked = [r for r in p.get("rows", []) if r["label"] in ("seed", "full", "adam") or
+                  (head is not None and r["density"] == head)]
+        for side, color in zip(("engine", "trainer"), shade):
+            for r in picked:
+                if side == "engine":
+                    v = (r.get("engine_rss") or {}).get("growth")
+                else:  # the largest rank
+                    v = max((w["growth"] for w in r.get("trainer_rss") or [] if w), default=None)
+                if v is not None:
+                    labels.append(f"{side}, {p['ranks']} rank{'s' * (p['ranks'] > 1)}: {r['label']}")
+                    values.append(v / 1e9)
+                    colors.append(color)
+    if values:
+        bx.bar(range(len(values)), values, color=colors)
+        bx.set_xticks(range(len(values)), labels, fontsize=6, rotation=90)
+    bx.axhline(result["bucket_bytes"] / 1e9, color="tab:blue", linestyle="--", label="bucket bytes")
+    bx.axhline(result["model_bytes"] / 1e9, color="k", linestyle="--", label="model bytes")
+    bx.set_ylabel("peak RSS growth over the value before the update (GB)")
+    bx.set_title("peak memory per side (engine = server process tree; trainer = its largest rank)", fontsize=10)
+    bx.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+def _measure(args, result: dict, path: Path, files: list[Path], size: dict, bucket: int, densities: list[float],
+             worlds: list[int], skip: set[str], sampler: RssSampler, out: Path) -> None:
+    """Every phase, in order, into ``result``; the engine and every spawned process are stopped on the way out."""
+    from delta_sync.channel import free_port
+    from launchers.equivalence import greedy, start_engine, stop_engine, tokenize, wait_ready
+
+    # 1. the wire: a raw broadcast of the model's bytes over gloo, same bucket size
+    wire = _wire(files, bucket, args.wire_reps, args.timeout)
+    result["wire"] = wire
+    result["wire_s"] = wire["seconds"]
+    _say(f"wire: {wire['seconds']:.3f} s for {size['bytes'] / 1e9:.3f} GB ({wire['gbps']} GB/s, "
+         f"{wire['chunks']} chunks, times {wire['times_s']})")
+    # 2. vLLM's own full load from memory
+    env = {"VLLM_LOGGING_LEVEL": "WARNING"}
+    if "vllm_load" not in skip:
+        load = _spawned(_vllm_load, str(path), args.load_reps, args.kv_cache_bytes, args.max_model_len,
+                        timeout=args.timeout, env=env)
+        result["vllm_load"] = load
+        result["vllm_load_s"] = load["seconds"]
+        _say(f"vLLM load_weights from memory: {load['seconds']:.3f} s ({load['threads']} threads, "
+             f"times {load['times_s']})")
+    # 3. apply vs vLLM's patch loader, diff vs copy
+    if "apply" not in skip:
+        apply = _spawned(_apply_bench, args.cache, args.layers, args.model, timeout=args.timeout, env=env)
+        result["apply"] = apply
+        result["apply_over_native"] = apply["apply_over_native"]
+        _say(f"apply at {HEADLINE_DENSITY:g}: views / vLLM patch loader = {apply['apply_over_native']}")
+    if "diff" not in skip:
+        diff = _spawned(_diff_bench, args.diff_gib, timeout=args.timeout)
+        result["diff"] = diff
+        result["diff_over_copy"] = diff["diff_over_copy"]
+        _say(f"diff ({args.diff_gib} GiB): diff_over_copy {diff['diff_over_copy']} ({diff['kernel']}, "
+             f"{diff['diff_gbps']} vs copy {diff['copy_gbps']} GB/s)")
+
+    # 4. one HTTP engine; trainer passes of 1 and 2 ranks
+    if worlds:
+        port = free_port()
+        base = f"http://127.0.0.1:{port}"
+        log = out / "engine.log"
+        t0 = time.perf_counter()
+        proc = start_engine(path, port, log, extra=["--max-model-len", str(args.max_model_len),
+                                                     "--kv-cache-memory-bytes", str(args.kv_cache_bytes)])
+        engine_pids: list[int] = []
+        try:
+            sampler.set_engine(proc.pid)
+            wait_ready(proc, base, log)
+            engine_pids = _tree(proc.pid)
+            result["engine_start_s"] = round(time.perf_counter() - t0, 2)
+            _say(f"engine up at {base} in {result['engine_start_s']} s (pids {engine_pids}), RSS "
+                 f"{sum(_rss(p) or 0 for p in engine_pids) / 1e9:.2f} GB")
+            prompt_ids = tokenize(base, PROMPTS)
+            for world in worlds:
+                _say(f"trainer pass: {world} rank(s)")
+                res = _trainer(world, files, base, bucket, densities, args.lr, args.timeout)
+                engine_pids = sorted(set(engine_pids) | set(_tree(proc.pid)))
+                rows = res[0]["rows"]
+                _memory(rows, res, sampler, size["bytes"], bucket)
+                outputs = greedy(base, prompt_ids)
+                if not all(o["token_ids"] for o in outputs):
+                    raise RuntimeError(f"engine generated nothing after the {world}-rank pass: {outputs}")
+                result[_pass_key(world)] = {
+                    "ranks": world, "pids": [r["pid"] for r in res], "rows": rows,
+                    "summary": _pass_summary(rows, wire["seconds"]), "verify_s": res[0]["verify_s"],
+                    "verified": all(r["verified"] for r in res), "greedy_token_ids": [o["token_ids"] for o in outputs]}
+                for r in rows:
+                    eng = r.get("engine_rss") or {}
+                    tr = [w for w in r.get("trainer_rss") or [] if w]
+                    _say(f"[{world}r] {r['label']:>12}: {r['total_s']:.3f} s "
+                         f"({_ratio(r['total_s'], wire['seconds'], 3)} x wire), pause {r['pause_window_s']:.3f} s, "
+                         f"engine +{eng.get('growth', 0) / 1e6:.0f} MB "
+                         f"({r.get('engine_growth_over_bucket')} x bucket), "
+                         "trainer peak " + ", ".join(f"{w['peak'] / 1e9:.2f} GB (+{w['growth'] / 1e6:.0f} MB)"
+                                                     for w in tr))
+                _say(f"[{world}r] verify (engine digests == trainer) ok in {res[0]['verify_s']} s; greedy tokens "
+                     f"{[o['token_ids'][:6] for o in outputs]}")
+        finally:
+            engine_pids = sorted(set(engine_pids) | set(_tree(proc.pid)))
+            sampler.set_engine(None)
+            try:
+                stop_engine(proc)
+            finally:
+                _kill_pids([p for p in engine_pids if p != proc.pid])  # an engine core orphaned by the stop
+
+    # 5. Megatron fast path (after the engine stopped: its memory and cores are free)
+    if args.megatron:
+        result["megatron"] = _megatron(args.megatron_model, args.megatron_ranks, args.megatron_ep,
+                                       args.megatron_steps, 1e-6, args.megatron_seq, args.wire_reps, args.timeout)
+
+
+def _pass_key(world: int) -> str:
+    return {1: "one_rank", 2: "two_ranks"}.get(world, f"ranks_{world}")
+
+
+# ---- main ----------------------------------------------------------------------------------------
+
+
+def main(argv: list[str]) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m delta_sync.bench e2e", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=28, help="layers of the random Qwen3-0.6B-shaped checkpoint")
+    ap.add_argument("--model", default=None, help="an existing HF checkpoint directory (*.safetensors) instead")
+    ap.add_argument("--bucket-bytes", type=int, default=None, help="default: model bytes / 8, at most 512 MiB")
+    ap.add_argument("--densities", default=DENSITIES)
+    ap.add_argument("--lr", type=float, default=1e-6, help="AdamW step of the last delta")
+    ap.add_argument("--wire-reps", type=int, default=3)
+    ap.add_argument("--load-reps", type=int, default=2)
+    ap.add_argument("--kv-cache-bytes", type=int, default=256 * MIB, help="the HTTP engine's KV cache")
+    ap.add_argument("--max-model-len", type=int, default=256)
+    ap.add_argument("--trainer-ranks", default="1,2", help="trainer passes, by world size (the first is the headline)")
+    ap.add_argument("--skip", default="", help="comma list of: vllm_load, apply, diff, engine (the HTTP engine "
+                                               "and the trainer passes)")
+    ap.add_argument("--diff-gib", type=float, default=0.5)
+    ap.add_argument("--megatron", action=argparse.BooleanOptionalAction, default=True,
+                    help="Megatron fast-path section (slow)")
+    ap.add_argument("--megatron-model", default="moe-e2e", help="a MoE kind of launchers.checkpoints")
+    ap.add_argument("--megatron-ranks", type=int, default=2)
+    ap.add_argument("--megatron-ep", type=int, default=2)
+    ap.add_argument("--megatron-steps", type=int, default=2)
+    ap.add_argument("--megatron-seq", type=int, default=64)
+    ap.add_argument("--timeout", type=float, default=1800, help="per phase, seconds")
+    ap.add_argument("--cache", default=str(ROOT / ".cache" / "bench"))
+    ap.add_argument("--out", default=str(ROOT / ".cache" / "bench" / "e2e"))
+    args = ap.parse_args(argv)
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    densities = [float(x) for x in args.densities.split(",") if x.strip()]
+    worlds = [int(x) for x in args.trainer_ranks.split(",") if x.strip()]
+    if "engine" in skip:
+        worlds = []
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    from launchers.bench_apply import _checkpoint
+
+    path = Path(args.model) if args.model else _checkpoint(Path(args.cache), args.layers)
+    files = _safetensors(path)
+    size = _checkpoint_size(files)
+    bucket = args.bucket_bytes or _bucket_for(size["bytes"])
+    model_name = (f"{path.name}" if args.model else f"Qwen3-0.6B shapes, {args.layers} layers") + \
+        f" ({size['elements'] / 1e6:.0f}M params, {size['bytes'] / 1e9:.3f} GB bf16)"
+    _say(f"model {model_name}; bucket {bucket / MIB:.1f} MiB; densities {densities}; trainer passes {worlds}")
+    result: dict = {"bench": "e2e", "model": model_name, "checkpoint": str(path), "model_bytes": size["bytes"],
+                    "params": size["elements"], "tensors": size["tensors"], "bucket_bytes": bucket,
+                    "densities": densities, "lr": args.lr, "cpus": os.cpu_count()}
+    t_run = time.perf_counter()
+    sampler = RssSampler()
+    sampler.start()
+
+    def terminated(signum, frame):  # SIGTERM (e.g. `timeout`): unwind, so that the engine and ranks are stopped
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, terminated) if threading.current_thread() is threading.main_thread() \
+        else None
+    try:
+        _measure(args, result, path, files, size, bucket, densities, worlds, skip, sampler, out)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+        sampler.stop()
+        (out / "rss.json").write_text(json.dumps(sampler.dump()))
+    result["wall_s"] = round(time.perf_counter() - t_run, 1)
+
+    s = (result.get(_pass_key(worlds[0])) or {}).get("summary", {}) if worlds else {}
+    two = (result.get("two_ranks") or {}).get("summary", {})
+    result.update({k: s.get(k) for k in ("seed_s", "full_s", "reseed_s", "delta_s", "delta_pause_s", "adam_s",
+                                         "adam_density")})
+    result["vllm_load_over_wire"] = _ratio(result.get("vllm_load_s"), result["wire_s"])
+    headline = {
+        "bench": "e2e", "model": model_name, "model_bytes": size["bytes"], "bucket_bytes": bucket,
+        "wire_s": result["wire_s"], "wire_gbps": result["wire"]["gbps"], "vllm_load_s": result.get("vllm_load_s"),
+        "seed_s": s.get("seed_s"), "full_s": s.get("full_s"), "reseed_s": s.get("reseed_s"),
+        "delta_s": s.get("delta_s"), "delta_pause_s": s.get("delta_pause_s"),
+        "adam_density": s.get("adam_density"), "adam_s": s.get("adam_s"),
+        "seed_over_wire": s.get("seed_over_wire"), "full_over_wire": s.get("full_over_wire"),
+        "delta_over_wire": s.get("delta_over_wire"), "delta_pause_over_wire": s.get("delta_pause_over_wire"),
+        "adam_over_wire": s.get("adam_over_wire"), "vllm_load_over_wire": result["vllm_load_over_wire"],
+        "verify_over_seed": s.get("verify_over_seed"),
+        "engine_seed_peak_over_bucket": s.get("engine_seed_peak_over_bucket"),
+        "engine_delta_peak_over_bucket": s.get("engine_delta_peak_over_bucket"),
+        "trainer_seed_peak_over_model": s.get("trainer_seed_peak_over_model"),
+        "trainer_delta_peak_over_model": s.get("trainer_delta_peak_over_model"),
+        "apply_over_native": result.get("apply_over_native"), "diff_over_copy": result.get("diff_over_copy"),
+        "two_ranks": {k: two.get(k) for k in ("seed_s", "full_s", "delta_s", "adam_s", "adam_density",
+                                              "seed_over_wire", "full_over_wire", "delta_over_wire",
+                                              "delta_pause_over_wire", "trainer_seed_peak_over_model",
+                                              "engine_seed_peak_over_bucket")} if two else None,
+        "megatron": {k: result["megatron"][k] for k in ("model", "params", "seed_s", "export_seed_s", "delta_s",
+                                                        "changed_fraction", "seed_over_wire", "delta_over_wire")}
+        | {"wire_s": result["megatron"]["wire"]["seconds"]} if result.get("megatron") else None,
+        "wall_s": result["wall_s"], "out": str(out),
+    }
+    result["headline"] = headline
+    try:
+        problem = _plot(result, out / "e2e.png")
+    except Exception as e:  # the JSON is the result; the picture is a convenience
+        problem = f"plot failed: {type(e).__name__}: {e}"
+    if problem:
+        _say(problem)
+    result["plot"] = None if problem else str(out / "e2e.png")
+    (out / "e2e.json").write_text(json.dumps(result, indent=1))
+    _say(f"wrote {out / 'e2e.json'}" + ("" if problem else f" and {out / 'e2e.png'}") + f" ({result['wall_s']} s)")
+    return headline
