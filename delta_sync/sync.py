@@ -200,13 +200,18 @@ class WeightSync:
         if not self.needs_seed and self._from_rank0(self.rank == 0 and self._engines_lost_base()):
             self._reset()  # an engine restarted or lost its base: only a seed can repair it
             self._drop_channel()  # a restarted engine also left the channel: rejoin everyone
+        sharded = named_tensors if isinstance(named_tensors, ShardedSource) else None
+        if sharded is not self.sharded:
+            # One snapshot owner: a sharded source keeps its own shard snapshots, and while it serves
+            # the deltas the plain snapshot store is not updated. After a switch neither knows what
+            # the engines hold, so the next version is a seed (logged: it costs a full transfer).
+            if not self.needs_seed:
+                log.warning("delta-sync: the update source changed (%s -> %s); sending a seed",
+                            type(self.sharded).__name__, type(sharded).__name__)
+            self._reset()
+            self.sharded = sharded
         version = self.version + 1
         kind = "seed" if self.needs_seed else ("full" if self.mode == "full" else "delta")
-        sharded = named_tensors if isinstance(named_tensors, ShardedSource) else None
-        if sharded is not self.sharded:  # another source: its snapshots know nothing of ours
-            if self.sharded is not None:
-                self.sharded.reset()
-            self.sharded = sharded
         timings: dict[str, float] = {}
         if kind == "delta":
             outcome, error, elements = self._delta(version, named_tensors, timings)
@@ -390,21 +395,37 @@ class WeightSync:
     # ---- publish (rank 0) ------------------------------------------------------------------------
     def _publish(self, version: int, kind: str, timings: dict, send: Callable[[BucketSender], SendStats],
                  bulk: bool = False, kept: str | None = None) -> tuple[Outcome, BaseException | None]:
-        """pause -> start -> send (while every engine's ``update`` receives) -> finish -> resume."""
+        """Bulk: pause -> start -> send (applied as it arrives) -> finish -> resume.
+
+        Delta: start -> send (staged and validated while the engine keeps serving: nothing is
+        written before finish) -> pause -> finish (apply) -> resume. The pause window of a delta
+        covers only its apply."""
         try:
             self._connect()
         except Exception as e:
             return Outcome(False, f"{type(e).__name__}: {e}", needs_seed=self.needs_seed), e
-        t_pause = time.perf_counter()
+        t_pause = [time.perf_counter()]
         started: list[EngineClient] = []
         finished: list[EngineClient] = []
-        try:
-            for e in self.engines:
-                e.pause(self.pause_mode)
+
+        def open_engines() -> None:
+            """Right before the first bucket leaves: a bulk update pauses here, so its pause window
+            never covers what precedes its first bucket (a Megatron source's one-time plan, the
+            export of the first tensors)."""
+            if bulk:
+                t_pause[0] = time.perf_counter()
+                for e in self.engines:
+                    e.pause(self.pause_mode)
             for e in self.engines:
                 e.start()
                 started.append(e)
-            stats = self._send(version, kind, timings, send, kept)
+
+        try:
+            stats = self._send(version, kind, timings, send, kept, open_engines)
+            if not bulk:
+                t_pause[0] = time.perf_counter()
+                for e in self.engines:
+                    e.pause(self.pause_mode)
             t2 = time.perf_counter()
             for e in self.engines:
                 e.finish(version)
@@ -436,19 +457,29 @@ class WeightSync:
                       "engines stay paused until a seed" if needs_seed else f"engines resumed on v{self.version}")
             return Outcome(False, f"{type(err).__name__}: {err}", needs_seed=needs_seed), err
         report = {"tensors": stats.tensors, "changed_elements": stats.elements, "payload_bytes": stats.payload_bytes,
-                  "buckets": stats.buckets, "pause_window_s": round(time.perf_counter() - t_pause, 6)}
+                  "buckets": stats.buckets, "pause_window_s": round(time.perf_counter() - t_pause[0], 6)}
         return Outcome(True, report=report), None
 
     def _send(self, version: int, kind: str, timings: dict, send: Callable[[BucketSender], SendStats],
-              kept: str | None):
-        """Stream the buckets while each engine's ``update`` RPC receives them, concurrently."""
+              kept: str | None, open_engines: Callable[[], None]):
+        """Stream the buckets while each engine's ``update`` RPC receives them, concurrently. The
+        engines are opened (``open_engines``) and their RPCs started when the first bucket is
+        packed; an update that fails before that never touched them."""
         t1 = time.perf_counter()
-        sender = BucketSender(self.channel, version, kind, self.bucket_bytes, kept=kept)
+        futs = []
         with ThreadPoolExecutor(max_workers=len(self.engines)) as pool:
-            futs = [pool.submit(e.update, {"version": version}) for e in self.engines]
+            def first_bucket() -> None:
+                open_engines()
+                futs.extend(pool.submit(e.update, {"version": version}) for e in self.engines)
+
+            sender = BucketSender(self.channel, version, kind, self.bucket_bytes, kept=kept,
+                                  before_first=first_bucket)
             try:
                 stats = send(sender)
             except Exception as err:
+                if not futs:
+                    sender.shutdown()  # nothing reached the engines
+                    raise
                 try:
                     sender.abort(f"sender failed: {type(err).__name__}: {err}")
                 except Exception:

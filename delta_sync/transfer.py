@@ -94,8 +94,9 @@ class BucketSender:
     raised by the next call."""
 
     def __init__(self, channel: Channel, version: int, kind: str, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 checksum: bool = True, kept: str | None = None):
+                 checksum: bool = True, kept: str | None = None, before_first: Callable[[], None] | None = None):
         self.channel = channel
+        self._before_first = before_first  # called once, on the caller's thread, before bucket 0 leaves
         self.packer = BucketPacker(version, kind, bucket_bytes, checksum, kept=kept)
         self.stats = SendStats()
         self._names: set[str] = set()
@@ -123,6 +124,9 @@ class BucketSender:
 
     def _put(self, bucket: Bucket, arena: Arena) -> None:
         self._raise()
+        if self._before_first is not None:
+            first, self._before_first = self._before_first, None
+            first()
         self.stats.buckets += 1
         self.stats.payload_bytes += bucket.payload_bytes
         self._queue.put((bucket, arena))
