@@ -46,6 +46,7 @@ class SnapshotStore:
         self._load = [0] * self.world_size
         self._base: dict[str, torch.Tensor] = {}
         self._staged: dict[str, _Staged] = {}
+        self._spare: dict[str, torch.Tensor] = {}  # a reset snapshot's memory, reused by the next seed
 
     # ---- ownership -------------------------------------------------------------------------
     def owner(self, name: str, nbytes: int) -> int:
@@ -81,7 +82,11 @@ class SnapshotStore:
                 f"{tuple(new.shape)}/{new.dtype}; a changed model needs a new seed",
                 kept=f"snapshot v{self.version}")
         if full or base is None:
-            copy = new.clone() if new.data_ptr() == tensor.data_ptr() else new.contiguous()
+            spare = self._spare.pop(name, None)
+            if spare is not None and spare.shape == new.shape and spare.dtype == new.dtype:
+                copy = spare.copy_(new)  # a re-seed reuses the memory of the snapshot it replaces
+            else:
+                copy = new.clone() if new.data_ptr() == tensor.data_ptr() else new.contiguous()
             patch = Patch.full(name, copy)
             self._staged[name] = _Staged(patch, copy)
             return patch
@@ -103,6 +108,7 @@ class SnapshotStore:
                 flat = self._base[name].view(-1)
                 flat.index_copy_(0, st.patch.indices.to(torch.int64), st.patch.values)
         self._staged.clear()
+        self._spare.clear()
         self.version = version
 
     def rollback(self) -> None:
@@ -110,8 +116,11 @@ class SnapshotStore:
         self._staged.clear()
 
     def reset(self) -> None:
-        """Forget the snapshot too (engine needs a seed): the next prepare sends full tensors."""
+        """Forget the snapshot too (engine needs a seed): the next prepare sends full tensors.
+
+        Its memory is kept until the next commit, for the seed to copy into (no fresh pages)."""
         self._staged.clear()
+        self._spare.update(self._base)
         self._base.clear()
         self.version = None
 
