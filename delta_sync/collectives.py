@@ -72,7 +72,9 @@ def check(op: str, group, *tensors: torch.Tensor) -> None:
 # ---- registered groups (the trainer's) ------------------------------------------------------------
 def all_gather_into_tensor(out: torch.Tensor, t: torch.Tensor, group) -> None:
     check("all_gather_into_tensor", group, out, t)
-    dist.all_gather_into_tensor(out, t, group=group)
+    # torch 2.13 renamed it (the old name warns); older releases have only the old one
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, t, group=group)
 
 
 def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> None:
