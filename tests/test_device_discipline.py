@@ -167,3 +167,19 @@ def test_broken_driver_is_an_error_not_a_cpu_run(monkeypatch):
         accelerator.detect_family()
     with pytest.raises(DeviceNotAvailable):
         accelerator.accelerated()  # the Megatron CPU shims ask this, so they never apply on NPUs
+
+
+def test_device_check_script_runs_its_checks_on_the_host():
+    """launchers/device_check.py runs on a lent GPU only now and then; on the host it runs here, so
+    it cannot rot in between (same checks, device = cpu)."""
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "launchers.device_check", "--device", "cpu", "--bench-gib", "0.125"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["ok"] and set(result["checks"]) == {"diff", "snapshot", "digest", "gather", "fast_path",
+                                                      "loader_views"}
+    assert all(c["ok"] for c in result["checks"].values()) and result["diff_over_copy"] > 0

@@ -1,0 +1,247 @@
+"""``python -m launchers.device_check``: the trainer- and receiver-side paths on one accelerator.
+
+For a machine with one GPU (or NPU) and PyTorch, without vLLM or Megatron: every check runs the
+library's own code on device tensors and compares it bit for bit with the host path.
+
+* diff: the torch-op bitwise diff of device snapshots == the host kernel's patch;
+* snapshot: a snapshot store on the device (seed, delta, commit);
+* digest: device lane sums (torch ops) == the host kernel's digest, with the Inf/NaN count;
+* gather: a 1-rank trainer world on the device backend (NCCL/HCCL reject host tensors, so every
+  metadata tensor must go over the host group made beside it), patches gathered on the device;
+* device check: a host tensor into the device group raises ``DeviceMismatch`` before NCCL sees it;
+* fast path: owned-element runs placed on the device and changed offsets mapped there;
+* loader views: a fused / column-sliced / transposed stand-in module on the device, ranges and
+  sparse patches applied through the views, read back and digested on the device;
+* bench: the device diff against the device's copy bandwidth (``diff_over_copy``).
+
+Prints one JSON line. ``--device cpu`` runs the same checks on the host (the test suite does, so
+the script cannot rot between device runs). ``launchers/device_check.sh`` wraps it with a time limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+
+import torch
+
+
+def _randn(n: int, g: torch.Generator, device) -> torch.Tensor:
+    return torch.randn(n, generator=g).to(torch.bfloat16).to(device)
+
+
+def _perturb(t: torch.Tensor, density: float, g: torch.Generator) -> torch.Tensor:
+    new = t.clone()
+    pos = torch.randint(0, t.numel(), (max(1, int(t.numel() * density)),), generator=g).to(t.device)
+    new.view(-1)[pos] = (new.view(-1)[pos].float() * 1.01 + 1e-3).to(t.dtype)
+    return new
+
+
+def check_diff(device, g) -> dict:
+    from delta_sync.diff import BitwiseDiff
+
+    old = _randn(3_000_003, g, device)
+    new = _perturb(old, 0.002, g)
+    got = BitwiseDiff(use_native=False).diff("w", old, new)
+    want = BitwiseDiff().diff("w", old.cpu(), new.cpu())
+    assert got.indices.device == old.device
+    assert torch.equal(got.indices.cpu(), want.indices) and torch.equal(got.values.cpu().view(torch.int16),
+                                                                       want.values.view(torch.int16))
+    return {"changed": want.count}
+
+
+def check_snapshot(device, g) -> dict:
+    from delta_sync.snapshot import SnapshotStore
+
+    store = SnapshotStore(device=device)
+    t = _randn(100_000, g, device)
+    store.prepare("w", t, full=True)
+    store.commit(0)
+    new = _perturb(t, 0.01, g)
+    p = store.prepare("w", new)
+    store.commit(1)
+    assert not p.dense and p.indices.device == store.snapshot_of("w").device
+    assert torch.equal(store.snapshot_of("w").view(torch.int16), new.view(torch.int16))
+    return {"changed": p.count}
+
+
+def check_digest(device, g) -> dict:
+    from delta_sync.digest import lane_sums, scan_range
+
+    t = _randn(2_000_001, g, "cpu")
+    t[17] = float("nan")
+    want, bad = scan_range(t, 5)
+    sums = lane_sums(t.to(device).view(torch.int16), 5, exp_mask=0x7F80).tolist()
+    assert tuple(sums[:4]) == tuple(want) and sums[4] == bad == 1, (sums, want, bad)
+    return {"digest": want.hex()}
+
+
+def check_gather_and_device_rule(device, g, port: int) -> dict:
+    import torch.distributed as dist
+
+    from delta_sync import accelerator, collectives
+    from delta_sync.collectives import DeviceMismatch, TrainerGroups
+    from delta_sync.gather import Ordered, PatchGather
+    from delta_sync.patch import Patch
+
+    backend = accelerator.backend_for(device.type)
+    kwargs = {"device_id": device} if device.type != "cpu" else {}
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60), **kwargs)
+    try:
+        groups = TrainerGroups.around(None, device)
+        t = _randn(1000, g, device)
+        idx = torch.arange(0, 1000, 7, dtype=torch.int32, device=device)
+        merged = PatchGather(groups).gather(lambda: [Ordered(0, Patch("w", (1000,), t.dtype, idx, t[idx.long()]))])
+        assert merged[0].values.device.type == device.type and merged[0].count == idx.numel()
+        refused = False
+        if device.type != "cpu":
+            try:
+                collectives.all_reduce(torch.zeros(1), groups.device_group)
+            except DeviceMismatch:
+                refused = True
+            assert refused, "a host tensor reached the device group"
+        return {"backend": backend, "host_group": collectives.backend_of(groups.host_group),
+                "host_tensor_refused": refused}
+    finally:
+        dist.destroy_process_group()
+
+
+def check_fast_path(device, g) -> dict:
+    from update_weight.megatron_shard_delta import _host_runs, _locate, _place
+
+    local = torch.arange(0, 4096)
+    plist = [(local[:1024], 0, local[:1024] + 7), (local[1024:], 1, local[1024:].flip(0))]
+    host = _host_runs(plist)
+    param = torch.empty(64, 64, dtype=torch.bfloat16, device=device)
+    runs = _place(param, *host)
+    pos = torch.randint(0, 4096, (300,), generator=g).unique()
+    got = [x.cpu() for x in _locate(runs, pos.to(device))]
+    want = _locate(_place(param.cpu(), *host), pos)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    return {"runs": int(runs.local.numel())}
+
+
+class StandIn(torch.nn.Module):
+    """Loaders that fuse rows, slice columns (TP rank 1 of 2) and transpose, as vLLM's do."""
+
+    def __init__(self, device):
+        super().__init__()
+        kw = dict(device=device, dtype=torch.bfloat16)
+        self.qk = torch.nn.Parameter(torch.zeros(96, 64, **kw), requires_grad=False)
+        self.cols = torch.nn.Parameter(torch.zeros(80, 48, **kw), requires_grad=False)
+        self.tr = torch.nn.Parameter(torch.zeros(40, 72, **kw), requires_grad=False)
+
+    def load_weights(self, items):
+        for name, w in items:
+            if name == "q":
+                self.qk.data[:64].copy_(w)
+            elif name == "k":
+                self.qk.data[64:].copy_(w)
+            elif name == "cols":
+                self.cols.data.copy_(w[:, 48:])
+            elif name == "tr":
+                self.tr.data.copy_(w.t())
+
+
+SPECS = {"q": (64, 64), "k": (32, 64), "cols": (80, 96), "tr": (72, 40)}
+
+
+def check_loader_views(device, g) -> dict:
+    from patches.loader_views import UndoLog, apply_dense_range, apply_sparse, digest_view, probe_views
+
+    results = {}
+    for dev in (device, torch.device("cpu")):
+        model = StandIn(dev)
+        views, unsupported = probe_views(model, [(n, s, torch.bfloat16) for n, s in SPECS.items()])
+        assert not unsupported, unsupported
+        params = dict(model.named_parameters())
+        gg = torch.Generator().manual_seed(3)
+        state = {n: _randn(int(torch.Size(s).numel()), gg, dev).reshape(s) for n, s in SPECS.items()}
+        for n, t in state.items():
+            flat = t.reshape(-1)
+            half = flat.numel() // 3
+            apply_dense_range(views[n], params, flat[:half], 0)  # ranges cut inside a tensor
+            apply_dense_range(views[n], params, flat[half:], half)
+        undo = UndoLog()
+        for n, t in state.items():
+            idx = torch.arange(0, t.numel(), 5, device=dev)
+            vals = (t.reshape(-1)[idx].float() + 1).to(t.dtype)
+            apply_sparse(views[n], params, idx.to(torch.int32), vals, undo)
+        results[dev.type] = ({n: digest_view(v, params)[0].hex() for n, v in views.items()},
+                             {n: p.detach().cpu().view(torch.int16).clone() for n, p in params.items()})
+    dev_digests, dev_params = results[device.type]
+    cpu_digests, cpu_params = results["cpu"]
+    assert dev_digests == cpu_digests, (dev_digests, cpu_digests)
+    assert all(torch.equal(dev_params[n], cpu_params[n]) for n in cpu_params)
+    return {"views": len(SPECS)}
+
+
+def bench_diff(device, g, gib: float) -> dict:
+    from delta_sync.diff import BitwiseDiff
+
+    sync = (lambda: torch.get_device_module(device).synchronize()) if device.type != "cpu" else (lambda: None)
+    per = 32 << 20  # elements per tensor (64 MiB bf16)
+    count = max(1, int(gib * (1 << 30) / (per * 2)))
+    olds = [_randn(per, g, device) for _ in range(count)]
+    news = [_perturb(o, 0.002, g) for o in olds]
+    dsts = [torch.empty_like(o) for o in olds]
+    differ = BitwiseDiff(use_native=device.type == "cpu")
+
+    def timed(fn) -> float:
+        fn()
+        sync()
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    t_copy = timed(lambda: [d.copy_(n) for d, n in zip(dsts, news)])
+    t_diff = timed(lambda: [differ.changed(o, n) for o, n in zip(olds, news)])
+    nbytes = 2 * sum(t.numel() * 2 for t in news)  # both sides move 2N bytes per pass
+    return {"bench_bytes": nbytes // 2, "copy_gbps": round(nbytes / t_copy / 1e9, 1),
+            "diff_gbps": round(nbytes / t_diff / 1e9, 1), "diff_over_copy": round(t_copy / t_diff, 3)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m launchers.device_check")
+    ap.add_argument("--device", default="cuda", help="cuda, npu or cpu")
+    ap.add_argument("--bench-gib", type=float, default=2.0)
+    args = ap.parse_args(argv)
+    from delta_sync import accelerator
+    from delta_sync.channel import free_port
+
+    accelerator.require_family(torch.device(args.device).type)
+    device = torch.device(args.device)
+    if device.type != "cpu":
+        accelerator.device_module(device).set_device(0)
+        device = torch.device(device.type, 0)
+    g = torch.Generator().manual_seed(0)
+    out = {"check": "device", "device": str(device), "torch": torch.__version__, "checks": {}}
+    steps = [("diff", lambda: check_diff(device, g)), ("snapshot", lambda: check_snapshot(device, g)),
+             ("digest", lambda: check_digest(device, g)),
+             ("gather", lambda: check_gather_and_device_rule(device, g, free_port())),
+             ("fast_path", lambda: check_fast_path(device, g)), ("loader_views", lambda: check_loader_views(device, g))]
+    ok = True
+    for name, fn in steps:
+        t0 = time.perf_counter()
+        try:
+            out["checks"][name] = dict(fn(), ok=True, s=round(time.perf_counter() - t0, 3))
+        except Exception as e:  # report every check, then fail
+            ok = False
+            out["checks"][name] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:500]}
+    out.update(bench_diff(device, g, args.bench_gib))
+    out["ok"] = ok
+    return out
+
+
+if __name__ == "__main__":
+    result = main()
+    print(json.dumps(result), flush=True)
+    sys.exit(0 if result["ok"] else 1)
