@@ -2,7 +2,9 @@
 
 Registers delta-sync's weight-transfer engine under backend name ``delta_sync``, installs the
 CPU checkpoint-layout mode, and adds two small worker methods for ``collective_rpc``:
-``delta_sync_report`` (version, needs_seed, timings, digests) and the fix below.
+``delta_sync_report`` (version, needs_seed, timings, digests) and ``delta_sync_discard``. They are
+added to ``WorkerBase``, the base of every platform's worker (vLLM's GPU/CPU ``Worker`` and
+vLLM-Ascend's ``NPUWorker`` alike), so they do not depend on which worker class a platform picks.
 
 vLLM quirk corrected here: ``Worker.finish_weight_update`` leaves the update session marked
 active when the engine's finish raises, so every later ``start_weight_update`` fails with
@@ -34,10 +36,11 @@ def register() -> None:
 
 def _patch_worker() -> None:
     from vllm.v1.worker.gpu_worker import Worker
+    from vllm.v1.worker.worker_base import WorkerBase
 
-    if getattr(Worker, "_delta_sync_patched", False):
+    if getattr(WorkerBase, "_delta_sync_patched", False):
         return
-    Worker._delta_sync_patched = True
+    WorkerBase._delta_sync_patched = True
     original_finish = Worker.finish_weight_update
 
     @functools.wraps(original_finish)
@@ -61,8 +64,8 @@ def _patch_worker() -> None:
         return engine.report(digests=bool(opts.get("digests")), names=opts.get("names"))
 
     Worker.finish_weight_update = finish_weight_update
-    Worker.delta_sync_report = delta_sync_report
-    Worker.delta_sync_discard = _discard
+    WorkerBase.delta_sync_report = delta_sync_report
+    WorkerBase.delta_sync_discard = _discard
 
 
 def _discard(self, request: str = "{}") -> dict:

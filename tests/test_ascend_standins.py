@@ -97,3 +97,25 @@ def test_nz_weights_are_refused_with_the_setting():
     nz = model.w2_weight.data_ptr()
     with pytest.raises(LayoutNotSupported, match="w2_weight is stored as FRACTAL_NZ"):
         check_ascend_layout(cfg, model, format_of=lambda t: ACL_FORMAT_FRACTAL_NZ if t.data_ptr() == nz else 2)
+
+
+def test_worker_methods_reach_a_worker_class_that_is_not_vllms_gpu_worker():
+    """vLLM-Ascend's NPUWorker derives from vLLM's WorkerBase, not from the GPU Worker; the plugin's
+    collective_rpc methods must exist on it. StandInNPUWorker is a stand-in (torch_npu cannot
+    import here): a WorkerBase subclass outside the GPU worker's hierarchy."""
+    from vllm.v1.worker.gpu_worker import Worker
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    from patches.vllm_plugin import register
+
+    register()
+
+    class StandInNPUWorker(WorkerBase):
+        pass
+
+    assert not issubclass(StandInNPUWorker, Worker)
+    for method in ("delta_sync_report", "delta_sync_discard"):
+        assert callable(getattr(StandInNPUWorker, method, None)), method
+    w = StandInNPUWorker.__new__(StandInNPUWorker)  # no engine configured: a clear answer, not an error
+    assert w.delta_sync_report("{}") == {"version": None, "needs_seed": True,
+                                         "error": "delta_sync engine not configured"}
