@@ -435,6 +435,8 @@ def _trainer_rank(rank, world, port, files, url, bucket, densities, lr, timeout_
     from delta_sync import WeightSync
 
     _init_gloo(rank, world, port, timeout_s)
+    # run_ranks pins spawned ranks to one thread; a trainer owns its share of the host's cores
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     tag = f"[{world} rank{'s' if world > 1 else ''}]"
     try:
         state = _load_state(files)
@@ -668,7 +670,9 @@ def _pass_summary(rows: list[dict], wire_s: float) -> dict:
         "engine_seed_peak_over_bucket": seed and seed.get("engine_growth_over_bucket"),
         "engine_full_peak_over_bucket": full and full.get("engine_growth_over_bucket"),
         "engine_delta_peak_over_bucket": head and head.get("engine_growth_over_bucket"),
-        "trainer_seed_peak_over_model": trainer_growth(seed),
+        # a delta-mode trainer's seed (the "reseed" row) also stages its snapshot: that is the bound
+        "trainer_seed_peak_over_model": trainer_growth(by.get("reseed") or seed),
+        "trainer_fullmode_seed_peak_over_model": trainer_growth(seed),
         "trainer_full_peak_over_model": trainer_growth(full),
         "trainer_delta_peak_over_model": trainer_growth(head),
     }

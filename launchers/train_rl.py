@@ -8,6 +8,11 @@ sync with ``--update-weight-mode`` / ``--update-weight-transport`` / ``--update-
 trainer layout with ``--trainer-ranks`` / ``--tp`` / ``--pp`` / ``--ep`` (the rest is DP; experts
 at ETP=1) and its devices with ``--trainer-device`` (rank r binds local device r).
 
+Under ``torchrun`` (its ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` / ``MASTER_ADDR`` environment, any
+number of nodes) each process is one trainer rank: it binds its device (``LOCAL_RANK``) before the
+process group exists, passes it as ``device_id``, and syncs into ``--engine-url`` (required:
+engines run on their own hosts); rank 0 writes the artifacts and runs the equivalence check.
+
 Optimizer: Adam (lr 1e-6 by default, as in RL post-training) on fp32 master weights with bf16
 model weights, as Megatron's mixed precision does; each step reports the changed fraction
 (0.14-0.19% per step on the tiny MoE).
@@ -82,19 +87,33 @@ def _row(step, rep, reward) -> str:
     return " | ".join(str(v).rjust(len(c)) for v, c in zip(vals, COLUMNS))
 
 
-def _trainer(rank: int, world: int, master_port: int, opts: dict) -> list[dict]:
+def _trainer(rank: int, world: int, master_port: int | None, opts: dict, local_rank: int | None = None) -> list[dict]:
+    """One trainer rank: bind the device, then the process group (``master_port=None``: torchrun's
+    environment rendezvous), then train and sync."""
     import datetime
 
     import torch.distributed as dist
 
-    placement = accelerator.bind(opts["device"], local_rank=rank)  # before the process group
+    placement = accelerator.bind(opts["device"], local_rank=rank if local_rank is None else local_rank)
     opts = dict(opts, device=str(placement.device))
-    dist.init_process_group(placement.backend, init_method=f"tcp://127.0.0.1:{master_port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=600))
+    init = "env://" if master_port is None else f"tcp://127.0.0.1:{master_port}"
+    kwargs = {"device_id": placement.device} if placement.family != "cpu" else {}
+    dist.init_process_group(placement.backend, init_method=init, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=600), **kwargs)
+    print(f"trainer rank {rank}/{world} on {placement.describe()}", file=sys.stderr, flush=True)
     try:
         return _train(rank, world, opts)
     finally:
         dist.destroy_process_group()
+
+
+def torchrun_env() -> tuple[int, int, int] | None:
+    """``(rank, world, local_rank)`` when this process was started by torchrun, else None."""
+    import os
+
+    if "TORCHELASTIC_RUN_ID" not in os.environ and "LOCAL_WORLD_SIZE" not in os.environ:
+        return None
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
 
 
 def _train(rank: int, world: int, opts: dict) -> list[dict]:
@@ -201,6 +220,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     cfg = resolve_update_weight_args(args)  # contradictions and missing devices fail here, before any work
+    launched = torchrun_env()
+    if launched is not None:
+        return _main_torchrun(args, cfg, *launched)
     layout_error = check_layout(args.trainer_ranks, args.tp, args.pp, args.ep)
     if layout_error:
         raise SystemExit(layout_error)
@@ -239,6 +261,34 @@ def main(argv=None) -> int:
     finally:
         if proc is not None and proc.poll() is None:
             equivalence.stop_engine(proc)
+    print(json.dumps(result, indent=1))
+    print(equivalence.verdict(result), flush=True)
+    return 0 if result["equal"] else 1
+
+
+def _main_torchrun(args, cfg, rank: int, world: int, local_rank: int) -> int:
+    """One rank of a torchrun job: every rank trains and syncs; rank 0 writes and checks."""
+    layout_error = check_layout(world, args.tp, args.pp, args.ep)
+    if layout_error:
+        raise SystemExit(layout_error.replace("--trainer-ranks", "torchrun's world size"))
+    if not args.engine_url:
+        raise SystemExit("under torchrun, pass --engine-url (start the engine on its own host or cards)")
+    device = accelerator.detect_family() if args.trainer_device == "auto" else args.trainer_device
+    model = Path(args.model) if args.model else build(args.tiny)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    opts = {"model": str(model), "tp": args.tp, "pp": args.pp, "ep": args.ep, "device": device, "lr": args.lr,
+            "steps": args.steps, "group": args.group_size, "max_tokens": args.max_tokens, "engine": args.engine_url,
+            "export": str(out / "export"), "sync": dataclasses.asdict(cfg), "reference_export": args.reference_export}
+    rows = _trainer(rank, world, None, opts, local_rank=local_rank)
+    if rank != 0:
+        return 0
+    (out / "updates.json").write_text(json.dumps(rows, indent=1))
+    if args.no_check:
+        return 0
+    updates = [{k: r[k] for k in ("version", "kind", "changed_elements", "changed_fraction", "payload_bytes")}
+               for r in rows]
+    result = equivalence.run_check(args.engine_url, out / "export", out, updates=updates)
     print(json.dumps(result, indent=1))
     print(equivalence.verdict(result), flush=True)
     return 0 if result["equal"] else 1
