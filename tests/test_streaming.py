@@ -107,3 +107,74 @@ def test_receiver_error_midway_through_a_seed_is_reported_and_reseeded():
         assert threading.active_count() < 20  # sender/receiver threads end with their version
     finally:
         sync.close()
+
+
+class ShardedStandIn:
+    """A ShardedSource over a plain dict (a stand-in for the Megatron fast path): deltas come from
+    its own snapshots, never from WeightSync's snapshot store."""
+
+    def __init__(self, state: dict[str, torch.Tensor]):
+        from delta_sync.diff import BitwiseDiff
+
+        self.state, self.differ = state, BitwiseDiff()
+        self.total_elements = sum(t.numel() for t in state.values())
+        self._snap: dict | None = None
+        self._staged: dict = {}
+
+    def __iter__(self):
+        return iter(list(self.state.items()))
+
+    def ready(self):
+        return self._snap is not None
+
+    def seeded(self):
+        self._staged = {n: t.clone() for n, t in self.state.items()}
+
+    def local_patches(self):
+        from delta_sync.gather import Ordered
+
+        out = []
+        for seq, (n, t) in enumerate(self.state.items()):
+            p = self.differ.diff(n, self._snap[n], t)
+            if p.count:
+                out.append(Ordered(seq, p))
+        self._staged = {n: t.clone() for n, t in self.state.items()}
+        return out
+
+    def commit(self):
+        self._snap, self._staged = self._staged, {}
+
+    def rollback(self):
+        self._staged = {}
+
+    def reset(self):
+        self._snap, self._staged = None, {}
+
+    def local_digests(self):
+        from delta_sync.digest import digest_tensor
+
+        return {n: digest_tensor(t) for n, t in self._snap.items()}
+
+
+def test_switching_the_source_forces_a_seed_and_stays_exact():
+    """An element that changes while the sharded source serves deltas and then returns to its old
+    value must still reach the engine after a switch to a plain stream."""
+    state = {n: t.clone() for n, t in model_at(0).items()}
+    receiver = MemoryReceiver()
+    sync = WeightSync([receiver], bucket_bytes=4 << 10, timeout_s=60)
+    try:
+        sync.update(state.items())  # plain stream: seed, plain snapshots at v0
+        source = ShardedStandIn(state)
+        assert sync.update(source).kind == "seed"  # switch: a seed, the source's snapshots start
+        old = state["layers.1.w"].view(-1)[0].clone()
+        state["layers.1.w"].view(-1)[0] = old + 1
+        rep = sync.update(source)
+        assert rep.kind == "delta" and rep.changed_elements == 1  # fast path, plain store untouched
+        state["layers.1.w"].view(-1)[0] = old  # back to the value the plain snapshot still holds
+        rep = sync.update(state.items())
+        assert rep.kind == "seed"
+        assert receiver.mismatched(state.items()) == []
+        state["layers.0.q"].view(-1)[:3] += 1
+        assert sync.update(state.items()).kind == "delta" and receiver.mismatched(state.items()) == []
+    finally:
+        sync.close()
