@@ -82,8 +82,11 @@ class Patch:
 
     def validate(self, *, expected_shape: tuple[int, ...] | None = None,
                  expected_dtype: torch.dtype | None = None, check_finite: bool = True,
-                 kept: str | None = None) -> None:
-        """Raise :class:`PatchValidationError` naming the tensor and the first bad index."""
+                 contents: bool = True, kept: str | None = None) -> None:
+        """Raise :class:`PatchValidationError` naming the tensor and the first bad index.
+
+        ``contents=False`` checks the metadata only (name, dtype, shape, counts): for patches whose
+        indices and values were checked per bucket (:func:`delta_sync.bucket.check_sparse_entries`)."""
         name = self.name
 
         def bad(reason: str, index: int | None = None):
@@ -115,7 +118,7 @@ class Patch:
                 raise bad(f"indices dtype {idx.dtype}, expected torch.int32")
             if idx.dim() != 1 or idx.numel() != v.numel():
                 raise bad(f"{idx.numel()} indices for {v.numel()} values")
-            if idx.numel():
+            if idx.numel() and contents:
                 first_bad = _first_true(idx < 0)
                 if first_bad is not None:
                     raise bad(f"index {int(idx[first_bad])} is negative", first_bad)
@@ -131,7 +134,7 @@ class Patch:
                     if first_bad is not None:
                         raise bad(f"indices not increasing: {int(idx[first_bad])} then "
                                   f"{int(idx[first_bad + 1])}", first_bad + 1)
-        if check_finite and v.numel():
+        if check_finite and contents and v.numel():
             first_bad = _first_true(~torch.isfinite(v))
             if first_bad is not None:
                 where = first_bad if self.indices is None else int(self.indices[first_bad])

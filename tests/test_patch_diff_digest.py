@@ -252,3 +252,36 @@ def test_memory_receiver_mismatched_names_missing_and_flipped_tensors():
     assert r.mismatched([("a", a), ("b", b)]) == []
     r.tensors["a"].view(torch.int16)[2] ^= 1
     assert r.mismatched([("a", a), ("b", b), ("c", b)]) == ["a", "c"]
+
+
+@pytest.mark.parametrize("case,match", [
+    ("negative", "index -1 is negative"), ("bounds", "index 40 out of bounds for 40 elements"),
+    ("duplicate", "duplicate index 7"), ("order", "indices not increasing: 9 then 8"),
+    ("nan", "non-finite value nan at flat index 9")])
+def test_bucket_checks_sparse_entries_at_once_and_names_the_tensor(case, match):
+    """Both the packer and the receiver check every sparse entry of a bucket in one vectorized pass;
+    the error names the tensor and the position, whichever entry of the bucket is bad."""
+    from delta_sync.bucket import check_sparse_entries
+
+    good = Patch("a", (8, 5), torch.bfloat16, torch.tensor([0, 3, 39], dtype=torch.int32),
+                 torch.ones(3, dtype=torch.bfloat16))
+    idx, vals = [5, 7, 9], [1.0, 2.0, 3.0]
+    if case == "negative":
+        idx[0] = -1
+    elif case == "bounds":
+        idx[2] = 40
+    elif case == "duplicate":
+        idx[2] = 7
+    elif case == "order":
+        idx = [5, 9, 8]
+    else:
+        vals[2] = float("nan")
+    bad = Patch("b", (8, 5), torch.bfloat16, torch.tensor(idx, dtype=torch.int32), torch.tensor(vals).to(torch.bfloat16))
+    with pytest.raises(PatchValidationError, match=f"'b'.*{match}"):
+        list(BucketPacker(1, "delta", 1 << 20).pack([good, bad]))
+    bucket = next(BucketPacker(1, "delta", 1 << 20, checksum=False).pack([good, good]))
+    bucket.indices[3:] = torch.tensor(idx, dtype=torch.int32)
+    bucket.header["entries"][1]["name"] = "b"
+    bucket.values["bfloat16"][3:] = torch.tensor(vals).to(torch.bfloat16)
+    with pytest.raises(PatchValidationError, match=f"'b'.*{match}"):
+        TensorAssembler().add(bucket)
