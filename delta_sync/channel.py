@@ -16,13 +16,12 @@ from __future__ import annotations
 import datetime
 import hashlib
 import logging
+from typing import Callable
 
 import torch
 from torch.distributed import PrefixStore, TCPStore
 
 from . import accelerator, collectives
-from typing import Callable
-
 from .bucket import Arena, Bucket, parse_header
 from .errors import ChannelError
 from .patch import DTYPES
