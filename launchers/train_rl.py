@@ -111,7 +111,9 @@ def torchrun_env() -> tuple[int, int, int] | None:
     """``(rank, world, local_rank)`` when this process was started by torchrun, else None."""
     import os
 
-    if "TORCHELASTIC_RUN_ID" not in os.environ and "LOCAL_WORLD_SIZE" not in os.environ:
+    # torchrun sets TORCHELASTIC_RUN_ID for its workers; other tools (vLLM among them) set
+    # LOCAL_WORLD_SIZE or RANK in their own processes, which a child must not take for torchrun's
+    if "TORCHELASTIC_RUN_ID" not in os.environ or "RANK" not in os.environ:
         return None
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
 

@@ -76,6 +76,22 @@ def test_two_torchrun_nodes_sync_one_engine_exactly(tmp_path):
     _check_exact(node0, out, argv)
 
 
+def test_only_torchrun_makes_a_process_one_rank(monkeypatch):
+    """vLLM's CPU platform sets LOCAL_WORLD_SIZE in its process (an in-process engine in a test):
+    a launcher started from there is not a torchrun worker."""
+    from launchers.train_rl import torchrun_env
+
+    for k in ("TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert torchrun_env() is None
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert torchrun_env() == (3, 4, 1)
+
+
 def test_layout_is_checked_at_start():
     from launchers.train_rl import check_layout
 
