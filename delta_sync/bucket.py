@@ -30,9 +30,9 @@ import torch
 
 import time
 
-from .digest import Digest, checksum_bytes, scan_range
+from .digest import checksum_bytes, scan_range
 from .errors import ChecksumMismatch, PatchValidationError
-from .patch import DTYPES, Patch, dtype_name
+from .patch import DTYPES, Patch, dtype_name, first_true
 
 DEFAULT_BUCKET_BYTES = 512 << 20
 
@@ -89,8 +89,7 @@ class BucketPacker:
     """Packs patches (in export order) into bounded buckets for one version.
 
     Dense values are digested and checked for Inf/NaN as they are packed (one pass, see
-    :func:`delta_sync.digest.scan_range`): :attr:`digests` sums them per tensor and
-    :attr:`digest_s` is the time that took."""
+    :func:`delta_sync.digest.scan_range`); :attr:`digest_s` is the time that took."""
 
     def __init__(self, version: int, kind: str, max_bytes: int = DEFAULT_BUCKET_BYTES,
                  checksum: bool = True, kept: str | None = None, check: bool = True):
@@ -100,7 +99,6 @@ class BucketPacker:
         self.kept = kept
         self.check = check  # False only to play a buggy sender in tests: receivers check regardless
         self.seq = 0
-        self.digests: dict[str, Digest] = {}
         self.digest_s = 0.0
         #: where the next bucket's buffers are carved (None: fresh allocations)
         self.arena: Arena | None = None
@@ -110,14 +108,13 @@ class BucketPacker:
         d, bad = scan_range(p.values[done:done + take], done)
         self.digest_s += time.perf_counter() - t0
         if bad:
-            where = done + _first_nonfinite(p.values[done:done + take])
+            where = done + first_true(~torch.isfinite(p.values[done:done + take]))
             raise PatchValidationError(p.name, f"non-finite value at flat index {where}", index=where, kept=self.kept)
-        self.digests[p.name] = self.digests.get(p.name, Digest()) + d
         return d.hex()
 
     def pack(self, patches: Iterable[Patch], close: bool = True) -> Iterator[Bucket]:
         """Yield buckets; with ``close`` the last one has ``header['last'] = True`` (possibly with no
-        entries); without it the caller ends the version with :meth:`closing`."""
+        entries); without it the caller packs the rest later (another ``pack`` that closes)."""
         entries: list[dict] = []
         idx_parts: list[torch.Tensor] = []
         val_parts: dict[str, list[torch.Tensor]] = {}
@@ -179,17 +176,6 @@ class BucketPacker:
                     break
         if close or entries:
             yield flush(close)
-
-    def closing(self) -> Bucket:
-        """The empty last bucket that ends a version packed with ``close=False``."""
-        header = {"version": self.version, "seq": self.seq, "last": True, "kind": self.kind, "entries": [],
-                  "index_count": 0, "value_counts": {}, "checksum": None}
-        self.seq += 1
-        return Bucket(header, torch.empty(0, dtype=torch.int32), {})
-
-
-def _first_nonfinite(values: torch.Tensor) -> int:
-    return int((~torch.isfinite(values)).to(torch.uint8).argmax())
 
 
 def parse_header(raw: bytes) -> dict:
@@ -255,7 +241,7 @@ def entry_patches(bucket: Bucket, kept: str | None = None) -> list[tuple[dict, P
                                        f"[{start}, {start + n}) digest {got.hex()} != header {e['digest']}",
                                        kept=kept)
             if bad:
-                where = start + _first_nonfinite(vals)
+                where = start + first_true(~torch.isfinite(vals))
                 raise PatchValidationError(name, f"non-finite value at flat index {where}", index=where,
                                            kept=kept)
             p = Patch(name, shape, DTYPES[e["dtype"]], None, vals)
@@ -292,7 +278,7 @@ def check_sparse_entries(entries: list[dict], indices: torch.Tensor, values: dic
         numel = torch.tensor([math.prod(int(d) for d in e["shape"]) for e in sparse], dtype=torch.int64, device=dev)
         bad = (idx < 0) | (idx >= torch.repeat_interleave(numel, counts))
         if bool(bad.any()):
-            pos = int(bad.to(torch.uint8).argmax())
+            pos = first_true(bad)
             e, at = where(pos)
             why = "is negative" if int(idx[pos]) < 0 else f"out of bounds for {math.prod(e['shape'])} elements"
             raise PatchValidationError(e["name"], f"index {int(idx[pos])} {why}", index=at, kept=kept)
@@ -301,7 +287,7 @@ def check_sparse_entries(entries: list[dict], indices: torch.Tensor, values: dic
         step[(first - 1)[(first > 0) & (counts > 0)]] = 1  # entries do not continue each other
         bad = step <= 0
         if bool(bad.any()):
-            pos = int(bad.to(torch.uint8).argmax()) + 1
+            pos = first_true(bad) + 1
             e, at = where(pos)
             why = (f"duplicate index {int(idx[pos])}" if int(step[pos - 1]) == 0 else
                    f"indices not increasing: {int(idx[pos - 1])} then {int(idx[pos])}")
@@ -312,7 +298,7 @@ def check_sparse_entries(entries: list[dict], indices: torch.Tensor, values: dic
         hi = int(mine[-1]["value_offset"]) + int(mine[-1]["count"])
         ok = torch.isfinite(values[dname][lo:hi])  # dense entries in between were checked already
         if not bool(ok.all()):
-            pos = lo + int((~ok).to(torch.uint8).argmax())
+            pos = lo + first_true(~ok)
             e = next(e for e in mine if int(e["value_offset"]) <= pos < int(e["value_offset"]) + int(e["count"]))
             at = pos - int(e["value_offset"])
             flat = int(indices[int(e["index_offset"]) + at])

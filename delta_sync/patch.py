@@ -119,29 +119,30 @@ class Patch:
             if idx.dim() != 1 or idx.numel() != v.numel():
                 raise bad(f"{idx.numel()} indices for {v.numel()} values")
             if idx.numel() and contents:
-                first_bad = _first_true(idx < 0)
+                first_bad = first_true(idx < 0)
                 if first_bad is not None:
                     raise bad(f"index {int(idx[first_bad])} is negative", first_bad)
-                first_bad = _first_true(idx >= numel)
+                first_bad = first_true(idx >= numel)
                 if first_bad is not None:
                     raise bad(f"index {int(idx[first_bad])} out of bounds for {numel} elements", first_bad)
                 if idx.numel() > 1:
                     step = idx[1:] - idx[:-1]
-                    first_bad = _first_true(step == 0)
+                    first_bad = first_true(step == 0)
                     if first_bad is not None:
                         raise bad(f"duplicate index {int(idx[first_bad])}", first_bad + 1)
-                    first_bad = _first_true(step < 0)
+                    first_bad = first_true(step < 0)
                     if first_bad is not None:
                         raise bad(f"indices not increasing: {int(idx[first_bad])} then "
                                   f"{int(idx[first_bad + 1])}", first_bad + 1)
         if check_finite and contents and v.numel():
-            first_bad = _first_true(~torch.isfinite(v))
+            first_bad = first_true(~torch.isfinite(v))
             if first_bad is not None:
                 where = first_bad if self.indices is None else int(self.indices[first_bad])
                 raise bad(f"non-finite value {float(v[first_bad])} at flat index {where}", first_bad)
 
 
-def _first_true(mask: torch.Tensor) -> int | None:
+def first_true(mask: torch.Tensor) -> int | None:
+    """Position of the first True in a 1-D mask, or None."""
     if not bool(mask.any()):
         return None
     return int(mask.to(torch.uint8).argmax())
