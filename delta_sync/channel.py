@@ -1,21 +1,25 @@
 """The sync channel: one process group linking the sender (rank 0) with every engine worker.
 
-Rendezvous runs on a TCP store hosted by the sender. The store namespace is derived from a shared
-token, so a process without the token never meets the group (it times out in an empty namespace)
-and cannot claim a rank; a rank claimed twice is refused. The collective backend comes from the
+Rendezvous runs on a TCP store hosted by the sender; it listens on the address it is given only
+(loopback by default). The store namespace is derived from a shared token (itself derived from the
+engine secret, see :mod:`delta_sync.auth`), so a process without the token never meets the group
+(it times out in an empty namespace) and cannot claim a rank; a rank claimed twice is refused. The collective backend comes from the
 accelerator module (hccl on Ascend, nccl on CUDA, gloo on CPU). The group is built directly on
 the store and never registered as torch.distributed's default group, so it coexists with the
 engine's own TP/DP groups and the trainer's world.
 
-Bucket transfer: ``[header_len, index_count, n_value_buffers]`` (int64), header bytes, the index
-buffer, then one value buffer per dtype in name order: 3 + n_dtypes broadcasts per bucket.
+Bucket transfer: ``[header_len, index_count, n_value_buffers]`` (int64), header bytes followed by
+an HMAC of them under the token, the index buffer, then one value buffer per dtype in name order:
+3 + n_dtypes broadcasts per bucket. Sizes are bounded before anything is allocated.
 """
 
 from __future__ import annotations
 
 import datetime
 import hashlib
+import hmac
 import logging
+import socket
 from typing import Callable
 
 import torch
@@ -28,11 +32,15 @@ from .patch import DTYPES
 
 log = logging.getLogger(__name__)
 
+#: largest bucket header a receiver accepts (a header lists a bucket's entries: ~100 B each)
+MAX_HEADER_BYTES = 64 << 20
+#: largest buffer (elements) a receiver allocates for one bucket: int32 indices bound a tensor anyway
+MAX_BUFFER_ELEMENTS = (1 << 31) - 1
+_MAC_BYTES = 32
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port free on ``host`` right now (for the channel store, or any local server)."""
-    import socket
-
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
@@ -43,10 +51,12 @@ def _namespace(token: str) -> str:
 
 
 class Channel:
-    def __init__(self, pg, rank: int, world_size: int, device: torch.device, backend: str, store=None):
+    def __init__(self, pg, rank: int, world_size: int, device: torch.device, backend: str, store=None,
+                 key: bytes = b""):
         self.pg, self.rank, self.world_size = pg, rank, world_size
         self.device, self.backend = device, backend
-        self._store = store  # keeps the TCP store alive for the group's lifetime
+        self._store = store  # keeps the TCP store (and its listening socket) alive for the group's lifetime
+        self._key = key  # bucket headers are MACed under the channel token
 
     @classmethod
     def connect(cls, host: str, port: int, rank: int, world_size: int, token: str,
@@ -64,8 +74,7 @@ class Channel:
             torch.device("cpu") if family == "cpu" else torch.device(family, torch.get_device_module(family).current_device()))
         timeout = datetime.timedelta(seconds=timeout_s)
         try:
-            store = TCPStore(host, port, None, rank == 0,
-                             timeout=timeout, wait_for_workers=False, use_libuv=True)
+            store = _store(host, port, rank == 0, timeout)
         except Exception as e:
             raise ChannelError(f"rank {rank}: cannot reach the channel store at {host}:{port}: {e}") from None
         ns = PrefixStore(_namespace(token), store)
@@ -79,7 +88,7 @@ class Channel:
                                f"({type(e).__name__}: {e}); check the token and that every engine "
                                f"worker joined") from None
         log.info("channel rank %d/%d up on %s via %s", rank, world_size, device, backend)
-        return cls(pg, rank, world_size, device, backend, store)
+        return cls(pg, rank, world_size, device, backend, store, key=token.encode())
 
     # ---- primitives ------------------------------------------------------------------------
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
@@ -102,6 +111,7 @@ class Channel:
     # ---- buckets ---------------------------------------------------------------------------
     def send_bucket(self, bucket: Bucket) -> None:
         raw = bucket.header_bytes()
+        raw += hmac.digest(self._key, raw, "sha256")
         names = sorted(bucket.values)
         self.broadcast(torch.tensor([len(raw), bucket.indices.numel(), len(names)], dtype=torch.int64,
                                     device=self.device))
@@ -114,8 +124,15 @@ class Channel:
         """The next bucket; its buffers are carved from ``arena_for(header)`` when that gives an arena."""
         sizes = self.broadcast(torch.empty(3, dtype=torch.int64, device=self.device))
         hlen, nidx, nval = (int(x) for x in sizes.tolist())
-        raw = self.broadcast(torch.empty(hlen, dtype=torch.uint8, device=self.device))
-        header = parse_header(bytes(raw.cpu().numpy()))
+        if not (_MAC_BYTES < hlen <= MAX_HEADER_BYTES and 0 <= nidx <= MAX_BUFFER_ELEMENTS and 0 <= nval <= len(DTYPES)):
+            raise ChannelError(f"rank {self.rank}: bucket sizes out of bounds (header {hlen} B of at most "
+                               f"{MAX_HEADER_BYTES}, {nidx} indices, {nval} value buffers); nothing allocated")
+        raw = bytes(self.broadcast(torch.empty(hlen, dtype=torch.uint8, device=self.device)).cpu().numpy())
+        raw, tag = raw[:-_MAC_BYTES], raw[-_MAC_BYTES:]
+        if not hmac.compare_digest(tag, hmac.digest(self._key, raw, "sha256")):
+            raise ChannelError(f"rank {self.rank}: a bucket header's MAC does not match the channel key "
+                               "(not from this channel's sender)")
+        header = parse_header(raw)
         counts = header["value_counts"]
         if len(counts) != nval:
             raise ChannelError(f"bucket {header['seq']}: header lists {len(counts)} value buffers, "
@@ -123,6 +140,8 @@ class Channel:
         for k in counts:
             if k not in DTYPES:
                 raise ChannelError(f"bucket {header['seq']}: unknown dtype {k!r}")
+            if not 0 <= int(counts[k]) <= MAX_BUFFER_ELEMENTS:
+                raise ChannelError(f"bucket {header['seq']}: {k} buffer of {counts[k]} elements is out of bounds")
         names = sorted(counts)
         wants = [(torch.int32, nidx)] + [(DTYPES[k], int(counts[k])) for k in names]
         arena = arena_for(header) if arena_for is not None else None
@@ -133,3 +152,17 @@ class Channel:
         idx = self.broadcast(bufs[0])
         values = {k: self.broadcast(b) for k, b in zip(names, bufs[1:])}
         return Bucket(header, idx, values)
+
+
+def _store(host: str, port: int, is_server: bool, timeout: datetime.timedelta) -> TCPStore:
+    """The rendezvous store; the server listens on ``host`` only (TCPStore alone binds every interface)."""
+    if not is_server:
+        return TCPStore(host, port, None, False, timeout=timeout, use_libuv=True)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(1024)
+    fd = sock.detach()  # the store's server adopts the listening socket and closes it with itself
+    return TCPStore(host, port, None, True, timeout=timeout, wait_for_workers=False,
+                    master_listen_fd=fd, use_libuv=True)

@@ -1,9 +1,11 @@
 """Clients for the engines a sender drives: a vLLM HTTP server, or an in-process ``vllm.LLM``.
 
-Both speak vLLM's weight-transfer protocol (pause -> start -> update -> finish -> resume) plus
-delta-sync's ``delta_sync_report`` / ``delta_sync_discard`` worker methods over ``collective_rpc``.
-Nothing here imports vLLM: the in-process client duck-types the ``LLM`` object. Every engine-side
-failure surfaces as :class:`EngineError` carrying the engine's own message.
+Both drive vLLM's weight-transfer protocol (pause -> start -> update -> finish -> resume). The
+weight-transfer calls (init, start, update, finish, discard, report) go to the workers' signed
+``delta_sync_call`` method over ``collective_rpc`` (see :mod:`delta_sync.auth`); vLLM's own
+unsigned routes for them are refused by a delta-sync engine. Nothing here imports vLLM: the
+in-process client duck-types the ``LLM`` object. Every engine-side failure surfaces as
+:class:`EngineError` carrying the engine's own message.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import urllib.parse
 import urllib.request
 from typing import Protocol
 
+from .auth import Signer, load_secret
 from .errors import EngineError
 
 
@@ -28,13 +31,49 @@ class EngineClient(Protocol):
     def finish(self, version: int) -> None: ...
     def discard(self) -> None: ...
     def reset_prefix_cache(self) -> None: ...
-    def report(self, digests: bool = False) -> list[dict]: ...
+    def report(self, digests: bool = False, names: list[str] | None = None) -> list[dict]: ...
 
 
-class HttpEngine:
-    """A vLLM OpenAI server started with ``VLLM_SERVER_DEV_MODE=1`` (RL + collective_rpc routes)."""
+class _SignedEngine:
+    """The weight-transfer calls, each a signed envelope (:mod:`delta_sync.auth`) handed to the
+    workers' ``delta_sync_call`` method; subclasses say how a worker method is invoked."""
 
-    def __init__(self, url: str, timeout_s: float = 600.0):
+    name: str
+
+    def __init__(self, secret: str | None):
+        self._signer = Signer(load_secret(secret))
+
+    def _invoke(self, what: str, request: str) -> list: ...
+
+    def _call(self, method: str, payload: dict | None = None) -> list:
+        return self._invoke(method, json.dumps(self._signer.sign(method, payload)))
+
+    def init(self, init_info: dict) -> None:
+        # the channel token stays here: the workers derive it from the secret and channel_nonce
+        self._call("init", {k: v for k, v in init_info.items() if k != "token"})
+
+    def start(self) -> None:
+        self._call("start")
+
+    def update(self, update_info: dict) -> None:
+        self._call("update", update_info)
+
+    def finish(self, version: int) -> None:
+        self._call("finish", {"version": version})
+
+    def discard(self) -> None:
+        self._call("discard")
+
+    def report(self, digests: bool = False, names: list[str] | None = None) -> list[dict]:
+        return self._call("report", {"digests": digests, "names": names})
+
+
+class HttpEngine(_SignedEngine):
+    """A vLLM OpenAI server started with ``VLLM_SERVER_DEV_MODE=1`` (RL + collective_rpc routes) and
+    ``DELTA_SYNC_SECRET``; ``secret`` defaults to this process's ``DELTA_SYNC_SECRET``."""
+
+    def __init__(self, url: str, timeout_s: float = 600.0, secret: str | None = None):
+        super().__init__(secret)
         self.url = url.rstrip("/")
         self.name = self.url
         self.timeout_s = timeout_s
@@ -52,36 +91,22 @@ class HttpEngine:
             raise EngineError(self.name, str(e.reason), kind=f"unreachable on {path}") from None
         return json.loads(raw) if raw else None
 
+    def _invoke(self, what: str, request: str) -> list:
+        try:
+            out = self._post("/collective_rpc", {"method": "delta_sync_call", "args": [request]})
+        except EngineError as e:
+            e.kind = f"{what} ({e.kind})"
+            raise
+        return (out or {}).get("results", [])
+
     def pause(self, mode: str = "wait") -> None:
         self._post("/pause", query={"mode": mode})
 
     def resume(self) -> None:
         self._post("/resume")
 
-    def init(self, init_info: dict) -> None:
-        self._post("/init_weight_transfer_engine", {"init_info": init_info})
-
-    def start(self) -> None:
-        self._post("/start_weight_update")
-
-    def update(self, update_info: dict) -> None:
-        self._post("/update_weights", {"update_info": update_info})
-
-    def finish(self, version: int) -> None:
-        self._post("/finish_weight_update", {"weight_version": str(version)})
-
-    def _rpc(self, method: str, arg: dict) -> list:
-        out = self._post("/collective_rpc", {"method": method, "args": [json.dumps(arg)]})
-        return (out or {}).get("results", [])
-
-    def discard(self) -> None:
-        self._rpc("delta_sync_discard", {})
-
     def reset_prefix_cache(self) -> None:
         self._post("/reset_prefix_cache")
-
-    def report(self, digests: bool = False) -> list[dict]:
-        return self._rpc("delta_sync_report", {"digests": digests})
 
 
 def _server_message(raw: bytes) -> str:
@@ -97,16 +122,17 @@ def _server_message(raw: bytes) -> str:
     return json.dumps(body)[:2000]
 
 
-class InProcessEngine:
+class InProcessEngine(_SignedEngine):
     """An offline ``vllm.LLM`` in this process (it has no pause: offline generation is not concurrent)."""
 
-    def __init__(self, llm, name: str = "llm"):
+    def __init__(self, llm, name: str = "llm", secret: str | None = None):
+        super().__init__(secret)
         self.llm = llm
         self.name = name
 
-    def _call(self, what: str, fn, *args):
+    def _invoke(self, what: str, request: str) -> list:
         try:
-            return fn(*args)
+            return self.llm.collective_rpc("delta_sync_call", None, (request,))
         except Exception as e:
             raise EngineError(self.name, f"{type(e).__name__}: {e}", kind=what) from e
 
@@ -116,35 +142,21 @@ class InProcessEngine:
     def resume(self) -> None:
         pass
 
-    def init(self, init_info: dict) -> None:
-        self._call("init", self.llm.init_weight_transfer_engine, {"init_info": init_info})
-
-    def start(self) -> None:
-        self._call("start", self.llm.start_weight_update)
-
-    def update(self, update_info: dict) -> None:
-        self._call("update", self.llm.update_weights, {"update_info": update_info})
-
-    def finish(self, version: int) -> None:
-        self._call("finish", self.llm.finish_weight_update, str(version))
-
-    def discard(self) -> None:
-        self._call("discard", self.llm.collective_rpc, "delta_sync_discard", None, ("{}",))
-
     def reset_prefix_cache(self) -> None:
-        self._call("reset_prefix_cache", self.llm.reset_prefix_cache)
+        try:
+            self.llm.reset_prefix_cache()
+        except Exception as e:
+            raise EngineError(self.name, f"{type(e).__name__}: {e}", kind="reset_prefix_cache") from e
 
-    def report(self, digests: bool = False) -> list[dict]:
-        return self._call("report", self.llm.collective_rpc, "delta_sync_report", None,
-                          (json.dumps({"digests": digests}),))
 
-
-def as_engine(target) -> EngineClient:
-    """A URL string becomes an :class:`HttpEngine`, an ``LLM`` an :class:`InProcessEngine`."""
+def as_engine(target, secret: str | None = None) -> EngineClient:
+    """A URL string becomes an :class:`HttpEngine`, an ``LLM`` an :class:`InProcessEngine` (both sign
+    their calls with ``secret``, default ``$DELTA_SYNC_SECRET``); an object with the client methods
+    is used as it is."""
     if isinstance(target, str):
-        return HttpEngine(target)
+        return HttpEngine(target, secret=secret)
     if hasattr(target, "init_weight_transfer_engine") and hasattr(target, "collective_rpc"):
-        return InProcessEngine(target)
+        return InProcessEngine(target, secret=secret)
     if all(hasattr(target, m) for m in ("start", "update", "finish", "report")):
         return target
     raise TypeError(f"cannot drive {target!r}: pass a vLLM server URL, a vllm.LLM, or an EngineClient")

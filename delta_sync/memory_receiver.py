@@ -83,8 +83,9 @@ class MemoryReceiver:
 
         return [n for n, t in expected if n not in self.tensors or not torch.equal(bits(self.tensors[n]), bits(t))]
 
-    def report(self, digests: bool = False) -> list[dict]:
+    def report(self, digests: bool = False, names: list[str] | None = None) -> list[dict]:
         out = {"version": self.version, "needs_seed": self.version is None, "rank": None}
         if digests:
-            out["digests"] = {n: [digest_tensor(t).hex(), t.numel(), t.numel()] for n, t in self.tensors.items()}
+            out["digests"] = {n: [digest_tensor(t).hex(), t.numel(), t.numel()] for n, t in self.tensors.items()
+                              if names is None or n in names}
         return [out]

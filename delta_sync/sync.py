@@ -11,7 +11,8 @@ Every trainer rank calls :meth:`WeightSync.update` with the same names in the sa
 tensor is diffed by its owner rank only (snapshot memory ~ model/world); patches are gathered to
 trainer rank 0, which drives every engine through pause -> start -> send -> finish -> resume.
 The snapshots are committed only after every engine acknowledged the version; any failure leaves
-them at v-1 (or, for a failed seed, resets them so the next update is a full seed).
+them at v-1. A failure that leaves an engine without a usable base (a seed or full update cut off
+mid-write, an engine restarted) makes the next update a full seed.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from . import collectives
+from .auth import channel_token, load_secret
 from .bucket import DEFAULT_BUCKET_BYTES
 from .channel import Channel, free_port
 from .collectives import TrainerGroups
@@ -53,6 +55,10 @@ class UpdateReport:
     timings: dict[str, float] = field(default_factory=dict)
     pause_window_s: float = 0.0
     verified: bool = False
+    #: tensors whose digests were compared after this update (the drift sweep's window, or all)
+    checked: int = 0
+    #: drift found after this update (named tensors); the next update is a re-seed that repairs it
+    drift: str | None = None
 
     @property
     def changed_fraction(self) -> float:
@@ -95,8 +101,9 @@ class ShardedSource(Protocol):
 
     def reset(self) -> None: ...
 
-    def local_digests(self) -> dict[str, Digest]:
-        """Digests of this rank's share of each committed tensor (they add up over ranks)."""
+    def local_digests(self, names: set[str] | None = None) -> dict[str, Digest]:
+        """Digests of this rank's share of each committed tensor (they add up over ranks), or of
+        those in ``names`` only."""
 
 
 def default_name_map(name: str) -> str | None:
@@ -136,21 +143,31 @@ class WeightSync:
     """
 
     def __init__(self, engines: Iterable, *, mode: str = "delta", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 verify_every: int = 0, snapshot_device: str | torch.device = "cpu", pause_mode: str = "wait",
+                 verify_every: int = 0, drift_sweep: int = 20, snapshot_device: str | torch.device = "cpu", pause_mode: str = "wait",
                  name_map: Callable[[str], str | None] = default_name_map, group=None,
                  host: str | None = None, port: int | None = None, backend: str | None = None,
-                 timeout_s: float = 300.0, dtype: torch.dtype | None = None):
+                 timeout_s: float = 300.0, dtype: torch.dtype | None = None, secret: str | None = None):
         if mode not in ("delta", "full"):
             raise ValueError(f"mode must be 'delta' or 'full', got {mode!r}")
         if pause_mode not in ("wait", "abort", "keep"):
             raise ValueError(f"pause_mode must be 'wait', 'abort' or 'keep', got {pause_mode!r}")
+        if drift_sweep < 0 or verify_every < 0:
+            raise ValueError(f"drift_sweep and verify_every must be >= 0, got {drift_sweep} and {verify_every}")
         self.mode, self.bucket_bytes, self.verify_every = mode, bucket_bytes, verify_every
+        #: every tensor's digest is compared with the engines' at least once per this many deltas
+        #: (each delta checks a rotating window of ~1/drift_sweep of the bytes); 0 turns it off
+        self.drift_sweep = drift_sweep
+        self._catalog: dict[str, int] = {}  # checkpoint name -> bytes, stream order (same on every rank)
+        self._sweep_at = 0
         self.pause_mode, self.name_map, self.group, self.dtype = pause_mode, name_map, group, dtype
         #: device group (payloads) and host group (metadata) of the trainer; None without a world
         self.groups = TrainerGroups.around(group) if dist.is_initialized() else None
         self.rank = self.groups.rank if self.groups else 0
         self.world = self.groups.world if self.groups else 1
-        self.engines: list[EngineClient] = [as_engine(e) for e in engines] if self.rank == 0 else []
+        #: the engines' secret (default ``$DELTA_SYNC_SECRET``): signs every call, keys the channel
+        self._key = load_secret(secret, required=False) if self.rank == 0 else None
+        self.engines: list[EngineClient] = ([as_engine(e, secret=secret) for e in engines]
+                                            if self.rank == 0 else [])
         self.store = SnapshotStore(self.rank, self.world, snapshot_device)
         self.gatherer = PatchGather(self.groups) if self.world > 1 else None
         self.host = host or "127.0.0.1"
@@ -167,11 +184,13 @@ class WeightSync:
         workers = [len(e.report()) for e in self.engines]
         world = 1 + sum(workers)
         port = self.port or free_port(self.host)
-        token = secrets.token_hex(16)
+        nonce = secrets.token_hex(16)  # signed clients send this; their workers derive the token from it
+        token = channel_token(self._key, nonce) if self._key else secrets.token_hex(16)
         offsets = [1 + sum(workers[:i]) for i in range(len(workers))]
         with ThreadPoolExecutor(max_workers=len(self.engines)) as pool:
             futs = [pool.submit(e.init, {"host": self.host, "port": port, "world_size": world, "token": token,
-                                         "rank_offset": off, "backend": self.backend, "timeout_s": self.timeout_s})
+                                         "channel_nonce": nonce, "rank_offset": off, "backend": self.backend,
+                                         "timeout_s": self.timeout_s})
                     for e, off in zip(self.engines, offsets)]
             self.channel = Channel.connect(self.host, port, 0, world, token, backend=self.backend,
                                            timeout_s=self.timeout_s)
@@ -198,7 +217,7 @@ class WeightSync:
         """Sync one version. Every trainer rank calls this with the same names in the same order."""
         t_start = time.perf_counter()
         if not self.needs_seed and self._from_rank0(self.rank == 0 and self._engines_lost_base()):
-            self._reset()  # an engine restarted or lost its base: only a seed can repair it
+            self.needs_seed = True  # an engine restarted or lost its base: only a seed can repair it
             self._drop_channel()  # a restarted engine also left the channel: rejoin everyone
         sharded = named_tensors if isinstance(named_tensors, ShardedSource) else None
         if sharded is not self.sharded:
@@ -212,6 +231,8 @@ class WeightSync:
             self.sharded = sharded
         version = self.version + 1
         kind = "seed" if self.needs_seed else ("full" if self.mode == "full" else "delta")
+        if kind == "seed":
+            self._reset()  # the snapshot kept so far (at v-1) lends its memory to the seed's copy
         timings: dict[str, float] = {}
         if kind == "delta":
             outcome, error, elements = self._delta(version, named_tensors, timings)
@@ -219,7 +240,9 @@ class WeightSync:
             outcome, error, elements = self._bulk(version, kind, named_tensors, timings)
         outcome = self._from_rank0(outcome)
         if not outcome.ok:
-            self._reset() if outcome.needs_seed else self._rollback()
+            # the snapshot stays at the committed version either way; engines that lost it get a seed
+            self._rollback()
+            self.needs_seed = self.needs_seed or outcome.needs_seed
             if error is not None:
                 raise error
             raise DeltaSyncError(f"update v{version} failed on trainer rank 0: {outcome.error}",
@@ -232,9 +255,18 @@ class WeightSync:
         rep.verified = kind != "delta"  # every bulk entry's digest was checked by the engines
         if kind == "delta" and self.verify_every and version % self.verify_every == 0:
             t0 = time.perf_counter()
-            self.verify()
+            rep.checked = len(self.verify())
             rep.verified = True
             timings["verify_s"] = time.perf_counter() - t0
+        elif kind == "delta" and self.drift_sweep and self._catalog:
+            t0 = time.perf_counter()
+            window = self._sweep_window()
+            try:
+                rep.checked = len(self.verify(window))
+            except DriftDetected as e:  # every rank: snapshots reset, the next update re-seeds
+                rep.drift = str(e)
+                log.error("delta-sync: %s", e)
+            timings["sweep_s"] = time.perf_counter() - t0
         rep.total_elements = elements
         rep.timings.update({k: round(v, 6) for k, v in timings.items()})
         rep.timings["total_s"] = round(time.perf_counter() - t_start, 6)
@@ -254,6 +286,7 @@ class WeightSync:
                 if self.dtype is not None and t.dtype != self.dtype:
                     t = t.to(self.dtype)
                 elements[0] += t.numel()
+                self._catalog[name] = t.numel() * t.element_size()
             except Exception as e:
                 yield seq, name, e
                 continue
@@ -324,6 +357,7 @@ class WeightSync:
         bucket, the ranks agree that nobody failed; a failure aborts the update instead."""
         snapshots = self.mode == "delta"
         elements = [0]
+        self._catalog, self._sweep_at = {}, 0  # the names this seed carries
         failure: list[BaseException] = []
         stream = self._tensors(named_tensors, elements)
         kept = f"engines and trainer snapshot at v{self.version}"
@@ -522,17 +556,34 @@ class WeightSync:
         return collectives.broadcast_object(obj, 0, self.groups.host_group)
 
     # ---- integrity -------------------------------------------------------------------------------
-    def verify(self) -> dict[str, str]:
-        """Compare every engine's per-tensor digests with the trainer snapshot (collective).
+    def _sweep_window(self) -> list[str]:
+        """The next names of the drift sweep: at least 1/drift_sweep of the model's bytes, walking
+        the catalog round-robin, so any drift_sweep consecutive windows cover every tensor. Every
+        rank computes the same window (same catalog, same cursor)."""
+        names = list(self._catalog)
+        budget = sum(self._catalog.values()) / self.drift_sweep
+        out, acc = [], 0
+        while acc < budget and len(out) < len(names):
+            name = names[self._sweep_at % len(names)]
+            self._sweep_at += 1
+            out.append(name)
+            acc += self._catalog[name]
+        return out
+
+    def verify(self, names: list[str] | None = None) -> dict[str, str]:
+        """Compare engines' per-tensor digests with the trainer snapshot (collective): every tensor,
+        or only ``names``.
 
         Each owner digests its snapshot shard; rank 0 compares. A tensor the engine did not digest
         counts as a mismatch. A mismatch is drift: raises :class:`DriftDetected` on every rank and
         the next update is a full seed.
         """
+        only = set(names) if names is not None else None
         if self.sharded is not None and self.sharded.ready():  # shard snapshots back the deltas
-            mine = {name: d.hex() for name, d in self.sharded.local_digests().items()}
+            mine = {name: d.hex() for name, d in self.sharded.local_digests(only).items()}
         else:
-            mine = {name: digest_tensor(snap).hex() for name, snap in self.store.snapshots()}
+            mine = {name: digest_tensor(snap).hex() for name, snap in self.store.snapshots()
+                    if only is None or name in only}
         parts = collectives.all_gather_object(mine, self.groups.host_group) if self.world > 1 else [mine]
         sums: dict[str, Digest] = {}
         for part in parts:  # an owner's whole tensor, or shares that add up
@@ -543,7 +594,7 @@ class WeightSync:
         if self.rank == 0:
             try:
                 for e in self.engines:
-                    got = combine_reports(e.report(digests=True))
+                    got = combine_reports(e.report(digests=True, names=names))
                     bad = [n for n in want if got.get(n) != want[n]]
                     if bad:
                         what = "missing" if bad[0] not in got else "digest mismatch"

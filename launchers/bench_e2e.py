@@ -27,7 +27,8 @@ everything measured on this machine in the same run:
 Artifacts in ``--out``: ``e2e.json`` (everything), ``rss.json`` (the raw samples), ``e2e.png``
 (update time vs density against the wire / seed / full / vLLM-load lines; peak memory per side),
 ``engine.log``. Last line: one JSON object with the ratios (``seed_over_wire``, ``full_over_wire``,
-``delta_over_wire``, ``delta_pause_over_wire``, ``verify_over_seed``, ``engine_seed_peak_over_bucket``,
+``delta_over_wire``, ``delta_pause_over_wire``, ``verify_over_seed``, ``sweep_over_delta``,
+``engine_seed_peak_over_bucket``,
 ``trainer_seed_peak_over_model``, ``apply_over_native``, ``diff_over_copy``) and the times behind them.
 """
 
@@ -150,6 +151,11 @@ def _tree(pid: int) -> list[int]:
         seen.append(p)
         todo.extend(_children(p))
     return seen
+
+
+def tree_rss(pid: int) -> int:
+    """Resident bytes of ``pid`` and all its descendants now."""
+    return sum(_rss(p) or 0 for p in _tree(pid))
 
 
 def _kill_pids(pids: list[int]) -> None:
@@ -667,6 +673,8 @@ def _pass_summary(rows: list[dict], wire_s: float) -> dict:
         "delta_pause_over_wire": _ratio(head and head["pause_window_s"], wire_s),
         "adam_over_wire": _ratio(adam and adam["total_s"], wire_s),
         "verify_over_seed": _ratio((seed or {}).get("timings", {}).get("verify_s", 0.0), seed and seed["total_s"]),
+        # the default drift sweep's share of a delta (its digests on both sides and the report call)
+        "sweep_over_delta": _ratio((head or {}).get("timings", {}).get("sweep_s", 0.0), head and head["total_s"]),
         "engine_seed_peak_over_bucket": seed and seed.get("engine_growth_over_bucket"),
         "engine_full_peak_over_bucket": full and full.get("engine_growth_over_bucket"),
         "engine_delta_peak_over_bucket": head and head.get("engine_growth_over_bucket"),
@@ -921,7 +929,7 @@ def main(argv: list[str]) -> dict:
         "seed_over_wire": s.get("seed_over_wire"), "full_over_wire": s.get("full_over_wire"),
         "delta_over_wire": s.get("delta_over_wire"), "delta_pause_over_wire": s.get("delta_pause_over_wire"),
         "adam_over_wire": s.get("adam_over_wire"), "vllm_load_over_wire": result["vllm_load_over_wire"],
-        "verify_over_seed": s.get("verify_over_seed"),
+        "verify_over_seed": s.get("verify_over_seed"), "sweep_over_delta": s.get("sweep_over_delta"),
         "engine_seed_peak_over_bucket": s.get("engine_seed_peak_over_bucket"),
         "engine_delta_peak_over_bucket": s.get("engine_delta_peak_over_bucket"),
         "trainer_seed_peak_over_model": s.get("trainer_seed_peak_over_model"),

@@ -19,12 +19,14 @@ import argparse
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
 
+from delta_sync.auth import ensure_secret
 from delta_sync.channel import free_port
 
 DEFAULT_PROMPTS = ["the quick brown fox", "one two three four", "def add(a, b):",
@@ -84,14 +86,19 @@ def compare(synced: list[dict], fresh: list[dict]) -> dict:
 
 def start_engine(model: str | Path, port: int, log: Path, tp: int = 1,
                  extra: list[str] | None = None) -> subprocess.Popen:
-    """A vLLM OpenAI server on 127.0.0.1 with the options the synced engine uses (checkpoint layout)."""
+    """A vLLM OpenAI server on 127.0.0.1 with the options the synced engine uses (checkpoint layout).
+
+    It gets this process tree's engine secret (generated if unset), so trainers started from here
+    sign their calls with it. Its own session: :func:`kill_engine` takes down its workers too."""
+    ensure_secret()
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name",
            "m", "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--enforce-eager",
            "--max-model-len", "512", "--kv-cache-memory-bytes", str(64 << 20), "--seed", "0",
            "--enable-prefix-caching", "--tensor-parallel-size", str(tp),
            "--weight-transfer-config", json.dumps({"backend": "delta_sync"})]
-    return subprocess.Popen(cmd + (extra or []), env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    return subprocess.Popen(cmd + (extra or []), env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
 
 
 def wait_ready(proc: subprocess.Popen, base: str, log: Path, timeout: float = 420) -> None:
@@ -113,8 +120,17 @@ def stop_engine(proc: subprocess.Popen) -> None:
     try:
         proc.wait(60)
     except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
+        pass
+    kill_engine(proc)  # and whatever the server left behind in its session
+
+
+def kill_engine(proc: subprocess.Popen) -> None:
+    """SIGKILL the server and every process of its session (engine core, workers)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(10)
 
 
 def run_check(synced_base: str, checkpoint: Path, out: Path, prompts: list[str] | None = None,

@@ -16,11 +16,15 @@ RENDEZVOUS_HOST=${RENDEZVOUS_HOST:-127.0.0.1}
 # explicitly (open it in the firewall between hosts).
 RENDEZVOUS_PORT=${RENDEZVOUS_PORT:-29600}
 ENGINE_PORT=${ENGINE_PORT:-8000}
+# The engine's dev-mode routes can pause it and reach its workers: it listens on loopback unless
+# ENGINE_HOST says otherwise, and only callers holding DELTA_SYNC_SECRET may write its weights.
+ENGINE_HOST=${ENGINE_HOST:-127.0.0.1}
+export DELTA_SYNC_SECRET=${DELTA_SYNC_SECRET:-$(python -c 'import secrets; print(secrets.token_hex(32))')}
 # Set ENGINE_URL to reach an engine on another host (and start it there with the settings below).
 ENGINE_URL=${ENGINE_URL:-}
 
 if [[ -z "$ENGINE_URL" ]]; then
-  ENGINE_URL=http://127.0.0.1:${ENGINE_PORT}
+  ENGINE_URL=http://${ENGINE_HOST}:${ENGINE_PORT}
   # Rollout engine on cards 4-5. ASCEND_RT_VISIBLE_DEVICES restricts this process's cards
   # (ASCEND_VISIBLE_DEVICES is the container runtime's knob, not this one).
   # VLLM_SERVER_DEV_MODE=1: exposes /pause, /start_weight_update, /update_weights,
@@ -33,7 +37,7 @@ if [[ -z "$ENGINE_URL" ]]; then
   # --weight-transfer-config backend delta_sync: the receiver registered by this package's vLLM plugin.
   ASCEND_RT_VISIBLE_DEVICES=4,5 \
   VLLM_SERVER_DEV_MODE=1 \
-    python -m vllm.entrypoints.openai.api_server --model "$MODEL" --served-model-name m --port "$ENGINE_PORT" \
+    python -m vllm.entrypoints.openai.api_server --model "$MODEL" --served-model-name m --host "$ENGINE_HOST" --port "$ENGINE_PORT" \
       --tensor-parallel-size 2 --enable-expert-parallel \
       --enforce-eager \
       --additional-config '{"weight_nz_mode": 0, "rl_config": {"enabled": true}}' \

@@ -1,10 +1,19 @@
 """vLLM general plugin (entry point ``vllm.general_plugins``): loaded in every vLLM process.
 
 Registers delta-sync's weight-transfer engine under backend name ``delta_sync``, installs the
-CPU checkpoint-layout mode, and adds two small worker methods for ``collective_rpc``:
-``delta_sync_report`` (version, needs_seed, timings, digests) and ``delta_sync_discard``. They are
-added to ``WorkerBase``, the base of every platform's worker (vLLM's GPU/CPU ``Worker`` and
-vLLM-Ascend's ``NPUWorker`` alike), so they do not depend on which worker class a platform picks.
+CPU checkpoint-layout mode, and adds two worker methods for ``collective_rpc``:
+
+* ``delta_sync_call(envelope)``: the one door for weight-transfer calls (init, start, update,
+  finish, discard, report). The envelope is verified against the engine secret
+  (:mod:`delta_sync.auth`) before anything runs; vLLM's own routes for the same lifecycle
+  (``/init_weight_transfer_engine``, ``/start_weight_update``, ...) carry no proof and are refused
+  by a delta-sync engine before they change any state.
+* ``delta_sync_status()``: version, ``needs_seed`` and ``partial`` (nothing secret; the pause
+  lease reads it).
+
+They are added to ``WorkerBase``, the base of every platform's worker (vLLM's GPU/CPU ``Worker``
+and vLLM-Ascend's ``NPUWorker`` alike), so they do not depend on which worker class a platform
+picks. In the API server process the plugin adds the *pause lease* (:func:`_install_pause_lease`).
 
 vLLM quirk corrected here: ``Worker.finish_weight_update`` leaves the update session marked
 active when the engine's finish raises, so every later ``start_weight_update`` fails with
@@ -13,8 +22,23 @@ active when the engine's finish raises, so every later ``start_weight_update`` f
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
+import logging
+import os
+import time
+
+log = logging.getLogger(__name__)
+
+#: seconds a paused delta-sync engine waits for the trainer's next weight-transfer call before it
+#: resumes by itself (0 disables); a trainer that died after pausing cannot resume it
+LEASE_ENV = "DELTA_SYNC_PAUSE_LEASE_S"
+DEFAULT_LEASE_S = 60.0
+
+#: the lifecycle methods of vLLM's worker that a delta-sync engine serves only inside delta_sync_call
+_GATED = ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update",
+          "shutdown_weight_transfer_engine")
 
 
 def register() -> None:
@@ -32,6 +56,13 @@ def register() -> None:
 
         vllm_cpu_layout.install()
     _patch_worker()
+    _install_pause_lease()
+
+
+def _ours(worker):
+    """The worker's delta-sync engine, or None when it runs another weight-transfer backend."""
+    engine = getattr(worker, "weight_transfer_engine", None)
+    return engine if hasattr(engine, "require_authorized") else None
 
 
 def _patch_worker() -> None:
@@ -41,6 +72,19 @@ def _patch_worker() -> None:
     if getattr(WorkerBase, "_delta_sync_patched", False):
         return
     WorkerBase._delta_sync_patched = True
+
+    def gate(name: str, fn):
+        @functools.wraps(fn)
+        def gated(self, *args, **kwargs):
+            engine = _ours(self)
+            if engine is not None:  # refused before vLLM touches its session state
+                engine.require_authorized(name)
+            return fn(self, *args, **kwargs)
+        return gated
+
+    for name in _GATED:
+        if hasattr(Worker, name):
+            setattr(Worker, name, gate(name, getattr(Worker, name)))
     original_finish = Worker.finish_weight_update
 
     @functools.wraps(original_finish)
@@ -48,29 +92,150 @@ def _patch_worker() -> None:
         try:
             return original_finish(self)
         except BaseException:
-            self._weight_update_active = False
-            engine = getattr(self, "weight_transfer_engine", None)
-            if engine is not None:
-                engine.reset_weight_update_target()
+            _end_session(self)
             raise
 
-    def delta_sync_report(self, request: str = "{}") -> dict:
-        """``collective_rpc("delta_sync_report", args=('{"digests": true}',))`` (JSON string args, so the
-        HTTP ``/collective_rpc`` route can call it too)."""
-        engine = getattr(self, "weight_transfer_engine", None)
-        if engine is None or not hasattr(engine, "report"):
-            return {"version": None, "needs_seed": True, "error": "delta_sync engine not configured"}
-        opts = json.loads(request) if isinstance(request, str) else dict(request)
-        return engine.report(digests=bool(opts.get("digests")), names=opts.get("names"))
-
     Worker.finish_weight_update = finish_weight_update
-    WorkerBase.delta_sync_report = delta_sync_report
-    WorkerBase.delta_sync_discard = _discard
+    WorkerBase.delta_sync_call = delta_sync_call
+    WorkerBase.delta_sync_status = delta_sync_status
 
 
-def _discard(self, request: str = "{}") -> dict:
-    """Drop whatever the engine staged (the sender gave up on this version on another engine)."""
-    engine = getattr(self, "weight_transfer_engine", None)
+def _end_session(worker) -> None:
+    worker._weight_update_active = False
+    engine = getattr(worker, "weight_transfer_engine", None)
     if engine is not None:
-        engine._staged = None
-    return {"discarded": True}
+        engine.reset_weight_update_target()
+
+
+def delta_sync_call(self, request: str = "{}"):
+    """``collective_rpc("delta_sync_call", args=(json.dumps(envelope),))``: one verified call."""
+    engine = _ours(self)
+    if engine is None:
+        raise RuntimeError("this engine has no delta_sync weight transfer: start it with "
+                           "--weight-transfer-config '{\"backend\": \"delta_sync\"}'")
+    try:
+        envelope = json.loads(request) if isinstance(request, str) else request
+    except ValueError:
+        envelope = None
+    method, payload, _ = engine.verifier.check(envelope)
+    with engine.authorized(version=payload.get("version") if method == "finish" else None):
+        if method == "init":
+            if getattr(self, "_weight_update_active", False):  # a new trainer: the old one's session is over
+                engine._staged = None
+                _end_session(self)
+            self.init_weight_transfer_engine(payload)
+        elif method == "start":
+            self.start_weight_update()
+        elif method == "update":
+            self.update_weights(payload)
+        elif method == "finish":
+            self.finish_weight_update()
+        elif method == "discard":  # the sender gave up on this version on another engine
+            engine._staged = None
+            return {"discarded": True}
+        elif method == "report":
+            return engine.report(digests=bool(payload.get("digests")), names=payload.get("names"))
+        else:
+            raise ValueError(f"unknown delta_sync_call method {method!r}")
+    return None
+
+
+def delta_sync_status(self) -> dict:
+    engine = _ours(self)
+    return engine.status() if engine is not None else {"version": None, "needs_seed": True, "partial": False}
+
+
+# ---- pause lease (API server process) ----------------------------------------------------------
+def _install_pause_lease() -> None:
+    """A paused delta-sync engine resumes by itself once no weight-transfer call has been in flight
+    for the lease (``DELTA_SYNC_PAUSE_LEASE_S``), unless a seed/full update was cut off after it
+    started writing (then it stays paused: serving half-written weights is worse than not serving).
+
+    The trainer holds the lease simply by working: every call it makes (``collective_rpc``,
+    which carries all weight-transfer calls) renews it, and a long update holds it while in flight.
+    A trainer SIGKILLed after ``/pause`` (or a stranger's ``/pause``) therefore costs at most one
+    lease of serving time."""
+    try:
+        from vllm.v1.engine.async_llm import AsyncLLM
+    except Exception:  # no async engine in this vLLM build: nothing to lease
+        return
+    if getattr(AsyncLLM, "_delta_sync_lease", False):
+        return
+    AsyncLLM._delta_sync_lease = True
+    pause, resume, rpc = AsyncLLM.pause_generation, AsyncLLM.resume_generation, AsyncLLM.collective_rpc
+
+    @functools.wraps(pause)
+    async def pause_generation(self, *args, **kwargs):
+        out = await pause(self, *args, **kwargs)
+        lease = _lease_s(self)
+        if lease > 0:
+            st = _lease_state(self)
+            st["last"] = time.monotonic()
+            if st.get("task") is None or st["task"].done():
+                st["task"] = asyncio.get_running_loop().create_task(_watch(self, lease, resume, rpc))
+        return out
+
+    @functools.wraps(resume)
+    async def resume_generation(self, *args, **kwargs):
+        st = _lease_state(self)
+        task = st.pop("task", None)
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+        return await resume(self, *args, **kwargs)
+
+    @functools.wraps(rpc)
+    async def collective_rpc(self, *args, **kwargs):
+        st = _lease_state(self)
+        st["in_flight"] = st.get("in_flight", 0) + 1
+        try:
+            return await rpc(self, *args, **kwargs)
+        finally:
+            st["in_flight"] -= 1
+            st["last"] = time.monotonic()
+
+    AsyncLLM.pause_generation = pause_generation
+    AsyncLLM.resume_generation = resume_generation
+    AsyncLLM.collective_rpc = collective_rpc
+
+
+def _lease_s(llm) -> float:
+    wt = getattr(getattr(llm, "vllm_config", None), "weight_transfer_config", None)
+    if getattr(wt, "backend", None) != "delta_sync":
+        return 0.0
+    try:
+        return float(os.environ.get(LEASE_ENV, DEFAULT_LEASE_S))
+    except ValueError:
+        return DEFAULT_LEASE_S
+
+
+def _lease_state(llm) -> dict:
+    st = getattr(llm, "_delta_sync_lease_state", None)
+    if st is None:
+        st = llm._delta_sync_lease_state = {"in_flight": 0, "last": time.monotonic()}
+    return st
+
+
+async def _watch(llm, lease: float, resume, rpc) -> None:
+    """Runs while the engine is paused; ``resume``/``rpc`` are vLLM's own (they do not renew the lease)."""
+    st = _lease_state(llm)
+    warned = False
+    while True:
+        await asyncio.sleep(min(1.0, lease / 4))
+        if not await llm.is_paused():
+            return
+        idle = time.monotonic() - st["last"]
+        if st["in_flight"] or idle < lease:
+            continue
+        status = await rpc(llm, "delta_sync_status")
+        if any(s and s.get("partial") for s in status or []):
+            if not warned:
+                log.error("delta-sync: pause lease expired (%.0f s without a trainer call), but a seed/full "
+                          "update was cut off mid-write: staying paused until a trainer sends a seed", idle)
+                warned = True
+            continue
+        versions = sorted({str(s.get("version")) for s in status or [] if s})
+        log.warning("delta-sync: pause lease expired (%.0f s without a trainer call); resuming on version %s",
+                    idle, ",".join(versions) or "?")
+        st.pop("task", None)
+        await resume(llm)
+        return

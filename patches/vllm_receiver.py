@@ -2,8 +2,8 @@
 
 Lifecycle (names match vLLM's wire protocol)::
 
-    init_transfer_engine  join the channel (rank_offset + this worker's rank), refuse layouts
-                          that in-place patching would corrupt
+    init_transfer_engine  join the channel (rank_offset + this worker's rank; the token derived
+                          from the engine secret), refuse layouts that in-place patching would corrupt
     start_weight_update   check that no parameter's storage or strides changed since the views
                           were built
     update_weights        a delta: receive *all* buckets of version v, validate every patch (name,
@@ -15,6 +15,10 @@ Lifecycle (names match vLLM's wire protocol)::
                           reports ``needs_seed`` until the version completes
     finish_weight_update  a delta: apply everything staged with an undo log; on failure restore
                           v-1. a bulk update: take the version it completed
+
+Every lifecycle call must arrive through the worker's signed ``delta_sync_call`` (see
+``patches/vllm_plugin.py`` and :mod:`delta_sync.auth`); vLLM's own unsigned routes reach these
+methods without the proof and are refused before anything changes.
 
 Loader views are recorded at the first seed (the seed names every checkpoint tensor and its
 shape). Names whose loader is not a plain strided copy go through vLLM's own loader instead:
@@ -31,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from delta_sync import accelerator
+from delta_sync.auth import AuthError, Verifier, load_secret
 from delta_sync.channel import Channel
 from delta_sync.digest import digest_tensor
 from delta_sync.errors import DeltaSyncError, LayoutNotSupported, NeedsSeed, PatchValidationError
@@ -53,7 +58,7 @@ class DeltaSyncInitInfo(WeightTransferInitInfo):
     host: str
     port: int
     world_size: int
-    token: str
+    channel_nonce: str  # the channel token is derived from it and the engine secret
     rank_offset: int = 1
     backend: str | None = None
     timeout_s: float = 300.0
@@ -150,6 +155,28 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         self._fingerprint: dict | None = None
         self.last_timings: dict[str, float] = {}
         self.last_error: str | None = None
+        #: a seed/full update wrote some weights and did not complete: serving them would be wrong
+        self.partial = False
+        self.verifier = Verifier(load_secret(required=False))  # refuses every call without a secret
+        self._authorized = False
+        self._call_version: int | None = None
+
+    # ---- trust ---------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def authorized(self, version: int | None = None):
+        """The scope of one verified ``delta_sync_call``: only inside it do lifecycle calls run
+        (``version``: what a signed finish names, checked against the staged update)."""
+        self._authorized, self._call_version = True, version
+        try:
+            yield
+        finally:
+            self._authorized, self._call_version = False, None
+
+    def require_authorized(self, what: str) -> None:
+        if not self._authorized:
+            raise AuthError(f"{what}: unsigned weight-transfer call refused (delta-sync engines accept them "
+                            f"only through the signed delta_sync_call)",
+                            kept=self._kept() + "; the trainer's channel and staged update are unchanged")
 
     # ---- identity ------------------------------------------------------------------------------
     def _worker_rank(self) -> int:
@@ -167,15 +194,20 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def init_transfer_engine(self, init_info: DeltaSyncInitInfo) -> None:
+        self.require_authorized("init")
         check_layout_supported(self.vllm_config, self.model, self.device)
+        token = self.verifier.channel_token(init_info.channel_nonce)
         if self.channel is not None:
             self.channel.close()
+            self.channel = None
+        self._staged = None
         rank = init_info.rank_offset + self._worker_rank()
         device = self.device if self.device.type != "cpu" else torch.device("cpu")
-        self.channel = Channel.connect(init_info.host, init_info.port, rank, init_info.world_size, init_info.token,
+        self.channel = Channel.connect(init_info.host, init_info.port, rank, init_info.world_size, token,
                                        backend=init_info.backend, device=device, timeout_s=init_info.timeout_s)
 
     def start_weight_update(self) -> None:
+        self.require_authorized("start")
         self._staged = None
         if self._fingerprint is not None and self._fingerprint != _fingerprint(self.model):
             changed = [n for n, f in _fingerprint(self.model).items() if self._fingerprint.get(n) != f]
@@ -188,6 +220,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
                             kept="weights as they are, version unknown")
 
     def update_weights(self, update_info) -> None:
+        self.require_authorized("update")
         # The base class calls torch.accelerator.synchronize(), which raises on CPU.
         self.receive_weights(self.parse_update_info(update_info or {}))
         accelerator.synchronize(self.device)
@@ -224,6 +257,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         if not state.writing:
             state.writing = True
             self.version, self.needs_seed = None, True  # the old version is being overwritten
+            self.partial = True
         t0 = time.perf_counter()
         try:
             self._write_bulk_range(entry, p)
@@ -274,11 +308,17 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         p.validate(expected_shape=shape, expected_dtype=dtype, contents=False, kept=self._kept())
 
     def finish_weight_update(self) -> None:
+        self.require_authorized("finish")
+        version = self._call_version
         upd, self._staged = self._staged, None
         if upd is None:
             return  # start/finish with nothing received (e.g. the sender aborted before sending)
+        if version is not None and upd.version != version:
+            self.last_error = f"finish of v{version} but v{upd.version} is staged"
+            raise DeltaSyncError(self.last_error + "; the staged update was discarded", kept=self._kept())
         if upd.kind in BULK_KINDS:  # applied while it arrived, and complete
             self.version, self.needs_seed, self.last_error = upd.version, False, None
+            self.partial = False
             self._fingerprint = _fingerprint(self.model)
             return
         t0 = time.perf_counter()
@@ -340,9 +380,14 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
                 undo.record_view(p.data)
 
     # ---- reporting -----------------------------------------------------------------------------
+    def status(self) -> dict:
+        """What anyone may read (the pause lease asks it): version, whether a seed is needed, and
+        whether a cut-off seed/full update left half-written weights."""
+        return {"version": self.version, "needs_seed": self.needs_seed or self.version is None,
+                "partial": self.partial}
+
     def report(self, digests: bool = False, names: list[str] | None = None) -> dict:
-        out = {"version": self.version, "needs_seed": self.needs_seed or self.version is None,
-               "rank": self.channel.rank if self.channel else None, "views": len(self.views),
+        out = {**self.status(), "rank": self.channel.rank if self.channel else None, "views": len(self.views),
                "fallback": sorted(self.fallback), "last_error": self.last_error,
                "timings": dict(self.last_timings)}
         if digests:

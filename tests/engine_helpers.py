@@ -40,8 +40,10 @@ def evolve(state: dict[str, torch.Tensor], version: int) -> None:
             continue
         frac = [0.0001, 0.002, 0.01, 0.05, 0.3][mode - 1]
         k = max(1, int(flat.numel() * frac))
-        pos = torch.randint(0, flat.numel(), (k,), generator=g)
-        flat[pos] = (flat[pos].float() + 0.05 * torch.randn(k, generator=g)).to(flat.dtype)
+        # unique positions: with repeats, which write wins is up to the (threaded) kernel, so two
+        # processes evolving the same state could disagree
+        pos = torch.unique(torch.randint(0, flat.numel(), (k,), generator=g))
+        flat[pos] = (flat[pos].float() + 0.05 * torch.randn(pos.numel(), generator=g)).to(flat.dtype)
 
 
 def fresh_engine(model: Path, prompts=PROMPTS, tp: int = 1, stock: bool = False) -> list[dict]:

@@ -114,8 +114,9 @@ def test_worker_methods_reach_a_worker_class_that_is_not_vllms_gpu_worker():
         pass
 
     assert not issubclass(StandInNPUWorker, Worker)
-    for method in ("delta_sync_report", "delta_sync_discard"):
+    for method in ("delta_sync_call", "delta_sync_status"):
         assert callable(getattr(StandInNPUWorker, method, None)), method
     w = StandInNPUWorker.__new__(StandInNPUWorker)  # no engine configured: a clear answer, not an error
-    assert w.delta_sync_report("{}") == {"version": None, "needs_seed": True,
-                                         "error": "delta_sync engine not configured"}
+    assert w.delta_sync_status() == {"version": None, "needs_seed": True, "partial": False}
+    with pytest.raises(RuntimeError, match="no delta_sync weight transfer"):
+        w.delta_sync_call("{}")

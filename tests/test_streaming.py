@@ -150,10 +150,10 @@ class ShardedStandIn:
     def reset(self):
         self._snap, self._staged = None, {}
 
-    def local_digests(self):
+    def local_digests(self, names=None):
         from delta_sync.digest import digest_tensor
 
-        return {n: digest_tensor(t) for n, t in self._snap.items()}
+        return {n: digest_tensor(t) for n, t in self._snap.items() if names is None or n in names}
 
 
 def test_switching_the_source_forces_a_seed_and_stays_exact():

@@ -49,7 +49,7 @@ def test_seed_and_deltas_equal_fresh_engine(engine, tmp_path):
         assert rep.kind == "delta" and rep.verified  # digests of every tensor match the trainer
         reports.append(rep)
     assert all(0 < r.changed_fraction < 1 for r in reports)
-    status = llm.collective_rpc("delta_sync_report", args=("{}",))[0]
+    status = sync.engines[0].report()[0]
     assert status["version"] == VERSIONS and not status["fallback"] and status["views"] == len(state)
     live = greedy(llm, PROMPTS)
     fresh = fresh_engine(export(state, path, tmp_path / "patched"))
@@ -279,4 +279,37 @@ def test_names_without_a_view_go_through_vllms_loader(engine, tmp_path):
     live = greedy(llm, PROMPTS)
     fresh = fresh_engine(export(state, path, tmp_path / "patched"))
     assert live == fresh, f"max logprob error {max_logprob_error(live, fresh)}"
+    sync.close()
+
+
+def test_drift_is_caught_by_the_sweep_named_and_repaired_by_a_seed(engine):
+    """A bit flipped in an engine weight behind the trainer's back: the default-on drift sweep
+    (here 1/3 of the bytes per delta) names it within 3 deltas; the next update re-seeds, exact."""
+    kind, path, llm = engine
+    state = load_state(path)
+    sync = WeightSync([llm], drift_sweep=3)
+    sync.update(state.items())
+    names = sorted(state)
+    victim = names[len(names) // 2]
+
+    def flip(worker, name=victim):
+        from patches.loader_views import flat_param
+
+        eng = getattr(worker, "worker", worker).weight_transfer_engine
+        seg = eng.views[name].segments[0]
+        flat_param(dict(eng.model.named_parameters())[seg.param]).view(torch.int16)[seg.dst_offset] ^= 1
+
+    llm.collective_rpc(flip)
+    other = next(n for n in names if n != victim)
+    reports = []
+    for v in range(1, 4):
+        state[other].view(-1)[v] += 1  # a small delta that never touches the victim
+        reports.append(sync.update(state.items()))
+        if reports[-1].drift:
+            break
+    assert reports[-1].drift and repr(victim) in reports[-1].drift, [r.drift for r in reports]
+    assert all(r.kind == "delta" and r.checked for r in reports)
+    state[other].view(-1)[0] += 1
+    assert sync.update(state.items()).kind == "seed"  # the repair
+    sync.verify()
     sync.close()

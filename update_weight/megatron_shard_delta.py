@@ -169,15 +169,17 @@ class MegatronShardDelta(BridgeExportSource):
     def reset(self) -> None:
         self._staged, self._snap, self._ok, self._seed_ok = {}, {}, False, False
 
-    def local_digests(self) -> dict[str, Digest]:
+    def local_digests(self, names: set[str] | None = None) -> dict[str, Digest]:
         out: dict[str, Digest] = {}
         for k, runs in enumerate(self._runs or []):
             snap = int_view(self._snap[k])
             local, target = _expand(runs.local, runs.length), _expand(runs.target, runs.length)
             seqs = torch.repeat_interleave(runs.seq, runs.length)
             for s in torch.unique(seqs).tolist():
-                sel = seqs == s
                 name = self._plan_names[s]
+                if names is not None and not ({name, *self._aliases.get(name, [])} & names):
+                    continue
+                sel = seqs == s
                 d = digest_elements(target[sel], snap.take(local[sel]).view(self._dtypes[name]))
                 for n in [name, *self._aliases.get(name, [])]:
                     out[n] = out.get(n, Digest()) + d

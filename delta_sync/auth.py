@@ -1,0 +1,146 @@
+"""Only the trainer writes weights: calls to an engine prove knowledge of a shared secret.
+
+The engine gets the secret when it starts (``DELTA_SYNC_SECRET`` in its environment); the trainer
+gets the same one. The secret itself never travels. Every weight-transfer call (init, start,
+update, finish, discard, report) is an *envelope*::
+
+    {"method": "finish", "payload": {...}, "nonce": "<session>:<counter>", "mac": "<hex>"}
+
+``mac`` is HMAC-SHA256 over a domain tag, the method, the nonce and the canonical JSON of the
+payload; the engine recomputes it and compares in constant time. Nonces carry a random session id
+(one per signer) and a counter that only grows, so a recorded call cannot be replayed. The
+channel's rendezvous token is derived from the secret and a fresh nonce
+(:func:`channel_token`), so the token is not sent either, and bucket headers carry a MAC under it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import itertools
+import json
+import os
+import secrets
+import threading
+from collections import OrderedDict
+
+from .errors import DeltaSyncError
+
+ENV = "DELTA_SYNC_SECRET"
+MIN_SECRET_CHARS = 16
+_TAG = b"delta-sync/v1\0"
+#: how far a counter may run behind the newest one seen in its session (calls to one engine are
+#: sequential; this only absorbs reordering of concurrent calls), and how many sessions are kept
+_WINDOW = 256
+_SESSIONS = 4096
+
+
+class AuthError(DeltaSyncError):
+    """A call without a valid proof of the engine's secret: refused, nothing written."""
+
+
+def load_secret(secret: str | None = None, *, required: bool = True) -> bytes | None:
+    """The secret given, else ``$DELTA_SYNC_SECRET``; too short or missing (when required) is an error."""
+    value = secret if secret is not None else os.environ.get(ENV)
+    if not value:
+        if required:
+            raise AuthError(f"no engine secret: set {ENV} (the same value for the trainer and the engine "
+                            f"processes) or pass secret=...", kept="nothing was sent")
+        return None
+    if len(value) < MIN_SECRET_CHARS:
+        raise AuthError(f"{ENV} is {len(value)} characters; use at least {MIN_SECRET_CHARS} "
+                        f"(e.g. python -c 'import secrets; print(secrets.token_hex(32))')", kept="nothing was sent")
+    return value.encode()
+
+
+def ensure_secret() -> str:
+    """``$DELTA_SYNC_SECRET``, generated for this process tree if unset (launchers that start their engine)."""
+    if not os.environ.get(ENV):
+        os.environ[ENV] = secrets.token_hex(32)
+    return os.environ[ENV]
+
+
+def canonical(payload: dict) -> bytes:
+    return json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
+
+
+def mac(key: bytes, *parts: bytes) -> str:
+    return hmac.new(key, _TAG + b"\0".join(parts), hashlib.sha256).hexdigest()
+
+
+def channel_token(key: bytes, nonce: str) -> str:
+    """The channel's rendezvous token for one connection (both ends derive it; it never travels)."""
+    return mac(key, b"channel", nonce.encode())
+
+
+class Signer:
+    """Trainer side: wraps calls in envelopes (thread-safe)."""
+
+    def __init__(self, key: bytes):
+        self._key = key
+        self._session = secrets.token_hex(8)
+        self._counter = itertools.count(1)
+        self._lock = threading.Lock()
+
+    def nonce(self) -> str:
+        with self._lock:
+            return f"{self._session}:{next(self._counter)}"
+
+    def sign(self, method: str, payload: dict | None = None) -> dict:
+        payload = payload or {}
+        nonce = self.nonce()
+        return {"method": method, "payload": payload, "nonce": nonce,
+                "mac": mac(self._key, method.encode(), nonce.encode(), canonical(payload))}
+
+    def channel_token(self, nonce: str) -> str:
+        return channel_token(self._key, nonce)
+
+
+class Verifier:
+    """Engine side: checks envelopes. ``key=None`` (no secret configured) refuses every call."""
+
+    def __init__(self, key: bytes | None):
+        self._key = key
+        self._seen: OrderedDict[str, tuple[int, set[int]]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def check(self, envelope) -> tuple[str, dict, str]:
+        """``(method, payload, nonce)`` of a valid envelope; :class:`AuthError` otherwise."""
+        kept = "nothing was written; the trainer's channel and staged update are unchanged"
+        if self._key is None:
+            raise AuthError(f"this engine was started without {ENV}: weight-transfer calls are refused. "
+                            f"Start it with {ENV} set (the trainer needs the same value)", kept=kept)
+        if not isinstance(envelope, dict) or not all(isinstance(envelope.get(k), str)
+                                                     for k in ("method", "nonce", "mac")):
+            raise AuthError("unsigned weight-transfer call (expected an envelope with method, payload, nonce "
+                            f"and mac; the trainer needs this engine's {ENV})", kept=kept)
+        payload = envelope.get("payload") or {}
+        if not isinstance(payload, dict):
+            raise AuthError("envelope payload is not an object", kept=kept)
+        method, nonce = envelope["method"], envelope["nonce"]
+        want = mac(self._key, method.encode(), nonce.encode(), canonical(payload))
+        if not hmac.compare_digest(want, envelope["mac"]):
+            raise AuthError(f"{method!r}: the call's MAC does not match this engine's secret", kept=kept)
+        session, _, counter = nonce.rpartition(":")
+        if not session or not counter.isdigit():
+            raise AuthError(f"{method!r}: malformed nonce", kept=kept)
+        self._fresh(method, session, int(counter), kept)
+        return method, payload, nonce
+
+    def _fresh(self, method: str, session: str, counter: int, kept: str) -> None:
+        with self._lock:
+            newest, seen = self._seen.pop(session, (0, set()))
+            if counter in seen or counter <= newest - _WINDOW:
+                self._seen[session] = (newest, seen)
+                raise AuthError(f"{method!r}: nonce {session}:{counter} was already used (a replayed call)", kept=kept)
+            seen.add(counter)
+            newest = max(newest, counter)
+            seen = {c for c in seen if c > newest - _WINDOW}
+            self._seen[session] = (newest, seen)
+            while len(self._seen) > _SESSIONS:
+                self._seen.popitem(last=False)
+
+    def channel_token(self, nonce: str) -> str:
+        if self._key is None:
+            raise AuthError(f"this engine was started without {ENV}", kept="no channel")
+        return channel_token(self._key, nonce)

@@ -1,0 +1,110 @@
+"""Trust: signed calls, replay refusal, the channel's keyed headers, bounded sizes, loopback store."""
+
+import datetime
+
+import pytest
+import torch
+
+from delta_sync.auth import ENV, AuthError, Signer, Verifier, channel_token, load_secret
+from delta_sync.bucket import Bucket
+from delta_sync.channel import Channel, _store, free_port
+from delta_sync.errors import ChannelError
+from launchers.ranks import run_ranks
+
+KEY = b"k" * 32
+
+
+def test_signed_call_verifies_and_names_what_was_refused():
+    sign, check = Signer(KEY), Verifier(KEY)
+    env = sign.sign("update", {"version": 3})
+    assert check.check(env)[:2] == ("update", {"version": 3})
+    kept = "nothing was written"
+    with pytest.raises(AuthError, match="already used") as e:  # replay of a recorded call
+        check.check(env)
+    assert kept in str(e.value)
+    forged = Signer(b"x" * 32).sign("init", {"host": "evil"})
+    with pytest.raises(AuthError, match="does not match this engine's secret"):
+        check.check(forged)
+    tampered = dict(sign.sign("finish", {"version": 4}), payload={"version": 5})
+    with pytest.raises(AuthError, match="does not match"):
+        check.check(tampered)
+    with pytest.raises(AuthError, match="unsigned"):
+        check.check({"method": "report", "payload": {}})
+    with pytest.raises(AuthError, match="malformed nonce"):
+        env = sign.sign("start")
+        bad = dict(env, nonce="nocounter")
+        from delta_sync.auth import canonical, mac
+        bad["mac"] = mac(KEY, b"start", b"nocounter", canonical({}))
+        check.check(bad)
+    with pytest.raises(AuthError, match=f"started without {ENV}"):
+        Verifier(None).check(sign.sign("start"))
+
+
+def test_counters_may_arrive_out_of_order_but_never_twice():
+    sign, check = Signer(KEY), Verifier(KEY)
+    envs = [sign.sign("report") for _ in range(5)]
+    for env in (envs[1], envs[0], envs[4], envs[2], envs[3]):
+        check.check(env)
+    for env in envs:
+        with pytest.raises(AuthError, match="already used"):
+            check.check(env)
+    old = sign.sign("report")
+    for _ in range(300):  # a call held back past the window is refused as stale
+        check.check(sign.sign("report"))
+    with pytest.raises(AuthError, match="already used"):
+        check.check(old)
+
+
+def test_secret_loading(monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    assert load_secret(required=False) is None
+    with pytest.raises(AuthError, match=f"set {ENV}"):
+        load_secret()
+    with pytest.raises(AuthError, match="at least 16"):
+        load_secret("short")
+    monkeypatch.setenv(ENV, "s" * 20)
+    assert load_secret() == b"s" * 20
+    a, b = channel_token(KEY, "n1"), channel_token(KEY, "n2")
+    assert a != b and a == channel_token(KEY, "n1") and KEY.decode() not in a
+
+
+def test_store_listens_only_on_the_address_it_is_given():
+    port = free_port()
+    store = _store("127.0.0.1", port, True, datetime.timedelta(seconds=5))  # noqa: F841 (listening)
+    listening = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            local, state = line.split()[1], line.split()[3]
+            addr, p = local.split(":")
+            if state == "0A" and int(p, 16) == port:  # LISTEN
+                listening.add(addr)
+    assert listening == {"0100007F"}, listening  # 127.0.0.1 only, not 0.0.0.0 / ::
+
+
+def _keyed_node(rank, world, port, chan_port, case):
+    chan = Channel.connect("127.0.0.1", chan_port, rank, 2, "tok", timeout_s=30)
+    if rank == 0:
+        try:
+            if case == "forged":
+                chan._key = b"another key"  # a sender that does not hold the channel token
+                chan.send_bucket(Bucket({"version": 1, "seq": 0, "last": True, "kind": "delta", "entries": [],
+                                         "value_counts": {}, "checksum": None}, torch.zeros(3, dtype=torch.int32), {}))
+            else:  # sizes that would make the receiver allocate without bound
+                chan.broadcast(torch.tensor([1 << 40, 5, 1], dtype=torch.int64))
+        except ChannelError:
+            pass  # the receiver refused and left
+        return "sent"
+    with pytest.raises(ChannelError) as e:
+        chan.recv_bucket()
+    return str(e.value)
+
+
+@pytest.mark.parametrize("case", ["forged", "oversized"])
+def test_receiver_refuses_forged_or_oversized_headers(case):
+    results = run_ranks(_keyed_node, 2, free_port(), case, init_world=False, timeout=90)
+    assert results[0] == "sent"
+    assert ("MAC does not match" if case == "forged" else "out of bounds") in results[1]
