@@ -3,14 +3,16 @@
 vLLM's loaders fuse and shard checkpoint tensors (q/k/v -> ``qkv_proj``, gate/up ->
 ``gate_up_proj``, experts -> ``w13``/``w2``, TP slices, padded vocab) and end in
 ``param_slice.copy_(checkpoint_slice)``. Running the loader once per checkpoint name with a
-*probe* tensor and recording that final copy (without performing it) gives, per name, a list of
-:class:`Segment`: an affine map from checkpoint flat indices to offsets in a parameter's storage.
+*probe* tensor under a dispatch mode and recording that final copy (without performing it) gives,
+per name, a list of :class:`Segment`: an affine map from checkpoint flat indices to offsets in a
+parameter's storage.
 
 Applying a patch is then O(changed elements): decompose each flat index along the source
 strides of a segment, keep those that fall inside it, and ``index_copy_`` into the parameter at
 the matching destination offsets. A loader whose write is not one plain strided ``copy_`` from the
-probe (a computed source, a custom write path) yields no view; such names fall back to vLLM's
-``load_checkpoint_weight_patches``.
+probe (a computed source, ``index_copy_``/``fill_``/out= writes), or whose segments would hold a
+checkpoint element twice, yields no view; such names fall back to vLLM's
+``load_checkpoint_weight_patches`` (counted in the engine's report, logged).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from delta_sync.digest import PRIMES, Digest, digest_range, element_sums
 
@@ -98,64 +101,118 @@ def param_storages(model: torch.nn.Module) -> dict[int, tuple[str, torch.Tensor]
     return out
 
 
+class _ProbeMode(TorchDispatchMode):
+    """Sees every op the loader runs for one probe (this thread only, while it is active): records
+    each ``copy_`` from the probe into a parameter as a :class:`Segment` (a dtype difference is the
+    caller's to refuse: it knows whether a conversion is acceptable), refuses every other write
+    into a parameter (``__setitem__`` from a computed value, ``index_copy_``, ``fill_``, ``zero_``,
+    out= variants, ...), and performs none of them: probing writes nothing."""
+
+    def __init__(self, storages: dict[int, tuple[str, torch.Tensor]], probe: torch.Tensor):
+        super().__init__()
+        self.storages, self.probe = storages, probe
+        self.probe_ptr = probe.untyped_storage().data_ptr()
+        self.segments: list[Segment] = []
+        self.error: str | None = None
+
+    def _refuse(self, why: str) -> None:
+        self.error = self.error or why
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        hit = [t for t in _mutated(func, args, kwargs)
+               if t.numel() and t.untyped_storage().data_ptr() in self.storages]
+        if not hit:
+            return func(*args, **kwargs)
+        dst = hit[0]
+        owner = self.storages[dst.untyped_storage().data_ptr()]
+        if func is not torch.ops.aten.copy_.default:
+            self._refuse(f"the loader writes {owner[0]} with {func.__name__}, not one strided copy_ "
+                         "of the checkpoint tensor")
+            return args[0] if args and isinstance(args[0], torch.Tensor) else dst
+        src = args[1]
+        if not isinstance(src, torch.Tensor) or src.untyped_storage().data_ptr() != self.probe_ptr:
+            self._refuse("the loader writes a tensor computed from the checkpoint tensor")
+        elif tuple(dst.shape) != tuple(src.shape):
+            self._refuse(f"final copy changes the shape ({tuple(src.shape)} -> {tuple(dst.shape)})")
+        elif any(st == 0 for st in src.stride()) and src.numel() > 1:
+            self._refuse("the loader broadcasts the checkpoint tensor")
+        else:
+            pname, param = owner
+            self.segments.append(Segment(
+                pname, tuple(dst.shape), src.storage_offset() - self.probe.storage_offset(), tuple(src.stride()),
+                dst.storage_offset() - param.data.storage_offset(), tuple(dst.stride())))
+        return dst
+
+
+def _mutated(func, args, kwargs) -> list[torch.Tensor]:
+    """The tensors an aten op writes (arguments its schema marks as written: in-place self, out=)."""
+    out = []
+    for i, a in enumerate(func._schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        v = args[i] if i < len(args) else kwargs.get(a.name)
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, (list, tuple)):
+            out.extend(x for x in v if isinstance(x, torch.Tensor))
+    return out
+
+
+def coverage_problem(view: LoaderView, whole: bool) -> str | None:
+    """Why ``view`` does not hold each checkpoint element of its tensor at most once (exactly once
+    when this worker holds the ``whole`` tensor), or None. Exact: a bitmap of the elements held,
+    built only when two segments' index ranges overlap."""
+    numel = math.prod(view.shape)
+    spans = []
+    for seg in view.segments:
+        lo = seg.src_offset + sum((n - 1) * st for n, st in zip(seg.shape, seg.src_stride) if st < 0)
+        hi = seg.src_offset + sum((n - 1) * st for n, st in zip(seg.shape, seg.src_stride) if st > 0)
+        if seg.numel and (lo < 0 or hi >= numel):
+            return f"a segment reads checkpoint elements [{lo}, {hi}] of {numel}"
+        spans.append((lo, hi, seg))
+    held = sum(seg.numel for seg in view.segments)
+    if held > numel:
+        return f"its segments write {held} elements of a {numel}-element tensor"
+    if whole and held not in (numel, 0):  # 0: the loader discards the tensor (e.g. a tied lm_head)
+        return f"its segments cover {held} of {numel} elements"
+    spans.sort(key=lambda x: x[0])
+    if any(a[1] >= b[0] for a, b in zip(spans, spans[1:]) if a[2].numel and b[2].numel):
+        seen = torch.zeros(numel, dtype=torch.int8)
+        for seg in view.segments:
+            seg.src_view(seen).add_(1)
+        if int(seen.max()) > 1:
+            return f"checkpoint element {int((seen > 1).nonzero()[0])} is written by two segments"
+    return None
+
+
 def probe_views(model: torch.nn.Module, names_shapes: list[tuple[str, tuple[int, ...], torch.dtype]],
-                load_fn=None) -> tuple[dict[str, LoaderView], dict[str, str]]:
+                load_fn=None, whole: bool = True) -> tuple[dict[str, LoaderView], dict[str, str]]:
     """Record loader views for each checkpoint name by running the model's own loader on a probe.
 
-    Nothing is written to the parameters: the recorded ``copy_`` calls are skipped. Returns
-    ``(views, unsupported)`` where ``unsupported`` maps a name to the reason it has no view.
+    The loader runs under a dispatch mode scoped to this call and thread (no process-wide patch);
+    nothing is written to the parameters. A view must hold each checkpoint element at most once
+    (exactly once when ``whole``: this worker is not a TP/EP shard). Returns ``(views,
+    unsupported)`` where ``unsupported`` maps a name to the reason it has no view.
     """
     load_fn = load_fn or (lambda items: model.load_weights(items))
     storages = param_storages(model)
     views: dict[str, LoaderView] = {}
     unsupported: dict[str, str] = {}
-    original_copy = torch.Tensor.copy_
-    current: dict = {}
-
-    def recording_copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False):
-        probe = current.get("probe")
-        if probe is None:
-            return original_copy(dst, src, non_blocking)
-        owner = storages.get(dst.untyped_storage().data_ptr())
-        if src.untyped_storage().data_ptr() != probe.untyped_storage().data_ptr():
-            if owner is not None:  # a parameter written from a computed tensor: no view, and no write
-                current["error"] = "the loader writes a tensor computed from the checkpoint tensor"
-                return dst
-            return original_copy(dst, src, non_blocking)
-        if owner is None:
-            current["error"] = "the loader copied into a tensor that is not a parameter"
-            return dst
-        if tuple(dst.shape) != tuple(src.shape) or dst.dtype != src.dtype:
-            current["error"] = (f"final copy changes shape/dtype ({tuple(src.shape)}/{src.dtype} -> "
-                                f"{tuple(dst.shape)}/{dst.dtype})")
-            return dst
-        if any(s == 0 for s in src.stride()) and src.numel() > 1:
-            current["error"] = "the loader broadcasts the checkpoint tensor"
-            return dst
-        pname, param = owner
-        base = param.data
-        current["segments"].append(Segment(
-            pname, tuple(dst.shape), src.storage_offset() - probe.storage_offset(), tuple(src.stride()),
-            dst.storage_offset() - base.storage_offset(), tuple(dst.stride())))
-        return dst
-
-    torch.Tensor.copy_ = recording_copy
-    try:
-        for name, shape, dtype in names_shapes:
-            probe = torch.empty(shape, dtype=dtype)
-            current.clear()
-            current.update(probe=probe, segments=[])
-            try:
+    for name, shape, dtype in names_shapes:
+        probe = torch.empty(shape, dtype=dtype)
+        mode = _ProbeMode(storages, probe)
+        try:
+            with mode:
                 load_fn([(name, probe)])
-            except Exception as e:  # a loader that does math on the source, etc.
-                current.setdefault("error", f"{type(e).__name__}: {e}")
-            if "error" in current:
-                unsupported[name] = current["error"]
-            else:
-                views[name] = LoaderView(name, tuple(shape), dtype, list(current["segments"]))
-    finally:
-        torch.Tensor.copy_ = original_copy
-        current.clear()
+        except Exception as e:  # a loader that does math on the source, etc.
+            mode._refuse(f"{type(e).__name__}: {e}")
+        view = LoaderView(name, tuple(shape), dtype, list(mode.segments))
+        why = mode.error or coverage_problem(view, whole)
+        if why is not None:
+            unsupported[name] = why
+        else:
+            views[name] = view
     return views, unsupported
 
 

@@ -117,7 +117,7 @@ def _stand_in_views():
     from .test_loader_views import SPECS, FusedStandIn
 
     model = FusedStandIn()
-    views, _ = probe_views(model, [(n, s, torch.float32) for n, s in SPECS])
+    views, _ = probe_views(model, [(n, s, torch.float32) for n, s in SPECS], whole=False)  # "cols" is a TP shard
     return views, {n: tuple(p.shape) for n, p in model.named_parameters()}
 
 

@@ -46,7 +46,7 @@ def _reference(state):
 def test_views_match_the_loader(density):
     g = torch.Generator().manual_seed(int(density * 10))
     model = FusedStandIn()
-    views, unsupported = probe_views(model, [(n, s, torch.float32) for n, s in SPECS])
+    views, unsupported = probe_views(model, [(n, s, torch.float32) for n, s in SPECS], whole=False)
     assert set(unsupported) == {"scaled"} and "computed" in unsupported["scaled"]
     assert all(p.abs().sum() == 0 for p in model.parameters())  # probing wrote nothing
     assert views["q"].segments[0].contiguous and not views["cols"].segments[0].contiguous
@@ -92,7 +92,7 @@ def test_dense_ranges_in_any_split_equal_the_loader(pieces):
     """A seed arrives as ranges cut at bucket boundaries, anywhere inside a tensor."""
     g = torch.Generator().manual_seed(pieces)
     model = FusedStandIn()
-    views, _ = probe_views(model, [(n, s, torch.float32) for n, s in SPECS])
+    views, _ = probe_views(model, [(n, s, torch.float32) for n, s in SPECS], whole=False)
     params = dict(model.named_parameters())
     state = {n: torch.randn(s, generator=g) for n, s in SPECS if n != "scaled"}
     for n, t in state.items():
@@ -104,3 +104,58 @@ def test_dense_ranges_in_any_split_equal_the_loader(pieces):
     for name, p in params.items():
         if name != "scaled":
             assert torch.equal(p, dict(ref.named_parameters())[name]), name
+
+
+class OddLoaders(torch.nn.Module):
+    """Loaders that write parameters in ways a strided-copy view cannot replay."""
+
+    def __init__(self):
+        super().__init__()
+        self.p = torch.nn.Parameter(torch.zeros(8, 4), requires_grad=False)
+
+    def load_weights(self, items):
+        for name, w in items:
+            if name == "setitem":  # param[rows] = f(w): __setitem__ of a computed value
+                self.p.data[:2] = w[:2] + 1
+            elif name == "index_copy":
+                self.p.data.index_copy_(0, torch.tensor([0, 1]), w[:2])
+            elif name == "fill":
+                self.p.data.fill_(0.5)
+            elif name == "twice":  # the same checkpoint rows land in two places
+                self.p.data[:2].copy_(w[:2])
+                self.p.data[2:4].copy_(w[:2])
+                self.p.data[4:8].copy_(w[2:6])
+            elif name == "half":  # a whole-tensor worker that keeps half of it
+                self.p.data[:4].copy_(w[:4])
+            elif name == "plain":
+                self.p.data.copy_(w)
+
+
+@pytest.mark.parametrize("name,why", [("setitem", "computed"), ("index_copy", "index_copy"), ("fill", "fill"),
+                                      ("twice", "written by two segments"), ("half", "cover 16 of 32")])
+def test_writes_a_view_cannot_replay_are_refused(name, why):
+    model = OddLoaders()
+    views, unsupported = probe_views(model, [(name, (8, 4), torch.float32), ("plain", (8, 4), torch.float32)])
+    assert set(views) == {"plain"} and why in unsupported[name], unsupported
+    assert model.p.abs().sum() == 0  # probing wrote nothing, whatever the loader tried
+
+
+def test_probing_is_scoped_to_its_thread():
+    """Another thread's copy_ into a parameter while a probe runs is performed (no process-wide patch)."""
+    import threading
+
+    model = OddLoaders()
+    started, done = threading.Event(), threading.Event()
+
+    def slow_loader(items):
+        started.set()
+        done.wait(10)
+        model.load_weights(items)
+
+    th = threading.Thread(target=lambda: probe_views(model, [("plain", (8, 4), torch.float32)], load_fn=slow_loader))
+    th.start()
+    started.wait(10)
+    model.p.data.copy_(torch.ones(8, 4))  # this thread, during the probe
+    done.set()
+    th.join(10)
+    assert torch.equal(model.p.data, torch.ones(8, 4))
