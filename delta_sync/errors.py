@@ -11,6 +11,15 @@ class DeltaSyncError(RuntimeError):
         super().__init__(f"{message}; kept: {kept}" if kept else message)
 
 
+def with_kept(error: BaseException, kept: str) -> BaseException:
+    """``error``, saying what was kept if it does not yet (errors raised deep in a pipeline know what
+    went wrong; the caller that settles the update knows what survived)."""
+    if isinstance(error, DeltaSyncError) and error.kept is None:
+        error.kept = kept
+        error.args = (f"{error.args[0]}; kept: {kept}",) + error.args[1:]
+    return error
+
+
 class PatchValidationError(DeltaSyncError):
     """A patch is malformed: name, dtype, shape, bounds, order, duplicates, non-finite values."""
 

@@ -34,7 +34,7 @@ from .channel import Channel, free_port
 from .collectives import TrainerGroups
 from .digest import Digest, digest_tensor
 from .engines import EngineClient, as_engine
-from .errors import DeltaSyncError, GatherError
+from .errors import DeltaSyncError, GatherError, PatchValidationError, with_kept
 from .gather import Ordered, PatchGather, order_and_merge
 from .patch import Patch, check_indexable
 from .snapshot import SnapshotStore
@@ -243,10 +243,11 @@ class WeightSync:
             # the snapshot stays at the committed version either way; engines that lost it get a seed
             self._rollback()
             self.needs_seed = self.needs_seed or outcome.needs_seed
+            kept = (f"engines need a seed, the next update sends one; trainer snapshot at v{self.version}"
+                    if self.needs_seed else f"engines and trainer snapshot at v{self.version}")
             if error is not None:
-                raise error
-            raise DeltaSyncError(f"update v{version} failed on trainer rank 0: {outcome.error}",
-                                 kept="trainer snapshot at the last committed version")
+                raise with_kept(error, kept)
+            raise DeltaSyncError(f"update v{version} failed on trainer rank 0: {outcome.error}", kept=kept)
         self.store.commit(version)
         if sharded is not None:
             sharded.commit()
@@ -261,8 +262,9 @@ class WeightSync:
         elif kind == "delta" and self.drift_sweep and self._catalog:
             t0 = time.perf_counter()
             window = self._sweep_window()
+            rep.checked = len(window)
             try:
-                rep.checked = len(self.verify(window))
+                self.verify(window)
             except DriftDetected as e:  # every rank: snapshots reset, the next update re-seeds
                 rep.drift = str(e)
                 log.error("delta-sync: %s", e)
@@ -272,8 +274,10 @@ class WeightSync:
         rep.timings["total_s"] = round(time.perf_counter() - t_start, 6)
         return rep
 
-    def _tensors(self, named_tensors, elements: list[int]) -> Iterator[tuple[int, str, torch.Tensor | Exception]]:
-        """``(seq, checkpoint name, tensor or the exception converting it)`` of the stream, to its end.
+    def _tensors(self, named_tensors, elements: list[int], seen: dict[str, int]
+                 ) -> Iterator[tuple[int, str, torch.Tensor | Exception]]:
+        """``(seq, checkpoint name, tensor or the exception converting it)`` of the stream, to its end;
+        ``seen`` collects each name's bytes (a name given twice is an error).
 
         A rank whose own conversion failed keeps consuming (and materialising DTensors): Bridge's
         export and FSDP's full_tensor are collective, and the other ranks are still in them."""
@@ -285,8 +289,11 @@ class WeightSync:
                 t = _materialize(tensor.detach())
                 if self.dtype is not None and t.dtype != self.dtype:
                     t = t.to(self.dtype)
+                if name in seen:
+                    raise PatchValidationError(name, f"given twice in one update (the second time as {mname!r})",
+                                               kept=f"engines and trainer snapshot at v{self.version}")
                 elements[0] += t.numel()
-                self._catalog[name] = t.numel() * t.element_size()
+                seen[name] = t.numel() * t.element_size()
             except Exception as e:
                 yield seq, name, e
                 continue
@@ -304,17 +311,26 @@ class WeightSync:
                 out = sharded.local_patches()
                 elements[0] = sharded.total_elements
             else:
-                out, failure = [], None
-                for seq, name, t in self._tensors(named_tensors, elements):
+                out, failure, seen = [], None, {}
+                kept = f"engines and trainer snapshot at v{self.version}"
+                for seq, name, t in self._tensors(named_tensors, elements, seen):
                     if failure is not None:
                         continue
                     try:
                         if isinstance(t, Exception):
                             raise t
+                        if name not in self._catalog:
+                            raise PatchValidationError(name, "is not in the seed this delta builds on (a changed "
+                                                       "model needs a new seed)", kept=kept)
                         if self.store.owns(name, t.numel() * t.element_size()):
                             out.append(Ordered(seq, self.store.prepare(name, t)))
                     except Exception as e:
                         failure = e
+                missing = [n for n in self._catalog if n not in seen]
+                if failure is None and missing:
+                    failure = PatchValidationError(missing[0], f"left out of this delta with {len(missing) - 1} "
+                                                   "other seeded tensor(s): every update must name every seeded "
+                                                   "tensor, or the engines would keep stale values", kept=kept)
                 if sharded is not None:
                     sharded.seeded()  # collective on every rank, even one that failed above
                 if failure is not None:
@@ -359,7 +375,7 @@ class WeightSync:
         elements = [0]
         self._catalog, self._sweep_at = {}, 0  # the names this seed carries
         failure: list[BaseException] = []
-        stream = self._tensors(named_tensors, elements)
+        stream = self._tensors(named_tensors, elements, self._catalog)
         kept = f"engines and trainer snapshot at v{self.version}"
 
         def full_patches() -> Iterator[Patch]:
@@ -391,6 +407,9 @@ class WeightSync:
             t0 = time.perf_counter()
             for _ in stream:
                 pass
+            if not self._catalog and not failure:
+                failure.append(PatchValidationError("<update>", f"a {kind} with no tensors (an empty or exhausted "
+                                                    "stream?)", kept=kept))
             if self.sharded is not None:
                 self.sharded.seeded()  # collective on every rank, even one that failed
             timings["drain_s"] = time.perf_counter() - t0

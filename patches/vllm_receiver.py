@@ -189,6 +189,11 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
             tp_rank = 0
         return getattr(pc, "data_parallel_index", 0) * pc.tensor_parallel_size + tp_rank
 
+    def _whole(self) -> bool:
+        """Does this worker hold every checkpoint tensor whole (no TP or expert sharding)?"""
+        pc = self.parallel_config
+        return pc.tensor_parallel_size == 1 and not getattr(pc, "enable_expert_parallel", False)
+
     def _kept(self) -> str:
         return "engine weights at version " + ("none (needs a seed)" if self.version is None else f"v{self.version}")
 
@@ -242,6 +247,9 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
                 if self.version is None or self.needs_seed:
                     raise NeedsSeed(f"delta v{upd.version} arrived but this engine has no base version",
                                     kept=self._kept())
+                if upd.version != self.version + 1:  # a repeat, a regression, or another trainer's delta
+                    raise DeltaSyncError(f"delta v{upd.version} does not follow this engine's v{self.version}; "
+                                         "it was built on another base and was not staged", kept=self._kept())
                 for p in upd.patches:
                     self._validate(p, seed=False)
         except Exception as e:
@@ -276,19 +284,25 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         if known is not None and known != (p.shape, p.dtype):
             raise PatchValidationError(p.name, f"shape/dtype {p.shape}/{p.dtype} differ from the seeded "
                                        f"{known[0]}/{known[1]}", kept="needs_seed")
-        state.advance(p.name, int(entry["start"]), p.count, p.numel)
-        self.shapes[p.name] = (p.shape, p.dtype)
         if p.name not in self.views and p.name not in self.fallback:
             with self._loader_layout():
-                views, unsupported = probe_views(self.model, [(p.name, p.shape, p.dtype)])
+                views, unsupported = probe_views(self.model, [(p.name, p.shape, p.dtype)], whole=self._whole())
             self.views.update(views)
             self.fallback.update(unsupported)
             for name, why in unsupported.items():
                 log.warning("delta-sync: %s has no loader view (%s); it uses vLLM's loader", name, why)
         view = self.views.get(p.name)
+        params = state.params(self.model)
+        wrong = next((params[seg.param].dtype for seg in view.segments if params[seg.param].dtype != p.dtype),
+                     None) if view is not None else None
+        if wrong is not None:  # copy_ would convert silently, and every later digest would disagree
+            raise PatchValidationError(p.name, f"arrives as {p.dtype} but the engine holds it as {wrong}; "
+                                       f"convert on the trainer (WeightSync(dtype={wrong}))", kept="needs_seed")
+        state.advance(p.name, int(entry["start"]), p.count, p.numel)
+        self.shapes[p.name] = (p.shape, p.dtype)
         with torch.no_grad():
             if view is not None:
-                apply_dense_range(view, state.params(self.model), p.values, int(entry["start"]))
+                apply_dense_range(view, params, p.values, int(entry["start"]))
             else:  # vLLM's loader needs the whole tensor: hold its ranges until the last one
                 parts = state.pending.setdefault(p.name, [])
                 parts.append(p.values.clone())

@@ -35,6 +35,20 @@ def engine(request):
     close_llm(llm)
 
 
+def test_checkpoint_layout_mode_matches_stock_vllm_tokens(engine):
+    """Report (not hide) the difference between checkpoint-layout mode and stock CPU kernels. First
+    in this module: the module's engine (checkpoint layout) still holds the checkpoint."""
+    kind, path, llm = engine
+    ours, stock = greedy(llm, PROMPTS), fresh_engine(path, stock=True)
+    err = max_logprob_error(ours, stock)
+    print(f"{kind}: checkpoint-layout vs stock vLLM max |logprob diff| = {err:.3g}")
+    assert [r["prompt_token_ids"] for r in ours] == [r["prompt_token_ids"] for r in stock]
+    assert all(o["token_ids"][0] == s["token_ids"][0] for o, s in zip(ours, stock))
+    assert err < 0.2  # bf16 summation order only; a wrong layout gives O(1) differences
+    if kind == "dense":  # the same kernels' arithmetic: identical, not merely close
+        assert ours == stock, f"dense: max |logprob diff| {err}"
+
+
 def test_seed_and_deltas_equal_fresh_engine(engine, tmp_path):
     kind, path, llm = engine
     state = load_state(path)
@@ -56,17 +70,6 @@ def test_seed_and_deltas_equal_fresh_engine(engine, tmp_path):
     assert [r["token_ids"] for r in live] == [r["token_ids"] for r in fresh]
     assert live == fresh, f"max logprob error {max_logprob_error(live, fresh)}"
     sync.close()
-
-
-def test_checkpoint_layout_mode_matches_stock_vllm_tokens(engine):
-    """Report (not hide) the difference between checkpoint-layout mode and stock CPU kernels."""
-    kind, path, _ = engine
-    ours, stock = fresh_engine(path), fresh_engine(path, stock=True)
-    err = max_logprob_error(ours, stock)
-    print(f"{kind}: checkpoint-layout vs stock vLLM max |logprob diff| = {err:.3g}")
-    assert [r["prompt_token_ids"] for r in ours] == [r["prompt_token_ids"] for r in stock]
-    assert all(o["token_ids"][0] == s["token_ids"][0] for o, s in zip(ours, stock))
-    assert err < 0.2  # bf16 summation order only; a wrong layout gives O(1) differences
 
 
 def _raw_update(sync: WeightSync, llm, patches, version, corrupt_checksum=False):
@@ -135,6 +138,10 @@ def test_bad_updates_rejected_and_outputs_unchanged(engine):
                     corrupt_checksum=True)
     assert isinstance(e, EngineError) and "ChecksumMismatch" in str(e)
     assert greedy(llm, PROMPTS) == before
+    for v in (sync.version, sync.version - 1, sync.version + 2):  # a repeat, a regression, another base
+        e = _raw_update(sync, llm, [Patch(name, tuple(t.shape), t.dtype, i32([7]), vals(1))], v)
+        assert isinstance(e, EngineError) and "does not follow this engine's" in str(e), (v, e)
+        assert greedy(llm, PROMPTS) == before
     # the trainer side refuses a bad patch before anything is sent: engine and snapshot stay put
     state[name].view(-1)[0] = float("inf")
     with pytest.raises(PatchValidationError, match="non-finite"):
@@ -311,5 +318,21 @@ def test_drift_is_caught_by_the_sweep_named_and_repaired_by_a_seed(engine):
     assert all(r.kind == "delta" and r.checked for r in reports)
     state[other].view(-1)[0] += 1
     assert sync.update(state.items()).kind == "seed"  # the repair
+    sync.verify()
+    sync.close()
+
+
+def test_seed_in_another_dtype_is_refused_with_the_fix(engine):
+    """fp32 values for bf16 parameters: copy_ would convert silently and every later digest would
+    disagree; the engine names the tensor and the fix instead, and a correct seed repairs it."""
+    kind, path, llm = engine
+    state = load_state(path)
+    # as on an engine never seeded (earlier tests here seeded it: it would refuse the shape/dtype change)
+    llm.collective_rpc(lambda w: getattr(w, "worker", w).weight_transfer_engine.shapes.clear())
+    sync = WeightSync([llm])
+    with pytest.raises(EngineError, match="arrives as torch.float32 but the engine holds it as torch.bfloat16"):
+        sync.update([(n, t.float()) for n, t in state.items()])
+    assert sync.needs_seed
+    assert sync.update(state.items()).kind == "seed"
     sync.verify()
     sync.close()

@@ -1,0 +1,90 @@
+"""Bad input at the public API, on one trainer process and the in-memory receiver: each kind is
+refused with a typed error naming what was wrong and what was kept, nothing reaches the receiver,
+and the next good update is exact. (Wire-level kinds: tests/test_patch_diff_digest.py,
+tests/test_auth.py, tests/test_vllm_receiver.py::test_bad_updates_rejected_and_outputs_unchanged;
+the README's table lists them all.)"""
+
+import pytest
+import torch
+
+from delta_sync.errors import DeltaSyncError, PatchValidationError
+from delta_sync.memory_receiver import MemoryReceiver
+from delta_sync.sync import WeightSync
+
+
+def _state():
+    g = torch.Generator().manual_seed(3)
+    return {f"layers.{i}.w": torch.randn(16, 8, generator=g).to(torch.bfloat16) for i in range(4)}
+
+
+def _bad_stream(kind: str, state: dict):
+    items = list(state.items())
+    if kind == "duplicate name":
+        return items + [items[1]]
+    if kind == "left out":
+        return items[:2] + items[3:]
+    if kind == "new name":
+        return items + [("layers.9.w", torch.ones(3, dtype=torch.bfloat16))]
+    if kind == "dtype kind":
+        return [(n, t.float() if i == 2 else t) for i, (n, t) in enumerate(items)]
+    if kind == "shape":
+        return [(n, t.reshape(8, 16) if i == 2 else t) for i, (n, t) in enumerate(items)]
+    if kind == "non-finite":
+        bad = items[2][1].clone()
+        bad.view(-1)[5] = float("nan")
+        return items[:2] + [(items[2][0], bad)] + items[3:]
+    if kind == "too large for int32":  # a view of 2**31 elements: no memory behind it
+        return items + [("huge", torch.zeros(1, dtype=torch.bfloat16).expand(1 << 31))]
+    if kind == "unsupported dtype":
+        return items + [("ints", torch.ones(4, dtype=torch.int8))]
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind,match", [
+    ("duplicate name", "given twice"), ("left out", "left out of this delta"),
+    ("new name", "not in the seed"), ("dtype kind", "shape/dtype changed"), ("shape", "shape/dtype changed"),
+    ("non-finite", "non-finite")])
+def test_bad_delta_is_refused_before_anything_is_sent(kind, match):
+    state = _state()
+    receiver = MemoryReceiver()
+    sync = WeightSync([receiver], timeout_s=60)
+    try:
+        sync.update(state.items())
+        for t in state.values():
+            t.view(-1)[::5] += 1
+        with pytest.raises(DeltaSyncError, match=match) as e:
+            sync.update(_bad_stream(kind, state))
+        assert "kept" in str(e.value)
+        assert receiver.version == 0 and sync.version == 0  # nothing reached the receiver
+        rep = sync.update(state.items())
+        assert rep.kind == "delta" and receiver.mismatched(state.items()) == []
+    finally:
+        sync.close()
+
+
+@pytest.mark.parametrize("kind,match", [("empty", "no tensors"), ("duplicate name", "given twice"),
+                                        ("too large for int32", "int32"), ("unsupported dtype", "not supported"),
+                                        ("non-finite", "non-finite")])
+def test_bad_seed_is_refused_and_the_next_update_seeds(kind, match):
+    """A seed streams: what came before the bad tensor may already be applied, so the receiver is
+    left without a version (needs_seed, DESIGN's row for a failed seed) and the next update seeds."""
+    state = _state()
+    receiver = MemoryReceiver()
+    sync = WeightSync([receiver], timeout_s=60)
+    try:
+        with pytest.raises(PatchValidationError, match=match) as e:
+            sync.update([] if kind == "empty" else _bad_stream(kind, state))
+        assert "kept" in str(e.value)
+        assert receiver.version is None and sync.needs_seed
+        if kind == "empty":
+            assert receiver.tensors == {}  # found before the first bucket: nothing was sent
+        assert sync.update(state.items()).kind == "seed" and receiver.mismatched(state.items()) == []
+    finally:
+        sync.close()
+
+
+@pytest.mark.parametrize("kwargs,match", [({"mode": "sparse"}, "mode must be"), ({"pause_mode": "later"}, "pause_mode"),
+                                          ({"drift_sweep": -1}, "drift_sweep"), ({"verify_every": -2}, "verify_every")])
+def test_bad_options_fail_at_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        WeightSync([MemoryReceiver()], **kwargs)
