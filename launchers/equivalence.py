@@ -135,17 +135,13 @@ def kill_engine(proc: subprocess.Popen) -> None:
 
 def run_check(synced_base: str, checkpoint: Path, out: Path, prompts: list[str] | None = None,
               updates: list[dict] | None = None, stop_synced=None) -> dict:
-    """Steps (2)-(5): greedy on the synced engine, repeat, (stop it), fresh engine, compare, write artifacts."""
-    out.mkdir(parents=True, exist_ok=True)
-    prompts = prompts or DEFAULT_PROMPTS
-    prompt_ids = tokenize(synced_base, prompts)
-    (out / "baseline.json").write_text(json.dumps({"prompts": prompts, "prompt_token_ids": prompt_ids,
-                                                   "sampling": SAMPLING}, indent=1))
-    synced = greedy(synced_base, prompt_ids)
-    repeat = greedy(synced_base, prompt_ids)
-    repeatable = synced == repeat
-    (out / "sparse-inference.json").write_text(json.dumps({"outputs": synced, "repeat_identical": repeatable},
-                                                          indent=1))
+    """Steps (2)-(5): greedy on the synced engine, repeat, (stop it), fresh engine, compare, write artifacts.
+
+    The fresh engine is started here on ``checkpoint`` (this host, CPU options). Where the fresh
+    engine must run on the synced engine's own cards with its options (NPUs), run the two halves
+    apart: :func:`record_synced`, then stop the synced engine, start the fresh one the same way,
+    and :func:`compare_fresh` (``python -m launchers.equivalence --phase synced|fresh``)."""
+    record_synced(synced_base, out, prompts, updates)
     if stop_synced is not None:
         stop_synced()
     port = free_port()
@@ -153,14 +149,35 @@ def run_check(synced_base: str, checkpoint: Path, out: Path, prompts: list[str] 
     proc = start_engine(checkpoint, port, out / "fresh-engine.log")
     try:
         wait_ready(proc, base, out / "fresh-engine.log")
-        fresh = greedy(base, prompt_ids)
+        return compare_fresh(base, out)
     finally:
         stop_engine(proc)
+
+
+def record_synced(synced_base: str, out: Path, prompts: list[str] | None = None,
+                  updates: list[dict] | None = None) -> None:
+    """Greedy outputs of the synced engine (twice: they must repeat) and the prompts, into ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    prompts = prompts or DEFAULT_PROMPTS
+    prompt_ids = tokenize(synced_base, prompts)
+    (out / "baseline.json").write_text(json.dumps({"prompts": prompts, "prompt_token_ids": prompt_ids,
+                                                   "sampling": SAMPLING, "updates": updates or []}, indent=1))
+    synced = greedy(synced_base, prompt_ids)
+    repeat = greedy(synced_base, prompt_ids)
+    (out / "sparse-inference.json").write_text(json.dumps({"outputs": synced, "repeat_identical": synced == repeat},
+                                                          indent=1))
+
+
+def compare_fresh(fresh_base: str, out: Path) -> dict:
+    """Greedy outputs of a fresh engine on the same prompts, compared with the recorded synced ones."""
+    baseline = json.loads((out / "baseline.json").read_text())
+    recorded = json.loads((out / "sparse-inference.json").read_text())
+    fresh = greedy(fresh_base, baseline["prompt_token_ids"])
     (out / "checkpoint-inference.json").write_text(json.dumps({"outputs": fresh}, indent=1))
-    result = compare(synced, fresh)
-    result["fields"]["synced_engine_repeatable"] = repeatable
-    result["equal"] = result["equal"] and repeatable
-    result["updates"] = updates or []
+    result = compare(recorded["outputs"], fresh)
+    result["fields"]["synced_engine_repeatable"] = recorded["repeat_identical"]
+    result["equal"] = result["equal"] and recorded["repeat_identical"]
+    result["updates"] = baseline.get("updates", [])
     (out / "comparison.json").write_text(json.dumps(result, indent=1))
     return result
 
@@ -175,12 +192,27 @@ def verdict(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--synced", required=True, help="URL of the live-synced engine")
-    ap.add_argument("--checkpoint", required=True, help="independently exported checkpoint directory")
+    ap.add_argument("--phase", choices=("all", "synced", "fresh"), default="all",
+                    help="all: record the synced engine, start a fresh one here on --checkpoint, compare; "
+                         "synced / fresh: the two halves, for a fresh engine started by the caller on the "
+                         "synced engine's cards (after stopping it) with the same options")
+    ap.add_argument("--synced", help="URL of the live-synced engine (phases all, synced)")
+    ap.add_argument("--checkpoint", help="independently exported checkpoint directory (phase all)")
+    ap.add_argument("--fresh", help="URL of the fresh engine on the exported checkpoint (phase fresh)")
     ap.add_argument("--out", default="runs/equivalence")
     ap.add_argument("--prompt", action="append", help="repeatable; default: a built-in set")
     args = ap.parse_args(argv)
-    result = run_check(args.synced, Path(args.checkpoint), Path(args.out), args.prompt)
+    need = {"all": ("synced", "checkpoint"), "synced": ("synced",), "fresh": ("fresh",)}[args.phase]
+    missing = [f"--{k}" for k in need if not getattr(args, k)]
+    if missing:
+        ap.error(f"--phase {args.phase} needs {' and '.join(missing)}")
+    out = Path(args.out)
+    if args.phase == "synced":
+        record_synced(args.synced, out, args.prompt)
+        print(f"recorded the synced engine's outputs in {out}; stop it, start the fresh engine, run --phase fresh")
+        return 0
+    result = (compare_fresh(args.fresh, out) if args.phase == "fresh"
+              else run_check(args.synced, Path(args.checkpoint), out, args.prompt))
     print(json.dumps(result, indent=1))
     print(verdict(result))
     return 0 if result["equal"] else 1

@@ -34,12 +34,15 @@ class MegatronTrainer:
 
     @classmethod
     def from_hf(cls, path, tp: int = 1, lr: float = 1e-6, pp: int = 1, ep: int = 1,
-                sequence_parallel: bool | None = None, device: str | torch.device = "cpu") -> "MegatronTrainer":
+                sequence_parallel: bool | None = None, device: str | torch.device = "cpu",
+                master_device: str = "device") -> "MegatronTrainer":
         """Every rank of the default process group calls this (model parallel state is initialised here).
         ``sequence_parallel`` defaults to on for MoE at TP>1 (mcore refuses to train it without).
         ``device``: where the model lives, the device this rank was bound to (see
         ``delta_sync.accelerator.bind``); tested on CPU only. On Ascend, Megatron runs through
-        MindSpeed's adaptor, imported here before any Megatron module."""
+        MindSpeed's adaptor, imported here before any Megatron module. ``master_device="cpu"`` keeps
+        the fp32 master weights and Adam's state in host memory (12 B per parameter off the device;
+        gradients travel to the host and bf16 weights back once per step)."""
         device = torch.device(device)
         if device.type == "npu":
             try:
@@ -82,7 +85,8 @@ class MegatronTrainer:
                                                    use_cpu_initialization=device.type == "cpu")
         install_cpu()  # modules imported while building the model (a no-op where CUDA answers)
         params = [p for chunk in model for p in chunk.parameters()]
-        master = [p.detach().float().clone().requires_grad_(True) for p in params]
+        home = device if master_device == "device" else torch.device(master_device)
+        master = [p.detach().to(home, torch.float32, copy=True).requires_grad_(True) for p in params]
         opt = torch.optim.Adam(master, lr=lr)
         return cls(bridge, model, master, opt, device)
 
@@ -125,7 +129,7 @@ class MegatronTrainer:
             if dist.get_world_size(group) > 1:
                 dist.all_reduce(g, group=group)
                 g /= dist.get_world_size(group)
-            mp.grad = g
+            mp.grad = g.to(mp.device)
             p.grad = None
         self.opt.step()
         self.opt.zero_grad()

@@ -9,6 +9,17 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 MODEL=${MODEL:?path to the Qwen3-30B-A3B Hugging Face checkpoint}
+OUT=${OUT:-$root/runs/qwen3-30b-a3b}
+# CANN (toolkit: HCCL, runtime) and ATB (the fused kernels vLLM-Ascend calls) set their library paths
+# in set_env.sh scripts; without them torch_npu fails to load or falls back. Default install places,
+# override with ASCEND_TOOLKIT_ENV / ATB_ENV.
+ASCEND_TOOLKIT_ENV=${ASCEND_TOOLKIT_ENV:-/usr/local/Ascend/ascend-toolkit/set_env.sh}
+ATB_ENV=${ATB_ENV:-/usr/local/Ascend/nnal/atb/set_env.sh}
+for env_script in "$ASCEND_TOOLKIT_ENV" "$ATB_ENV"; do
+  [[ -f "$env_script" ]] || { echo "missing $env_script (CANN / ATB not installed here?)" >&2; exit 1; }
+  # shellcheck disable=SC1090
+  source "$env_script"
+done
 # Address of trainer rank 0 (the sender) as the engine hosts see it: engine workers dial it to join
 # the weight-sync channel. 127.0.0.1 only works while the engine runs on this host.
 RENDEZVOUS_HOST=${RENDEZVOUS_HOST:-127.0.0.1}
@@ -23,9 +34,12 @@ export DELTA_SYNC_SECRET=${DELTA_SYNC_SECRET:-$(python -c 'import secrets; print
 # Set ENGINE_URL to reach an engine on another host (and start it there with the settings below).
 ENGINE_URL=${ENGINE_URL:-}
 
-if [[ -z "$ENGINE_URL" ]]; then
-  ENGINE_URL=http://${ENGINE_HOST}:${ENGINE_PORT}
-  # Rollout engine on cards 4-5. ASCEND_RT_VISIBLE_DEVICES restricts this process's cards
+# HCCL opens one listening port per card from HCCL_IF_BASE_PORT up (16 per process group set); two
+# jobs on one host with the same base collide. Trainer and engine get disjoint ranges.
+TRAINER_HCCL_BASE_PORT=${TRAINER_HCCL_BASE_PORT:-61000}
+ENGINE_HCCL_BASE_PORT=${ENGINE_HCCL_BASE_PORT:-62000}
+
+start_engine() {  # $1: checkpoint directory. The synced engine, and later the fresh one, exactly alike. ASCEND_RT_VISIBLE_DEVICES restricts this process's cards
   # (ASCEND_VISIBLE_DEVICES is the container runtime's knob, not this one).
   # VLLM_SERVER_DEV_MODE=1: exposes /pause, /start_weight_update, /update_weights,
   #   /finish_weight_update, /resume, which the trainer drives.
@@ -35,16 +49,26 @@ if [[ -z "$ENGINE_URL" ]]; then
   # weight_nz_mode 0 / rl_config: ND weights (FRACTAL_NZ tiles have no affine loader view; the receiver
   #   refuses NZ by name); no fp32 shadow copies or fused MC2 expert lists, which a patch would not update.
   # --weight-transfer-config backend delta_sync: the receiver registered by this package's vLLM plugin.
-  ASCEND_RT_VISIBLE_DEVICES=4,5 \
+  ASCEND_RT_VISIBLE_DEVICES=4,5 HCCL_IF_BASE_PORT=$ENGINE_HCCL_BASE_PORT \
   VLLM_SERVER_DEV_MODE=1 \
-    python -m vllm.entrypoints.openai.api_server --model "$MODEL" --served-model-name m --host "$ENGINE_HOST" --port "$ENGINE_PORT" \
+    python -m vllm.entrypoints.openai.api_server --model "$1" --served-model-name m --host "$ENGINE_HOST" --port "$ENGINE_PORT" \
       --tensor-parallel-size 2 --enable-expert-parallel \
       --enforce-eager \
       --additional-config '{"weight_nz_mode": 0, "rl_config": {"enabled": true}}' \
       --weight-transfer-config '{"backend": "delta_sync"}' &
   engine_pid=$!
   trap 'kill $engine_pid 2>/dev/null || true' EXIT
-  until curl -sf "$ENGINE_URL/health" >/dev/null; do sleep 5; done
+  until curl -sf "$ENGINE_URL/health" >/dev/null; do
+    kill -0 "$engine_pid" 2>/dev/null || { echo "the engine exited; see its output above" >&2; exit 1; }
+    sleep 5
+  done
+}
+
+local_engine=0
+if [[ -z "$ENGINE_URL" ]]; then
+  ENGINE_URL=http://${ENGINE_HOST}:${ENGINE_PORT}
+  local_engine=1
+  start_engine "$MODEL"
 fi
 
 # Trainer on cards 0-3: 4 ranks = TP2 x PP2 (DP1), experts EP2 inside TP x DP at ETP1; rank r binds
@@ -53,10 +77,28 @@ fi
 # --update-weight-buffer-size 512MiB: bucket bound (HBM scratch on the sender and each engine worker).
 # --update-weight-verify-every 10: digest comparison every 10th version (and every seed).
 # --lr 1e-6: RL post-training scale; with fp32 master weights this changes ~0.1-3% of bf16 elements.
-ASCEND_RT_VISIBLE_DEVICES=0,1,2,3 \
+# --master-device cpu: per rank, TP2 x PP2 x EP2 (ETP1) holds ~7.6B of the 30.5B parameters (experts
+#   29B / (EP2 x PP2) + the rest 1.5B / (TP2 x PP2)). On the card: bf16 weights 15 GB + bf16 grads 15 GB
+#   + activations; fp32 masters (30 GB) and Adam m, v (61 GB) would add 91 GB to a 64 GB card (DP=1:
+#   a distributed optimizer has nothing to shard over), so they live in host memory: 91 GB per rank,
+#   ~365 GB for the four ranks of this host. Estimate, not measured.
+# --equivalence record: after training, only the synced engine's outputs are recorded; the fresh
+#   engine then starts on the same cards (4-5) with the same options, once the synced one is stopped.
+ASCEND_RT_VISIBLE_DEVICES=0,1,2,3 HCCL_IF_BASE_PORT=$TRAINER_HCCL_BASE_PORT \
   python -m launchers.train_rl --model "$MODEL" --engine-url "$ENGINE_URL" \
-    --trainer-ranks 4 --tp 2 --pp 2 --ep 2 --trainer-device npu --lr 1e-6 \
+    --trainer-ranks 4 --tp 2 --pp 2 --ep 2 --trainer-device npu --master-device cpu --lr 1e-6 \
     --update-weight-mode delta --update-weight-transport sparse_hccl \
     --update-weight-buffer-size 512MiB --update-weight-verify-every 10 \
     --update-weight-master-addr "$RENDEZVOUS_HOST" --update-weight-master-port "$RENDEZVOUS_PORT" \
-    --out "$root/runs/qwen3-30b-a3b" "$@"
+    --equivalence record --out "$OUT" "$@"
+
+# The fresh-checkpoint check on the engine's own cards, with its own options.
+if [[ $local_engine == 1 ]]; then
+  kill "$engine_pid"
+  wait "$engine_pid" || true
+  start_engine "$OUT/export"
+  python -m launchers.equivalence --phase fresh --fresh "$ENGINE_URL" --out "$OUT"
+else
+  echo "engine at $ENGINE_URL: stop it, start it on $OUT/export with the same options, then run" \
+       "python -m launchers.equivalence --phase fresh --fresh $ENGINE_URL --out $OUT"
+fi

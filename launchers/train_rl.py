@@ -94,6 +94,7 @@ def _trainer(rank: int, world: int, master_port: int | None, opts: dict, local_r
 
     import torch.distributed as dist
 
+    _quiet_upstream(rank)
     placement = accelerator.bind(opts["device"], local_rank=rank if local_rank is None else local_rank)
     opts = dict(opts, device=str(placement.device))
     init = "env://" if master_port is None else f"tcp://127.0.0.1:{master_port}"
@@ -105,6 +106,15 @@ def _trainer(rank: int, world: int, master_port: int | None, opts: dict, local_r
         return _train(rank, world, opts)
     finally:
         dist.destroy_process_group()
+
+
+def _quiet_upstream(rank: int) -> None:
+    """Upstream fallback and deprecation warnings (Transformer Engine / Apex missing, torch and
+    transformers deprecations) once per job, from rank 0, instead of once per rank and module."""
+    import warnings
+
+    for category in (UserWarning, DeprecationWarning, FutureWarning):
+        warnings.filterwarnings("once" if rank == 0 else "ignore", category=category)
 
 
 def torchrun_env() -> tuple[int, int, int] | None:
@@ -130,7 +140,7 @@ def _train(rank: int, world: int, opts: dict) -> list[dict]:
     from .megatron_trainer import MegatronTrainer
 
     trainer = MegatronTrainer.from_hf(opts["model"], tp=opts["tp"], pp=opts["pp"], ep=opts["ep"], lr=opts["lr"],
-                                      device=opts["device"])
+                                      device=opts["device"], master_device=opts["master_device"])
     # deltas from local shard diffs mapped with Bridge's conversions (checked against the full
     # export at every seed; it falls back to the export by itself), or always through the export
     fast = opts["sync"]["mode"] == "delta" and not opts["reference_export"]
@@ -192,6 +202,14 @@ def check_layout(ranks: int, tp: int, pp: int, ep: int) -> str | None:
     return None
 
 
+def _opts(args, model, device: str, engine: str, out: Path, cfg) -> dict:
+    """What every trainer rank needs, as one picklable dict (spawned ranks and torchrun alike)."""
+    return {"model": str(model), "tp": args.tp, "pp": args.pp, "ep": args.ep, "device": device, "lr": args.lr,
+            "master_device": args.master_device, "steps": args.steps, "group": args.group_size,
+            "max_tokens": args.max_tokens, "engine": engine, "export": str(out / "export"),
+            "sync": dataclasses.asdict(cfg), "reference_export": args.reference_export}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m launchers.train_rl", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="HF checkpoint dir (default: the tiny MoE built locally)")
@@ -203,6 +221,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--trainer-device", choices=("auto", "cpu", "cuda", "npu"), default="cpu",
                     help="device family of the trainer ranks (rank r binds local device r); auto: npu, "
                          "then cuda, then cpu")
+    ap.add_argument("--equivalence", choices=("local", "record"), default="local",
+                    help="local: after training, compare the synced engine with a fresh one started here on "
+                         "the export; record: only record the synced engine's outputs (the caller compares on "
+                         "the engine's own cards: launchers.equivalence --phase fresh)")
+    ap.add_argument("--master-device", choices=("device", "cpu"), default="device",
+                    help="where fp32 master weights and Adam state live: with the model, or in host memory "
+                         "(the 30B-A3B NPU layout needs cpu: see launchers/run-qwen3-30B-A3B-npu.sh)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--group-size", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=8)
@@ -246,23 +271,31 @@ def main(argv=None) -> int:
     try:
         if proc is not None:
             equivalence.wait_ready(proc, engine, out / "engine.log")
-        opts = {"model": str(model), "tp": args.tp, "pp": args.pp, "ep": args.ep, "device": device, "lr": args.lr,
-                "steps": args.steps, "group": args.group_size, "max_tokens": args.max_tokens, "engine": engine,
-                "export": str(out / "export"), "sync": dataclasses.asdict(cfg),
-                "reference_export": args.reference_export}
+        opts = _opts(args, model, device, engine, out, cfg)
         t0 = time.perf_counter()
         rows = _run_trainers(args.trainer_ranks, opts, args.timeout)
         (out / "updates.json").write_text(json.dumps(rows, indent=1))
         print(f"training + sync: {time.perf_counter() - t0:.1f} s", flush=True)
-        if args.no_check:
-            return 0
-        updates = [{"version": r["version"], "kind": r["kind"], "changed_elements": r["changed_elements"],
-                    "changed_fraction": r["changed_fraction"], "payload_bytes": r["payload_bytes"]} for r in rows]
         stop = (lambda: equivalence.stop_engine(proc)) if proc is not None else None
-        result = equivalence.run_check(engine, out / "export", out, updates=updates, stop_synced=stop)
+        return _check(args, engine, out, rows, stop)
     finally:
         if proc is not None and proc.poll() is None:
             equivalence.stop_engine(proc)
+
+
+def _check(args, engine: str, out: Path, rows: list[dict], stop_synced=None) -> int:
+    """The fresh-checkpoint check after training (rank 0), or only its first half (``--equivalence
+    record``: the caller stops this engine and runs ``launchers.equivalence --phase fresh`` against a
+    fresh engine started on the same cards with the same options)."""
+    if args.no_check:
+        return 0
+    updates = [{k: r[k] for k in ("version", "kind", "changed_elements", "changed_fraction", "payload_bytes")}
+               for r in rows]
+    if args.equivalence == "record":
+        equivalence.record_synced(engine, out, updates=updates)
+        print(f"synced engine's outputs recorded in {out}; export in {out / 'export'}", flush=True)
+        return 0
+    result = equivalence.run_check(engine, out / "export", out, updates=updates, stop_synced=stop_synced)
     print(json.dumps(result, indent=1))
     print(equivalence.verdict(result), flush=True)
     return 0 if result["equal"] else 1
@@ -279,21 +312,12 @@ def _main_torchrun(args, cfg, rank: int, world: int, local_rank: int) -> int:
     model = Path(args.model) if args.model else build(args.tiny)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    opts = {"model": str(model), "tp": args.tp, "pp": args.pp, "ep": args.ep, "device": device, "lr": args.lr,
-            "steps": args.steps, "group": args.group_size, "max_tokens": args.max_tokens, "engine": args.engine_url,
-            "export": str(out / "export"), "sync": dataclasses.asdict(cfg), "reference_export": args.reference_export}
+    opts = _opts(args, model, device, args.engine_url, out, cfg)
     rows = _trainer(rank, world, None, opts, local_rank=local_rank)
     if rank != 0:
         return 0
     (out / "updates.json").write_text(json.dumps(rows, indent=1))
-    if args.no_check:
-        return 0
-    updates = [{k: r[k] for k in ("version", "kind", "changed_elements", "changed_fraction", "payload_bytes")}
-               for r in rows]
-    result = equivalence.run_check(args.engine_url, out / "export", out, updates=updates)
-    print(json.dumps(result, indent=1))
-    print(equivalence.verdict(result), flush=True)
-    return 0 if result["equal"] else 1
+    return _check(args, args.engine_url, out, rows)
 
 
 if __name__ == "__main__":

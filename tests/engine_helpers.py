@@ -95,3 +95,62 @@ def start_server(path, log_name: str, tp: int = 2):
 
 def prompt_ids(base: str) -> list[list[int]]:
     return tokenize(base, PROMPTS)
+
+
+def engine_differs_from(base: str, state: dict[str, torch.Tensor]) -> list[str]:
+    """Names the engine at ``base`` holds with other bits than ``state`` (its digests, read back from
+    the parameters through the loader views), plus names it does not report at all."""
+    from delta_sync.digest import digest_tensor
+    from delta_sync.engines import HttpEngine
+    from delta_sync.sync import combine_reports
+
+    got = combine_reports(HttpEngine(base).report(digests=True))
+    missing = [n for n in got if n not in state and n != "lm_head.weight"]  # tied: saved once
+    return missing + [n for n, t in state.items() if n in got and got[n] != digest_tensor(t).hex()] + (
+        [] if got else ["<no digests reported>"])
+
+
+class Server:
+    """A vLLM HTTP engine on this host for tests (``start_engine``'s options), restartable on the
+    same port: ``start(model)`` after a kill is the same engine address with fresh weights."""
+
+    def __init__(self, kind: str, log: str, lease_s: float | None = None):
+        from launchers.checkpoints import build
+
+        (ROOT / ".cache").mkdir(exist_ok=True)
+        self.path, self.log, self.port, self.lease_s = build(kind), ROOT / ".cache" / log, free_port(), lease_s
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.proc = None
+
+    def start(self, model=None, tp: int | None = None) -> "Server":
+        env_key = "DELTA_SYNC_PAUSE_LEASE_S"
+        old = os.environ.get(env_key)
+        if self.lease_s is not None:
+            os.environ[env_key] = str(self.lease_s)
+        self.tp = tp or getattr(self, "tp", 1)
+        try:
+            self.proc = start_engine(model or self.path, self.port, self.log, tp=self.tp)
+        finally:
+            if old is None:
+                os.environ.pop(env_key, None)
+            else:
+                os.environ[env_key] = old
+        wait_ready(self.proc, self.base, self.log)
+        return self
+
+    def ensure(self) -> "Server":
+        """Running and healthy, restarted on the original checkpoint if not."""
+        import urllib.request
+
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                urllib.request.urlopen(self.base + "/health", timeout=5)
+                return self
+            except Exception:
+                self.stop()
+        return self.start()
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_server(self.proc)
+            self.proc = None

@@ -18,45 +18,23 @@ import torch
 
 from delta_sync.auth import Signer
 from delta_sync.channel import Channel, free_port
-from delta_sync.digest import digest_tensor
 from delta_sync.engines import HttpEngine
 from delta_sync.errors import EngineError
-from delta_sync.sync import WeightSync, combine_reports
+from delta_sync.sync import WeightSync
 from launchers.bench_e2e import tree_rss
-from launchers.checkpoints import build
-from launchers.equivalence import kill_engine, start_engine, wait_ready
+from launchers import equivalence
+from launchers.equivalence import kill_engine
 
-from .engine_helpers import ROOT, complete, evolve, export, load_state, prompt_ids
+from .engine_helpers import ROOT, complete, engine_differs_from, evolve, export, load_state, prompt_ids
 
 pytestmark = pytest.mark.slow
 
-LEASE_S = 4.0
+LEASE_S = 4.0  # the shared engine's pause lease (tests/conftest.py)
 
 
-class Server:
-    def __init__(self, path, log: str):
-        self.path, self.log, self.port = path, ROOT / ".cache" / log, free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.proc = None
-
-    def start(self, model=None) -> None:
-        old = os.environ.get("DELTA_SYNC_PAUSE_LEASE_S")
-        os.environ["DELTA_SYNC_PAUSE_LEASE_S"] = str(LEASE_S)
-        try:
-            self.proc = start_engine(model or self.path, self.port, self.log)
-        finally:
-            os.environ.pop("DELTA_SYNC_PAUSE_LEASE_S") if old is None else os.environ.update(
-                DELTA_SYNC_PAUSE_LEASE_S=old)
-        wait_ready(self.proc, self.base, self.log)
-
-
-@pytest.fixture(scope="module")
-def server():
-    (ROOT / ".cache").mkdir(exist_ok=True)
-    srv = Server(build("dense"), "trust-faults.log")
-    srv.start()
-    yield srv
-    kill_engine(srv.proc)
+@pytest.fixture
+def server(dense_server):
+    return dense_server
 
 
 def _post(url: str, body: dict) -> tuple[int, str]:
@@ -67,12 +45,6 @@ def _post(url: str, body: dict) -> tuple[int, str]:
             return r.status, r.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode()
-
-
-def engine_holds(base: str, state: dict[str, torch.Tensor]) -> list[str]:
-    """Names whose engine digest differs from ``state``'s (every tensor has a loader view here)."""
-    got = combine_reports(HttpEngine(base).report(digests=True))
-    return [n for n, t in state.items() if got.get(n) != digest_tensor(t).hex()]
 
 
 def test_strangers_are_refused_and_the_trainer_keeps_its_channel(server):
@@ -116,7 +88,7 @@ def test_strangers_are_refused_and_the_trainer_keeps_its_channel(server):
     forged = Signer(b"x" * 32).sign("discard")
     assert _post(base + "/collective_rpc", {"method": "delta_sync_call", "args": [json.dumps(forged)]})[0] >= 400
 
-    assert complete(base, ids) == before and engine_holds(base, state) == []
+    assert complete(base, ids) == before and engine_differs_from(base, state) == []
     evolve(state, 2)
     rep = sync.update(state.items())  # same channel, same session: nothing a stranger did stuck
     assert rep.kind == "delta" and sync.channel is channel
@@ -147,7 +119,7 @@ def test_trainer_sigkilled_mid_update_engine_serves_previous_version(server, whe
     assert all(r["version"] == 1 and not r["partial"] for r in reports), reports
     if where == "send":
         assert reports[0]["last_error"], "the worker did not notice the dead sender"
-    assert engine_holds(base, state) == []  # v1, bit for bit
+    assert engine_differs_from(base, state) == []  # v1, bit for bit
     sync = WeightSync([base])  # the next trainer
     evolve(state, 3)
     assert sync.update(state.items()).kind == "seed"
@@ -156,6 +128,10 @@ def test_trainer_sigkilled_mid_update_engine_serves_previous_version(server, whe
 
 
 def test_soak_200_deltas_under_live_requests_then_engine_killed_and_restarted(server, tmp_path):
+    """200 deltas while a client streams requests; then one element is corrupted on the engine
+    only, the engine is SIGKILLed mid-update and restarted on an independent export of the soaked
+    weights: the trainer keeps its snapshot, the fresh engine equals the soaked one and differs
+    from the corrupted one (the fresh-checkpoint check's both verdicts), the next update seeds."""
     base = server.base
     state = load_state(server.path)
     sync = WeightSync([base])
@@ -198,6 +174,12 @@ def test_soak_200_deltas_under_live_requests_then_engine_killed_and_restarted(se
     assert engine_growth <= 0.05 and trainer_growth <= 0.05
     sync.verify()
     live = complete(base, ids)
+    synced = {k: v.clone() for k, v in state.items()}
+    # one element flipped on the engine only (the export below stays true): the fresh-checkpoint
+    # comparison must say DIFFERENT, and where
+    state["model.norm.weight"].view(-1)[0] = -state["model.norm.weight"].view(-1)[0]
+    sync.update(state.items())
+    corrupted_live = complete(base, ids)
 
     # the engine dies mid-update (SIGKILL of its whole process tree after the first bucket left)
     original = Channel.send_bucket
@@ -207,7 +189,6 @@ def test_soak_200_deltas_under_live_requests_then_engine_killed_and_restarted(se
         kill_engine(server.proc)
     Channel.send_bucket = send_then_kill
     snapshot_version = sync.version
-    synced = {k: v.clone() for k, v in state.items()}
     try:
         for t in state.values():
             t.view(-1)[:1000] += 1
@@ -220,11 +201,17 @@ def test_soak_200_deltas_under_live_requests_then_engine_killed_and_restarted(se
     assert sync.needs_seed
     state = synced
 
-    # restarted on an independent export of the trainer's weights: equal to the soaked engine
+    # restarted on an independent export of the soaked weights: equal to the soaked engine, and
+    # different from the corrupted one, first at the first generated token that differs
     server.start(export(state, server.path, tmp_path / "export"))
-    assert complete(base, ids) == live
+    fresh = complete(base, ids)
+    assert fresh == live
+    bad = equivalence.compare(corrupted_live, fresh)
+    assert not bad["equal"] and not bad["fields"]["logprobs"] and bad["first_difference"] is not None
+    assert "first difference" in equivalence.verdict(bad)
     evolve(state, 5)
     rep = sync.update(state.items())
     assert rep.kind == "seed"  # the restarted engine has no version: only a seed repairs it
     sync.verify()
     sync.close()
+

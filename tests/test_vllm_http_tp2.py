@@ -1,4 +1,6 @@
-"""The receiver behind vLLM's HTTP server with engine TP=2 (gloo), driven over HTTP only."""
+"""The receiver behind vLLM's HTTP server with engine TP=2 (gloo), driven over HTTP only. One live
+TP=2 server (the tiny MoE: its attention has the dense model's fused, TP-sliced q/k/v and o, plus
+gate/up-fused experts) serves both tests; the dense model at TP=2 ran here too and was cut for time."""
 
 from __future__ import annotations
 
@@ -9,55 +11,54 @@ import pytest
 from delta_sync.engines import HttpEngine
 from delta_sync.sync import WeightSync
 
-from launchers.checkpoints import build
-
-from .engine_helpers import (PROMPTS, close_llm, complete, evolve, export, load_state, max_logprob_error,
+from .engine_helpers import (PROMPTS, Server, close_llm, complete, evolve, export, load_state, max_logprob_error,
                              prompt_ids, start_server, stop_server)
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("kind", ["dense", "moe"])
-def test_http_tp2_seed_and_deltas_equal_fresh_engine(kind, tmp_path):
+@pytest.fixture(scope="module")
+def tp2_server():
+    srv = Server("moe", "http-live.log")
+    yield srv.start(tp=2)
+    srv.stop()
+
+
+def test_http_tp2_seed_and_deltas_equal_fresh_engine(tp2_server, tmp_path):
     """Live server (TP=2) after seed + 5 deltas == a fresh server (TP=2) on an independent export."""
-    path = build(kind)
-    proc, base = start_server(path, "http-live.log")
+    path, base = tp2_server.path, tp2_server.base
+    engine = HttpEngine(base)
+    assert len(engine.report()) == 2  # two TP workers answer collective_rpc
+    tok_ids = prompt_ids(base)
+    complete(base, tok_ids)  # prompts in the prefix cache before any update
+    state = load_state(path)
+    sync = WeightSync([engine], mode="delta", pause_mode="wait", verify_every=1)
+    sync.update(state.items())
+    for v in range(1, 6):
+        evolve(state, v)
+        rep = sync.update(state.items())
+        assert rep.kind == "delta" and rep.verified and rep.changed_elements > 0
+    reports = engine.report()
+    assert [r["version"] for r in reports] == [5, 5] and {r["rank"] for r in reports} == {1, 2}
+    live = complete(base, tok_ids)
+    sync.close()
+    proc, fresh_base = start_server(export(state, path, tmp_path / "patched"), "http-fresh.log")
     try:
-        engine = HttpEngine(base)
-        assert len(engine.report()) == 2  # two TP workers answer collective_rpc
-        tok_ids = prompt_ids(base)
-        complete(base, tok_ids)  # prompts in the prefix cache before any update
-        state = load_state(path)
-        sync = WeightSync([engine], mode="delta", pause_mode="wait", verify_every=1)
-        sync.update(state.items())
-        for v in range(1, 6):
-            evolve(state, v)
-            rep = sync.update(state.items())
-            assert rep.kind == "delta" and rep.verified and rep.changed_elements > 0
-        reports = engine.report()
-        assert [r["version"] for r in reports] == [5, 5] and {r["rank"] for r in reports} == {1, 2}
-        live = complete(base, tok_ids)
-        sync.close()
-    finally:
-        stop_server(proc)
-    proc, base = start_server(export(state, path, tmp_path / "patched"), "http-fresh.log")
-    try:
-        fresh = complete(base, tok_ids)
+        fresh = complete(fresh_base, tok_ids)
     finally:
         stop_server(proc)
     assert [r["token_ids"] for r in live] == [r["token_ids"] for r in fresh]
     assert max_logprob_error(live, fresh) == 0.0
 
 
-def test_two_engines_share_one_channel():
+def test_two_engines_share_one_channel(tp2_server):
     """Data parallel: an HTTP server (TP=2, workers at channel ranks 1-2) and an in-process engine
     (rank 3) receive every bucket of the same broadcast; both match the trainer's digests."""
     from vllm import LLM
 
     from .engine_runner import engine_kwargs, greedy
 
-    path = build("dense")
-    proc, base = start_server(path, "http-dp.log")
+    path, base = tp2_server.path, tp2_server.base
     llm = None
     try:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -76,6 +77,5 @@ def test_two_engines_share_one_channel():
         assert greedy(llm, PROMPTS)  # still serving
         sync.close()
     finally:
-        stop_server(proc)
         if llm is not None:
             close_llm(llm)
