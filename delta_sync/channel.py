@@ -3,10 +3,10 @@
 Rendezvous runs on a TCP store hosted by the sender; it listens on the address it is given only
 (loopback by default). The store namespace is derived from a shared token (itself derived from the
 engine secret, see :mod:`delta_sync.auth`), so a process without the token never meets the group
-(it times out in an empty namespace) and cannot claim a rank; a rank claimed twice is refused. The collective backend comes from the
-accelerator module (hccl on Ascend, nccl on CUDA, gloo on CPU). The group is built directly on
-the store and never registered as torch.distributed's default group, so it coexists with the
-engine's own TP/DP groups and the trainer's world.
+(it times out in an empty namespace) and cannot claim a rank; a rank claimed twice is refused.
+The collective backend comes from the accelerator module (hccl on Ascend, nccl on CUDA, gloo on
+CPU). The group is built directly on the store and never registered as torch.distributed's default
+group, so it coexists with the engine's own TP/DP groups and the trainer's world.
 
 Bucket transfer: ``[header_len, index_count, n_value_buffers]`` (int64), header bytes followed by
 an HMAC of them under the token, the index buffer, then one value buffer per dtype in name order:
@@ -124,7 +124,8 @@ class Channel:
         """The next bucket; its buffers are carved from ``arena_for(header)`` when that gives an arena."""
         sizes = self.broadcast(torch.empty(3, dtype=torch.int64, device=self.device))
         hlen, nidx, nval = (int(x) for x in sizes.tolist())
-        if not (_MAC_BYTES < hlen <= MAX_HEADER_BYTES and 0 <= nidx <= MAX_BUFFER_ELEMENTS and 0 <= nval <= len(DTYPES)):
+        if not (_MAC_BYTES < hlen <= MAX_HEADER_BYTES and 0 <= nidx <= MAX_BUFFER_ELEMENTS
+                and 0 <= nval <= len(DTYPES)):
             raise ChannelError(f"rank {self.rank}: bucket sizes out of bounds (header {hlen} B of at most "
                                f"{MAX_HEADER_BYTES}, {nidx} indices, {nval} value buffers); nothing allocated")
         raw = bytes(self.broadcast(torch.empty(hlen, dtype=torch.uint8, device=self.device)).cpu().numpy())

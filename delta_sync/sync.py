@@ -143,7 +143,8 @@ class WeightSync:
     """
 
     def __init__(self, engines: Iterable, *, mode: str = "delta", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 verify_every: int = 0, drift_sweep: int = 20, snapshot_device: str | torch.device = "cpu", pause_mode: str = "wait",
+                 verify_every: int = 0, drift_sweep: int = 20, snapshot_device: str | torch.device = "cpu",
+                 pause_mode: str = "wait",
                  name_map: Callable[[str], str | None] = default_name_map, group=None,
                  host: str | None = None, port: int | None = None, backend: str | None = None,
                  timeout_s: float = 300.0, dtype: torch.dtype | None = None, secret: str | None = None):

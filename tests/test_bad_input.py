@@ -88,3 +88,66 @@ def test_bad_seed_is_refused_and_the_next_update_seeds(kind, match):
 def test_bad_options_fail_at_construction(kwargs, match):
     with pytest.raises(ValueError, match=match):
         WeightSync([MemoryReceiver()], **kwargs)
+
+
+def _bucket():
+    """One good bucket holding a sparse and a dense entry."""
+    from delta_sync.bucket import BucketPacker
+    from delta_sync.patch import Patch
+
+    sparse = Patch("s", (4, 8), torch.bfloat16, torch.tensor([1, 9, 30], dtype=torch.int32),
+                   torch.ones(3, dtype=torch.bfloat16))
+    dense = Patch.full("d", torch.arange(12, dtype=torch.float32).to(torch.bfloat16).reshape(3, 4))
+    return next(BucketPacker(5, "delta", 1 << 20).pack([sparse, dense]))
+
+
+def _break(field: str, bucket) -> None:
+    sparse, dense = bucket.header["entries"]
+    if field == "unknown dtype":
+        sparse["dtype"] = "complex32"
+    elif field == "unknown encoding":
+        dense["encoding"] = "rle"
+    elif field == "value offset outside the buffer":
+        dense["value_offset"] = 10_000
+    elif field == "entries that do not tile the buffer":
+        dense["value_offset"] += 1
+        dense["count"] -= 1
+    elif field == "dense range outside its tensor":
+        dense["start"] = 5
+    elif field == "dense entry without a digest":
+        dense["digest"] = None
+    elif field == "count that disagrees with the buffers":
+        sparse["count"] = 2
+    elif field == "values that do not match the digest":
+        bucket.values["bfloat16"][-1] += 1
+    else:
+        raise AssertionError(field)
+
+
+@pytest.mark.parametrize("field,match", [
+    ("unknown dtype", "unknown dtype"), ("unknown encoding", "unknown encoding"),
+    ("value offset outside the buffer", "outside the bfloat16 value buffer"),
+    ("entries that do not tile the buffer", "tile the value buffer"),
+    ("dense range outside its tensor", r"dense range \[5, 17\) outside 12"),
+    ("dense entry without a digest", "without a digest"),
+    ("count that disagrees with the buffers", "must tile the value buffer"),
+    ("values that do not match the digest", "digest")])
+def test_receiver_refuses_malformed_bucket_entries(field, match):
+    """What a buggy or hostile sender could put in a bucket header (checked by every receiver before
+    it stages or applies anything; the header's checksum is off so each field check is reached)."""
+    from delta_sync.bucket import entry_patches
+
+    bucket = _bucket()
+    bucket.header["checksum"] = None
+    entry_patches(bucket)  # the unbroken bucket is fine
+    _break(field, bucket)
+    with pytest.raises(DeltaSyncError, match=match):
+        entry_patches(bucket, kept="engine on v4")
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b'{"version": 1, "seq": 0}', b'{"version": 1, "se', b"[]"])
+def test_receiver_refuses_malformed_or_truncated_headers(raw):
+    from delta_sync.bucket import parse_header
+
+    with pytest.raises(PatchValidationError, match="malformed header"):
+        parse_header(raw)

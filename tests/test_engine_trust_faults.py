@@ -75,11 +75,11 @@ def test_strangers_are_refused_and_the_trainer_keeps_its_channel(server):
         refusals[what] = str(e.value)
     assert all("does not match this engine's secret" in m for m in refusals.values()), refusals
     # vLLM's own routes reach the same lifecycle without a proof: refused before any state changes
-    for route, body in [("/init_weight_transfer_engine", {"init_info": dict(init, token="t")}),
+    for route, body in [("/init_weight_transfer_engine", {"init_info": init}),
                         ("/start_weight_update", {}), ("/update_weights", {"update_info": {}}),
                         ("/finish_weight_update", {})]:
         status, text = _post(base + route, body)
-        assert status >= 400 and ("unsigned" in text or "Internal" in text or "start_weight_update" in text), (route, text)
+        assert status >= 400, (route, text)  # refused; that nothing changed is checked below
     status, text = _post(base + "/collective_rpc", {"method": "delta_sync_call", "args": [recorded[0]]})
     assert status >= 400, "a replayed call was accepted"
     status, text = _post(base + "/collective_rpc", {"method": "delta_sync_call",

@@ -101,6 +101,25 @@ def receiver_rejects(receiver):
         receiver.update = real
 
 
+@contextlib.contextmanager
+def report_fails(receiver):
+    """The engine applies the update, then its digest report (the verification) fails."""
+    if receiver is None:
+        yield
+        return
+    real = receiver.report
+
+    def failing_report(digests=False, names=None):
+        if digests:
+            raise EngineError(receiver.name, "report crashed", kind="report")
+        return real(digests, names)
+    receiver.report = failing_report
+    try:
+        yield
+    finally:
+        receiver.report = real
+
+
 class Attempts:
     """Runs an update on every rank and logs its outcome; a barrier after each proves nobody hangs."""
 
@@ -149,6 +168,8 @@ def _scenario(rank, world, port):
         attempt("sender mid-send", model_at(2).items())
     with receiver_rejects(receiver):
         attempt("receiver failure", model_at(2).items())
+    with report_fails(receiver):  # applied, but not verifiable: every rank hears it, the next update seeds
+        attempt("report failure in verify", model_at(2).items(), expect="digest report failed")
     # after all of that: the next updates are exact
     attempt("delta after failures", model_at(2).items())
     attempt("delta", model_at(3).items())
@@ -162,8 +183,9 @@ def test_failures_keep_every_rank_consistent_and_next_update_exact():
     results = run_ranks(_scenario, WORLD, timeout=300)
     log, exact, version = results[0]
     assert [x for x, _ in log] == ["seed", "delta", "nan before send", "export failure", "conversion failure",
-                                   "sender mid-send", "receiver failure", "delta after failures", "delta"]
+                                   "sender mid-send", "receiver failure", "report failure in verify",
+                                   "delta after failures", "delta"]
     check_outcomes(results, 2, ["PatchValidationError", "GatherError", "GatherError", "RuntimeError",
-                                "EngineError"])
-    assert exact and version == 3
-    assert all(other_version == 3 for _, _, other_version in results[1:])
+                                "EngineError", "DriftDetected"])
+    assert exact and version == 4  # v2 was applied before its verification failed
+    assert all(other_version == 4 for _, _, other_version in results[1:])
