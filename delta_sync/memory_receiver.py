@@ -41,8 +41,9 @@ class MemoryReceiver:
     def resume(self) -> None:
         pass
 
-    def start(self) -> None:
+    def start(self, digest_names: list[str] | None = None) -> list[dict] | None:
         self._staged = None
+        return self.report(digests=True, names=digest_names) if digest_names else None
 
     def update(self, update_info: dict) -> None:
         try:

@@ -128,6 +128,9 @@ class Outcome:
     error: str = ""
     needs_seed: bool = False
     report: dict = field(default_factory=dict)
+    #: the drift sweep: tensors compared when the engines started this update, and what differed
+    checked: int = 0
+    drift: str | None = None
 
 
 class WeightSync:
@@ -143,7 +146,7 @@ class WeightSync:
     """
 
     def __init__(self, engines: Iterable, *, mode: str = "delta", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 verify_every: int = 0, drift_sweep: int = 20, snapshot_device: str | torch.device = "cpu",
+                 verify_every: int = 0, drift_sweep: int = 40, snapshot_device: str | torch.device = "cpu",
                  pause_mode: str = "wait",
                  name_map: Callable[[str], str | None] = default_name_map, group=None,
                  host: str | None = None, port: int | None = None, backend: str | None = None,
@@ -156,10 +159,14 @@ class WeightSync:
             raise ValueError(f"drift_sweep and verify_every must be >= 0, got {drift_sweep} and {verify_every}")
         self.mode, self.bucket_bytes, self.verify_every = mode, bucket_bytes, verify_every
         #: every tensor's digest is compared with the engines' at least once per this many deltas
-        #: (each delta checks a rotating window of ~1/drift_sweep of the bytes); 0 turns it off
+        #: (each delta checks a rotating window of ~1/drift_sweep of the bytes; the default costs
+        #: ~3% of a 0.2% delta in bench e2e, 40 deltas bound the time to notice); 0 turns it off
         self.drift_sweep = drift_sweep
         self._catalog: dict[str, int] = {}  # checkpoint name -> bytes, stream order (same on every rank)
         self._sweep_at = 0
+        #: rank 0: the next sweep window and the trainer's digests of it at the committed version;
+        #: the engines report theirs when they start the next delta (no call of its own)
+        self._sweep: tuple[list[str], dict[str, str]] | None = None
         self.pause_mode, self.name_map, self.group, self.dtype = pause_mode, name_map, group, dtype
         #: device group (payloads) and host group (metadata) of the trainer; None without a world
         self.groups = TrainerGroups.around(group) if dist.is_initialized() else None
@@ -255,20 +262,22 @@ class WeightSync:
         self.version, self.needs_seed = version, False
         rep = UpdateReport(version, kind, **outcome.report)
         rep.verified = kind != "delta"  # every bulk entry's digest was checked by the engines
-        if kind == "delta" and self.verify_every and version % self.verify_every == 0:
+        rep.checked = outcome.checked
+        if outcome.drift:  # the engines' previous version differed from the trainer's: re-seed next
+            rep.drift = (f"drift found when the engines started v{version}: {outcome.drift}; the next update "
+                         "is a full seed")
+            log.error("delta-sync: %s", rep.drift)
+            self._reset()
+        elif kind == "delta" and self.verify_every and version % self.verify_every == 0:
             t0 = time.perf_counter()
             rep.checked = len(self.verify())
             rep.verified = True
             timings["verify_s"] = time.perf_counter() - t0
-        elif kind == "delta" and self.drift_sweep and self._catalog:
+        if not self.needs_seed and self.mode == "delta" and self.drift_sweep and self._catalog:
             t0 = time.perf_counter()
             window = self._sweep_window()
-            rep.checked = len(window)
-            try:
-                self.verify(window)
-            except DriftDetected as e:  # every rank: snapshots reset, the next update re-seeds
-                rep.drift = str(e)
-                log.error("delta-sync: %s", e)
+            want = self._trainer_digests(window)  # collective: the owners' shares
+            self._sweep = (window, want) if self.rank == 0 else None
             timings["sweep_s"] = time.perf_counter() - t0
         rep.total_elements = elements
         rep.timings.update({k: round(v, 6) for k, v in timings.items()})
@@ -464,6 +473,7 @@ class WeightSync:
         t_pause = [time.perf_counter()]
         started: list[EngineClient] = []
         finished: list[EngineClient] = []
+        sweep: dict = {}
 
         def open_engines() -> None:
             """Right before the first bucket leaves: a bulk update pauses here, so its pause window
@@ -473,9 +483,15 @@ class WeightSync:
                 t_pause[0] = time.perf_counter()
                 for e in self.engines:
                     e.pause(self.pause_mode)
+            names, want = self._sweep if (kind == "delta" and self._sweep) else (None, None)
             for e in self.engines:
-                e.start()
+                reports = e.start(names) if names else e.start()
                 started.append(e)
+                if names:
+                    sweep["checked"] = len(names)
+                    sweep["engine_s"] = max([sweep.get("engine_s", 0.0)] +
+                                            [r.get("digest_s", 0.0) for r in reports or []])
+                    sweep["drift"] = sweep.get("drift") or _differs(e.name, reports or [], want)
 
         try:
             stats = self._send(version, kind, timings, send, kept, open_engines)
@@ -515,7 +531,9 @@ class WeightSync:
             return Outcome(False, f"{type(err).__name__}: {err}", needs_seed=needs_seed), err
         report = {"tensors": stats.tensors, "changed_elements": stats.elements, "payload_bytes": stats.payload_bytes,
                   "buckets": stats.buckets, "pause_window_s": round(time.perf_counter() - t_pause[0], 6)}
-        return Outcome(True, report=report), None
+        if "engine_s" in sweep:
+            timings["sweep_engine_s"] = sweep["engine_s"]
+        return Outcome(True, report=report, checked=sweep.get("checked", 0), drift=sweep.get("drift")), None
 
     def _send(self, version: int, kind: str, timings: dict, send: Callable[[BucketSender], SendStats],
               kept: str | None, open_engines: Callable[[], None]):
@@ -564,6 +582,7 @@ class WeightSync:
 
     def _reset(self) -> None:
         """Forget every snapshot: the next update is a full seed."""
+        self._sweep = None
         self.store.reset()
         if self.sharded is not None:
             self.sharded.reset()
@@ -590,14 +609,9 @@ class WeightSync:
             acc += self._catalog[name]
         return out
 
-    def verify(self, names: list[str] | None = None) -> dict[str, str]:
-        """Compare engines' per-tensor digests with the trainer snapshot (collective): every tensor,
-        or only ``names``.
-
-        Each owner digests its snapshot shard; rank 0 compares. A tensor the engine did not digest
-        counts as a mismatch. A mismatch is drift: raises :class:`DriftDetected` on every rank and
-        the next update is a full seed.
-        """
+    def _trainer_digests(self, names: list[str] | None = None) -> dict[str, str]:
+        """Digest of every committed tensor (or of ``names``), summed over the owners' shares
+        (collective when world > 1)."""
         only = set(names) if names is not None else None
         if self.sharded is not None and self.sharded.ready():  # shard snapshots back the deltas
             mine = {name: d.hex() for name, d in self.sharded.local_digests(only).items()}
@@ -609,16 +623,23 @@ class WeightSync:
         for part in parts:  # an owner's whole tensor, or shares that add up
             for k, v in part.items():
                 sums[k] = sums.get(k, Digest()) + Digest.parse(v)
-        want = {k: d.hex() for k, d in sums.items()}
+        return {k: d.hex() for k, d in sums.items() if only is None or k in only}
+
+    def verify(self, names: list[str] | None = None) -> dict[str, str]:
+        """Compare engines' per-tensor digests with the trainer snapshot (collective): every tensor,
+        or only ``names``.
+
+        Each owner digests its snapshot shard; rank 0 compares. A tensor the engine did not digest
+        counts as a mismatch. A mismatch is drift: raises :class:`DriftDetected` on every rank and
+        the next update is a full seed.
+        """
+        want = self._trainer_digests(names)
         problem = None
         if self.rank == 0:
             try:
                 for e in self.engines:
-                    got = combine_reports(e.report(digests=True, names=names))
-                    bad = [n for n in want if got.get(n) != want[n]]
-                    if bad:
-                        what = "missing" if bad[0] not in got else "digest mismatch"
-                        problem = f"engine {e.name}: {len(bad)} tensor(s) differ, first {bad[0]!r} ({what})"
+                    problem = _differs(e.name, e.report(digests=True, names=names), want)
+                    if problem:
                         break
             except Exception as err:  # every rank must hear about it, not wait in the broadcast below
                 problem = f"digest report failed: {type(err).__name__}: {err}"
@@ -635,6 +656,16 @@ class WeightSync:
 
 class DriftDetected(DeltaSyncError):
     """Engine digests differ from the trainer snapshot."""
+
+
+def _differs(engine: str, reports: list[dict], want: dict[str, str]) -> str | None:
+    """What differs between an engine's workers' digest reports and the trainer's ``want``, or None."""
+    got = combine_reports(reports)
+    bad = [n for n in want if got.get(n) != want[n]]
+    if not bad:
+        return None
+    what = "missing" if bad[0] not in got else "digest mismatch"
+    return f"engine {engine}: {len(bad)} tensor(s) differ, first {bad[0]!r} ({what})"
 
 
 def combine_reports(reports: list[dict]) -> dict[str, str]:

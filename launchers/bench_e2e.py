@@ -673,8 +673,10 @@ def _pass_summary(rows: list[dict], wire_s: float) -> dict:
         "delta_pause_over_wire": _ratio(head and head["pause_window_s"], wire_s),
         "adam_over_wire": _ratio(adam and adam["total_s"], wire_s),
         "verify_over_seed": _ratio((seed or {}).get("timings", {}).get("verify_s", 0.0), seed and seed["total_s"]),
-        # the default drift sweep's share of a delta (its digests on both sides and the report call)
-        "sweep_over_delta": _ratio((head or {}).get("timings", {}).get("sweep_s", 0.0), head and head["total_s"]),
+        # the default drift sweep's share of a delta: the trainer's digests of the next window and
+        # the engine's, which travel back with the start call (no call of their own)
+        "sweep_over_delta": _ratio(sum((head or {}).get("timings", {}).get(k, 0.0) for k in ("sweep_s", "sweep_engine_s")),
+                                   head and head["total_s"]),
         "engine_seed_peak_over_bucket": seed and seed.get("engine_growth_over_bucket"),
         "engine_full_peak_over_bucket": full and full.get("engine_growth_over_bucket"),
         "engine_delta_peak_over_bucket": head and head.get("engine_growth_over_bucket"),

@@ -126,6 +126,8 @@ def delta_sync_call(self, request: str = "{}"):
             self.init_weight_transfer_engine(payload)
         elif method == "start":
             self.start_weight_update()
+            if payload.get("digest_names"):  # the drift sweep: this version's digests, before the update
+                return engine.report(digests=True, names=list(payload["digest_names"]))
         elif method == "update":
             self.update_weights(payload)
         elif method == "finish":

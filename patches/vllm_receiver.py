@@ -405,6 +405,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
                "fallback": sorted(self.fallback), "last_error": self.last_error,
                "timings": dict(self.last_timings)}
         if digests:
+            t0 = time.perf_counter()
             params = dict(self.model.named_parameters())
             d = {}
             for name in (names or sorted(set(self.views) | set(self.fallback_values))):
@@ -416,6 +417,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
                     held = self.fallback_values[name]
                     d[name] = [digest_tensor(held).hex(), held.numel(), held.numel()]
             out["digests"] = d
+            out["digest_s"] = time.perf_counter() - t0
         return out
 
     def shutdown(self) -> None:

@@ -156,7 +156,7 @@ def _scenario(rank, world, port):
     from delta_sync.memory_receiver import MemoryReceiver
 
     receiver = MemoryReceiver() if rank == 0 else None
-    sync = WeightSync([receiver] if rank == 0 else [], mode="delta", verify_every=1, timeout_s=20)
+    sync = WeightSync([receiver] if rank == 0 else [], mode="delta", verify_every=1, drift_sweep=0, timeout_s=20)
     attempt = Attempts(lambda stream: sync.update(stream))
 
     attempt("seed", model_at(0).items())

@@ -171,14 +171,20 @@ class MegatronShardDelta(BridgeExportSource):
 
     def local_digests(self, names: set[str] | None = None) -> dict[str, Digest]:
         out: dict[str, Digest] = {}
+        wanted = None
+        if names is not None:  # only the runs of those tensors are expanded (the drift sweep's window)
+            wanted = [s for s, n in enumerate(self._plan_names) if {n, *self._aliases.get(n, [])} & names]
         for k, runs in enumerate(self._runs or []):
             snap = int_view(self._snap[k])
-            local, target = _expand(runs.local, runs.length), _expand(runs.target, runs.length)
-            seqs = torch.repeat_interleave(runs.seq, runs.length)
+            run_local, run_target, run_length, run_seq = runs.local, runs.target, runs.length, runs.seq
+            if wanted is not None:
+                keep = torch.isin(run_seq, torch.tensor(wanted, dtype=run_seq.dtype, device=run_seq.device))
+                run_local, run_target, run_length, run_seq = (run_local[keep], run_target[keep],
+                                                              run_length[keep], run_seq[keep])
+            local, target = _expand(run_local, run_length), _expand(run_target, run_length)
+            seqs = torch.repeat_interleave(run_seq, run_length)
             for s in torch.unique(seqs).tolist():
                 name = self._plan_names[s]
-                if names is not None and not ({name, *self._aliases.get(name, [])} & names):
-                    continue
                 sel = seqs == s
                 d = digest_elements(target[sel], snap.take(local[sel]).view(self._dtypes[name]))
                 for n in [name, *self._aliases.get(name, [])]:
