@@ -104,8 +104,8 @@ class Verifier:
         self._seen: OrderedDict[str, tuple[int, set[int]]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def check(self, envelope) -> tuple[str, dict, str]:
-        """``(method, payload, nonce)`` of a valid envelope; :class:`AuthError` otherwise."""
+    def check(self, envelope) -> tuple[str, dict]:
+        """``(method, payload)`` of a valid envelope; :class:`AuthError` otherwise."""
         kept = "nothing was written; the trainer's channel and staged update are unchanged"
         if self._key is None:
             raise AuthError(f"this engine was started without {ENV}: weight-transfer calls are refused. "
@@ -125,7 +125,7 @@ class Verifier:
         if not session or not counter.isdigit():
             raise AuthError(f"{method!r}: malformed nonce", kept=kept)
         self._fresh(method, session, int(counter), kept)
-        return method, payload, nonce
+        return method, payload
 
     def _fresh(self, method: str, session: str, counter: int, kept: str) -> None:
         with self._lock:

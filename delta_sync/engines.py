@@ -132,11 +132,14 @@ class InProcessEngine(_SignedEngine):
         self.llm = llm
         self.name = name
 
-    def _invoke(self, what: str, request: str) -> list:
+    def _guard(self, what: str, fn, *args):
         try:
-            return self.llm.collective_rpc("delta_sync_call", None, (request,))
+            return fn(*args)
         except Exception as e:
             raise EngineError(self.name, f"{type(e).__name__}: {e}", kind=what) from e
+
+    def _invoke(self, what: str, request: str) -> list:
+        return self._guard(what, self.llm.collective_rpc, "delta_sync_call", None, (request,))
 
     def pause(self, mode: str = "wait") -> None:
         pass
@@ -145,10 +148,7 @@ class InProcessEngine(_SignedEngine):
         pass
 
     def reset_prefix_cache(self) -> None:
-        try:
-            self.llm.reset_prefix_cache()
-        except Exception as e:
-            raise EngineError(self.name, f"{type(e).__name__}: {e}", kind="reset_prefix_cache") from e
+        self._guard("reset_prefix_cache", self.llm.reset_prefix_cache)
 
 
 def as_engine(target, secret: str | None = None) -> EngineClient:

@@ -85,13 +85,13 @@ def compare(synced: list[dict], fresh: list[dict]) -> dict:
 
 
 def start_engine(model: str | Path, port: int, log: Path, tp: int = 1,
-                 extra: list[str] | None = None) -> subprocess.Popen:
+                 extra: list[str] | None = None, env: dict[str, str] | None = None) -> subprocess.Popen:
     """A vLLM OpenAI server on 127.0.0.1 with the options the synced engine uses (checkpoint layout).
 
     It gets this process tree's engine secret (generated if unset), so trainers started from here
     sign their calls with it. Its own session: :func:`kill_engine` takes down its workers too."""
     ensure_secret()
-    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_OMP_THREADS_BIND="nobind", **(env or {}))
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name",
            "m", "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--enforce-eager",
            "--max-model-len", "512", "--kv-cache-memory-bytes", str(64 << 20), "--seed", "0",

@@ -117,7 +117,7 @@ def delta_sync_call(self, request: str = "{}"):
         envelope = json.loads(request) if isinstance(request, str) else request
     except ValueError:
         envelope = None
-    method, payload, _ = engine.verifier.check(envelope)
+    method, payload = engine.verifier.check(envelope)
     with engine.authorized(version=payload.get("version") if method == "finish" else None):
         if method == "init":
             if getattr(self, "_weight_update_active", False):  # a new trainer: the old one's session is over

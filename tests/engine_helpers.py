@@ -120,21 +120,12 @@ class Server:
         (ROOT / ".cache").mkdir(exist_ok=True)
         self.path, self.log, self.port, self.lease_s = build(kind), ROOT / ".cache" / log, free_port(), lease_s
         self.base = f"http://127.0.0.1:{self.port}"
-        self.proc = None
+        self.proc, self.tp = None, 1
 
     def start(self, model=None, tp: int | None = None) -> "Server":
-        env_key = "DELTA_SYNC_PAUSE_LEASE_S"
-        old = os.environ.get(env_key)
-        if self.lease_s is not None:
-            os.environ[env_key] = str(self.lease_s)
-        self.tp = tp or getattr(self, "tp", 1)
-        try:
-            self.proc = start_engine(model or self.path, self.port, self.log, tp=self.tp)
-        finally:
-            if old is None:
-                os.environ.pop(env_key, None)
-            else:
-                os.environ[env_key] = old
+        self.tp = tp or self.tp
+        env = {"DELTA_SYNC_PAUSE_LEASE_S": str(self.lease_s)} if self.lease_s is not None else None
+        self.proc = start_engine(model or self.path, self.port, self.log, tp=self.tp, env=env)
         wait_ready(self.proc, self.base, self.log)
         return self
 
