@@ -103,34 +103,50 @@ class BucketPacker:
         #: where the next bucket's buffers are carved (None: fresh allocations)
         self.arena: Arena | None = None
 
-    def _scan_dense(self, p: Patch, done: int, take: int) -> str:
+    def _scan_dense(self, p: Patch, done: int, take: int, out: torch.Tensor) -> str:
+        """Copy ``p``'s values ``[done, done+take)`` into ``out`` while digesting them and checking
+        them for Inf/NaN (one pass over the source)."""
         t0 = time.perf_counter()
-        d, bad = scan_range(p.values[done:done + take], done)
+        src = p.values[done:done + take]
+        if src.device == out.device:
+            d, bad = scan_range(src, done, copy_to=out)
+        else:  # the wire's device differs from the tensor's: move, then scan there
+            out.copy_(src)
+            d, bad = scan_range(out, done)
         self.digest_s += time.perf_counter() - t0
         if bad:
-            where = done + first_true(~torch.isfinite(p.values[done:done + take]))
+            where = done + first_true(~torch.isfinite(src))
             raise PatchValidationError(p.name, f"non-finite value at flat index {where}", index=where, kept=self.kept)
         return d.hex()
 
     def pack(self, patches: Iterable[Patch], close: bool = True) -> Iterator[Bucket]:
         """Yield buckets; with ``close`` the last one has ``header['last'] = True`` (possibly with no
-        entries); without it the caller packs the rest later (another ``pack`` that closes)."""
+        entries); without it the caller packs the rest later (another ``pack`` that closes).
+
+        A bucket's parts are only noted while it fills; at flush they are written into its buffers
+        (carved from :attr:`arena` when set), dense ranges digested in the same pass."""
         entries: list[dict] = []
-        idx_parts: list[torch.Tensor] = []
-        val_parts: dict[str, list[torch.Tensor]] = {}
+        parts: list[tuple[dict, Patch, int, int]] = []  # (entry, patch, first element, count)
         counts = {"idx": 0, "bytes": 0, "vals": {}}
 
         def flush(last: bool) -> Bucket:
-            if self.arena is not None:
-                names = sorted(val_parts)
-                bufs = self.arena.carve([(torch.int32, counts["idx"])] +
-                                        [(DTYPES[k], counts["vals"][k]) for k in names])
-                dev = self.arena.device  # parts move to the wire's device as they are packed
-                idx = torch.cat([t.to(dev) for t in idx_parts], out=bufs[0]) if idx_parts else bufs[0]
-                vals = {k: torch.cat([t.to(dev) for t in val_parts[k]], out=b) for k, b in zip(names, bufs[1:])}
-            else:
-                idx = torch.cat(idx_parts) if idx_parts else torch.empty(0, dtype=torch.int32)
-                vals = {k: torch.cat(v) for k, v in val_parts.items()}
+            arena = self.arena if self.arena is not None else Arena(self._device(parts))
+            names = sorted(counts["vals"])
+            bufs = arena.carve([(torch.int32, counts["idx"])] + [(DTYPES[k], counts["vals"][k]) for k in names])
+            idx, vals = bufs[0], dict(zip(names, bufs[1:]))
+            if any(p.dense for _, p, _, _ in parts):  # bulk buckets: one fused pass per range
+                for entry, p, done, take in parts:
+                    out = vals[entry["dtype"]].narrow(0, entry["value_offset"], take)
+                    if p.dense:
+                        entry["digest"] = self._scan_dense(p, done, take, out)
+                    else:
+                        idx.narrow(0, entry["index_offset"], take).copy_(p.indices[done:done + take])
+                        out.copy_(p.values[done:done + take])
+            elif parts:  # a delta's sparse parts: one cat per buffer, not a copy per tensor
+                dev = idx.device
+                torch.cat([p.indices[d:d + t].to(dev) for _, p, d, t in parts], out=idx)
+                for k, buf in vals.items():
+                    torch.cat([p.values[d:d + t].to(dev) for e, p, d, t in parts if e["dtype"] == k], out=buf)
             header = {"version": self.version, "seq": self.seq, "last": last, "kind": self.kind,
                       "entries": list(entries), "index_count": int(idx.numel()),
                       "value_counts": {k: int(v.numel()) for k, v in vals.items()}}
@@ -139,7 +155,7 @@ class BucketPacker:
             b = Bucket(header, idx, vals)
             header["checksum"] = b.payload_checksum() if self.checksum and idx.numel() else None
             self.seq += 1
-            entries.clear(), idx_parts.clear(), val_parts.clear()
+            entries.clear(), parts.clear()
             counts.update(idx=0, bytes=0, vals={})
             return b
 
@@ -162,13 +178,10 @@ class BucketPacker:
                          "encoding": "dense" if p.dense else "sparse", "count": take,
                          "start": done if p.dense else 0, "index_offset": counts["idx"],
                          "value_offset": vo}
-                if p.dense:
-                    entry["digest"] = self._scan_dense(p, done, take)
                 entries.append(entry)
+                parts.append((entry, p, done, take))
                 if not p.dense:
-                    idx_parts.append(p.indices[done:done + take])
                     counts["idx"] += take
-                val_parts.setdefault(dname, []).append(p.values[done:done + take])
                 counts["vals"][dname] = vo + take
                 counts["bytes"] += take * per
                 done += take
@@ -176,6 +189,10 @@ class BucketPacker:
                     break
         if close or entries:
             yield flush(close)
+
+    @staticmethod
+    def _device(parts) -> torch.device:
+        return parts[0][1].values.device if parts else torch.device("cpu")
 
 
 def parse_header(raw: bytes) -> dict:

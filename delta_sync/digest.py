@@ -10,7 +10,9 @@ positions share every weight only if they are ~2**60 apart, so shifted rows, swa
 and wrong shard offsets change the digest; a changed word changes every lane, since no
 difference of two 16-bit words is a multiple of all four primes). Because it is a sum over
 words, the digest of a tensor is the sum of the digests of any partition of its flat indices:
-TP shards, buckets and patches add up to the whole.
+TP shards, buckets and patches add up to the whole. Since a weight is congruent to ``a_l * k +
+c_l``, a lane equals ``a_l * S1 + c_l * S0 mod P_l`` with ``S0 = sum s_k`` and ``S1 = sum k * s_k``:
+the host kernel computes just those two sums (two multiply-adds per 16 words).
 
 Every product is ``< 2**31`` and is summed in int64, so int32 multiply + int64 sum reproduce the
 same bits on CPU, CUDA and NPU; no float64 and no overflow anywhere (HCCL rejects float64
@@ -33,8 +35,6 @@ _LANES = ((32749, 7919, 101), (32719, 20011, 7), (32717, 12347, 3571), (32713, 2
 PRIMES = tuple(p for p, _, _ in _LANES)
 #: words digested per step: bounds temporaries to a few MiB whatever the tensor size.
 CHUNK = 1 << 18
-#: words per native call's weight table (a multiple of the kernel's 256-word block).
-_NATIVE_TABLE = 1 << 12
 #: words per thread below which a range is digested on the calling thread.
 _MIN_WORDS_PER_THREAD = 1 << 20
 #: exponent bits that mark Inf/NaN in the word holding them, per element width.
@@ -53,15 +53,12 @@ def _weight_table(device: torch.device) -> torch.Tensor:
 
 
 def _native_args():
-    """(p, a, lo, hi) for the kernel: weights split in bytes, laid out lane after lane."""
+    """(p, a, c) per lane, as int64 arrays for the kernel."""
     if not _native_tables:
-        j = torch.arange(_NATIVE_TABLE, dtype=torch.int64)
-        w = torch.stack([(j * a + c) % p for p, a, c in _LANES])
-        _native_tables.update(p=torch.tensor([p for p, _, _ in _LANES], dtype=torch.int64),
-                              a=torch.tensor([a for _, a, _ in _LANES], dtype=torch.int64),
-                              lo=(w & 255).to(torch.int16).contiguous(), hi=(w >> 8).to(torch.int16).contiguous())
+        for k, col in (("p", 0), ("a", 1), ("c", 2)):
+            _native_tables[k] = torch.tensor([lane[col] for lane in _LANES], dtype=torch.int64)
     t = _native_tables
-    return t["p"], t["a"], t["lo"], t["hi"]
+    return t["p"], t["a"], t["c"]
 
 
 def _words(values: torch.Tensor) -> torch.Tensor:
@@ -99,29 +96,35 @@ class Digest(tuple):
         return cls(*(int(text[i:i + 4], 16) for i in range(0, 4 * len(_LANES), 4)))
 
 
-def _native_range(words: torch.Tensor, word0: int, lanes: int, exp_mask: int, stride: int) -> tuple[list[int], int]:
-    p, a, lo, hi = _native_args()
+def _native_range(words: torch.Tensor, word0: int, lanes: int, exp_mask: int, stride: int,
+                  dst: torch.Tensor | None = None) -> tuple[list[int], int]:
+    p, a, c = _native_args()
     out = torch.zeros(4, dtype=torch.int64)
     bad = native.kernel().digest_words(words.data_ptr(), words.numel(), word0, lanes, p.data_ptr(), a.data_ptr(),
-                                       lo.data_ptr(), hi.data_ptr(), _NATIVE_TABLE, out.data_ptr(),
+                                       c.data_ptr(), out.data_ptr(),
                                        ctypes.c_int16(exp_mask - 65536 if exp_mask > 32767 else exp_mask),
-                                       stride, stride - 1)
+                                       stride, stride - 1, None if dst is None else dst.data_ptr())
     return out.tolist()[:lanes], int(bad)
 
 
-def _scan_words(words: torch.Tensor, word0: int, lanes: int, exp_mask: int, stride: int) -> tuple[list[int], int]:
-    """Lane sums and non-finite count of int16 ``words`` at word positions ``word0, ...``."""
-    if native.supports_words(words):
+def _scan_words(words: torch.Tensor, word0: int, lanes: int, exp_mask: int, stride: int,
+                dst: torch.Tensor | None = None) -> tuple[list[int], int]:
+    """Lane sums and non-finite count of int16 ``words`` at word positions ``word0, ...``; with
+    ``dst`` (int16, as many words, same device) the words are copied there in the same pass."""
+    if native.supports_words(words) and (dst is None or (dst.device.type == "cpu" and dst.is_contiguous())):
         n = words.numel()
         threads = max(1, min(torch.get_num_threads(), n // _MIN_WORDS_PER_THREAD))
         if threads == 1:
-            return _native_range(words, word0, lanes, exp_mask, stride)
+            return _native_range(words, word0, lanes, exp_mask, stride, dst)
         step = -(-n // threads)
         step += (-step) % max(stride, 1)  # every part starts on an element boundary
-        futs = [native._pool(threads).submit(_native_range, words[s:s + step], word0 + s, lanes, exp_mask, stride)
+        futs = [native._pool(threads).submit(_native_range, words[s:s + step], word0 + s, lanes, exp_mask, stride,
+                                             None if dst is None else dst[s:s + step])
                 for s in range(0, n, step)]
         parts = [f.result() for f in futs]
-        return [sum(x[0][lane] for x in parts) for lane in range(lanes)], sum(x[1] for x in parts)
+        return [sum(x[0][lane] for x in parts) % _LANES[lane][0] for lane in range(lanes)], sum(x[1] for x in parts)
+    if dst is not None:
+        dst.copy_(words)
     sums = lane_sums(words, word0, lanes, exp_mask, stride)
     values = sums.tolist()  # the one host sync of a device digest
     return values[:lanes], values[lanes]
@@ -153,13 +156,21 @@ def lane_sums(words: torch.Tensor, word0: int, lanes: int = len(_LANES), exp_mas
     return torch.cat([acc, bad.view(1)])
 
 
-def scan_range(values: torch.Tensor, start: int = 0) -> tuple[Digest, int]:
+def scan_range(values: torch.Tensor, start: int = 0, copy_to: torch.Tensor | None = None) -> tuple[Digest, int]:
     """Digest of ``values`` standing at flat indices ``start, ...`` and its count of Inf/NaN elements.
 
-    One pass over the bytes: what a receiver (and the packing sender) runs on every bulk value."""
+    One pass over the bytes: what a receiver (and the packing sender) runs on every bulk value.
+    With ``copy_to`` (a contiguous tensor of as many elements and the same element size) the
+    values are also copied there in that pass: the packer fills a bucket this way."""
     w = _words_per_element(values)
     mask = _EXP_MASK.get(values.dtype, 0)
-    lanes, bad = _scan_words(_words(values), start * w, len(_LANES), mask, w)
+    dst = None
+    if copy_to is not None:
+        if copy_to.numel() != values.numel() or copy_to.element_size() != values.element_size():
+            raise ValueError(f"copy_to holds {copy_to.numel()} x {copy_to.element_size()} B, values "
+                             f"{values.numel()} x {values.element_size()} B")
+        dst = copy_to.reshape(-1).view(torch.int16)
+    lanes, bad = _scan_words(_words(values), start * w, len(_LANES), mask, w, dst)
     return Digest(*lanes), bad
 
 

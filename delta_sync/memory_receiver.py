@@ -47,13 +47,17 @@ class MemoryReceiver:
 
     def update(self, update_info: dict) -> None:
         try:
-            self._staged = receive_update(self.channel, bulk_sink=self._write_range)
+            self._staged = receive_update(self.channel, bulk_sink=self._write_ranges)
         except Exception as e:  # what an engine client reports for a failed update RPC
             raise EngineError(self.name, f"{type(e).__name__}: {e}", kind="update") from e
         self.peak_buckets = max(self.peak_buckets, self._staged.peak_buckets)
 
+    def _write_ranges(self, entries: list) -> None:
+        """A seed/full bucket's entries, applied as it arrives: the old version is gone from here on."""
+        for entry, p in entries:
+            self._write_range(entry, p)
+
     def _write_range(self, entry: dict, p) -> None:
-        """A seed/full entry, applied as it arrives: the old version is gone from here on."""
         self.version = None
         t = self.tensors.get(p.name)
         if t is None or tuple(t.shape) != p.shape or t.dtype != p.dtype:

@@ -282,13 +282,13 @@ def receive_stream(channel: Channel, kept: str | None = None) -> Iterator[tuple[
 
 
 def receive_update(channel: Channel, kept: str | None = None,
-                   bulk_sink: Callable[[dict, Patch], None] | None = None) -> ReceivedUpdate:
+                   bulk_sink: Callable[[list[tuple[dict, Patch]]], None] | None = None) -> ReceivedUpdate:
     """Receive one version.
 
     A delta (or any version without ``bulk_sink``) is assembled into one patch per tensor: the
     transactional path, nothing is applied here. A seed or full update with ``bulk_sink`` hands
-    every checked entry to ``bulk_sink(entry, patch)`` as its bucket arrives (the next bucket is
-    received meanwhile) and returns no patches; if the sink raises, the rest of the version is
+    each bucket's checked entries to ``bulk_sink([(entry, patch), ...])`` as it arrives (the next
+    bucket is received meanwhile) and returns no patches; if the sink raises, the rest of the version is
     drained unapplied and the sink's error is raised at the end."""
     asm = TensorAssembler(kept)
     update: ReceivedUpdate | None = None
@@ -305,8 +305,7 @@ def receive_update(channel: Channel, kept: str | None = None,
         if bulk_sink is not None and update.kind in BULK_KINDS:
             if sink_error is None:
                 try:
-                    for e, p in entries:
-                        bulk_sink(e, p)
+                    bulk_sink(entries)
                 except Exception as err:  # keep draining: the channel stays in step with the sender
                     sink_error = err
         else:

@@ -237,7 +237,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         self._staged = None
         self._bulk = _BulkState()
         try:
-            upd = receive_update(self.channel, kept=self._kept(), bulk_sink=self._apply_bulk_entry)
+            upd = receive_update(self.channel, kept=self._kept(), bulk_sink=self._apply_bulk_bucket)
             if update_info.version is not None and upd.version != update_info.version:
                 raise DeltaSyncError(f"received version {upd.version}, the sender announced {update_info.version}",
                                      kept=self._kept())
@@ -259,24 +259,41 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         self.last_timings = {"receive_s": time.perf_counter() - t0, "peak_buckets": float(upd.peak_buckets),
                              "bulk_apply_s": self._bulk.apply_s}
 
-    def _apply_bulk_entry(self, entry: dict, p: Patch) -> None:
-        """One checked dense range of a seed/full update, written through its loader view now."""
+    def _apply_bulk_bucket(self, entries: list[tuple[dict, Patch]]) -> None:
+        """One bucket's checked dense ranges of a seed/full update, written through their loader
+        views now (names seen for the first time are probed together, one loader call)."""
         state = self._bulk
         if not state.writing:
             state.writing = True
             self.version, self.needs_seed = None, True  # the old version is being overwritten
             self.partial = True
         t0 = time.perf_counter()
+        entry, p = entries[0] if entries else ({"start": 0}, None)
         try:
-            self._write_bulk_range(entry, p)
+            self._probe([p for _, p in entries])
+            for entry, p in entries:
+                self._write_bulk_range(entry, p)
+        except DeltaSyncError:
+            raise
         except Exception as e:
             kept = "engine paused with partially written weights; needs_seed: the next update must be a full seed"
-            if isinstance(e, DeltaSyncError):
-                raise
-            raise DeltaSyncError(f"apply of {p.name!r} [{entry['start']}, +{p.count}) failed: "
-                                 f"{type(e).__name__}: {e}", kept=kept) from e
+            what = f"{p.name!r} [{entry['start']}, +{p.count})" if p is not None else "a bucket"
+            raise DeltaSyncError(f"apply of {what} failed: {type(e).__name__}: {e}", kept=kept) from e
         finally:
             state.apply_s += time.perf_counter() - t0
+
+    def _probe(self, patches: list[Patch]) -> None:
+        """Loader views of the names not seen before, found in one probe of vLLM's loader."""
+        new = {p.name: (p.name, p.shape, p.dtype) for p in patches
+               if p.name not in self.views and p.name not in self.fallback}
+        if not new:
+            return
+        with self._loader_layout():
+            views, unsupported = probe_views(self.model, list(new.values()), whole=self._whole())
+        self.views.update(views)
+        self.fallback.update(unsupported)
+        for name, why in unsupported.items():
+            log.warning("delta-sync: %s has no loader view (%s); it uses vLLM's loader", name, why)
 
     def _write_bulk_range(self, entry: dict, p: Patch) -> None:
         state = self._bulk
@@ -284,13 +301,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         if known is not None and known != (p.shape, p.dtype):
             raise PatchValidationError(p.name, f"shape/dtype {p.shape}/{p.dtype} differ from the seeded "
                                        f"{known[0]}/{known[1]}", kept="needs_seed")
-        if p.name not in self.views and p.name not in self.fallback:
-            with self._loader_layout():
-                views, unsupported = probe_views(self.model, [(p.name, p.shape, p.dtype)], whole=self._whole())
-            self.views.update(views)
-            self.fallback.update(unsupported)
-            for name, why in unsupported.items():
-                log.warning("delta-sync: %s has no loader view (%s); it uses vLLM's loader", name, why)
+        self._probe([p])
         view = self.views.get(p.name)
         params = state.params(self.model)
         wrong = next((params[seg.param].dtype for seg in view.segments if params[seg.param].dtype != p.dtype),

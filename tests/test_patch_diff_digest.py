@@ -285,3 +285,30 @@ def test_bucket_checks_sparse_entries_at_once_and_names_the_tensor(case, match):
     bucket.values["bfloat16"][3:] = torch.tensor(vals).to(torch.bfloat16)
     with pytest.raises(PatchValidationError, match=f"'b'.*{match}"):
         TensorAssembler().add(bucket)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_host_kernel_equals_the_device_formula(dtype, monkeypatch):
+    """The host kernel (S0/S1 sums, AVX2 or scalar, threaded, optionally copying) gives the bits
+    of the torch-op lane sums that devices run, with the same non-finite count, at any length,
+    offset and split; a copying scan leaves an exact copy."""
+    import delta_sync.digest as dg
+    if not native.supports_words(torch.zeros(2, dtype=torch.int16)):
+        pytest.skip("no C compiler here: the host kernel is not built")
+    monkeypatch.setattr(dg, "_MIN_WORDS_PER_THREAD", 1 << 12)  # several threads on small inputs too
+    g = torch.Generator().manual_seed(3)
+    for n in (1, 15, 16, 255, 256, 257, 4097, 65537, 200_003):
+        x = (torch.randn(n, generator=g) * 1000).to(dtype)
+        if n > 10:
+            x[n // 3], x[n // 2] = float("nan"), float("-inf")
+        w, mask = dg._words_per_element(x), dg._EXP_MASK[dtype]
+        for start in (0, 7, 123_456_789_012):
+            ref = dg.lane_sums(dg._words(x), start * w, 4, mask, w).tolist()
+            want = [r % p for r, p in zip(ref[:4], dg.PRIMES)]
+            got, bad = dg._scan_words(dg._words(x), start * w, 4, mask, w)
+            out = torch.full_like(x, 7)
+            got2, bad2 = dg.scan_range(x, start, copy_to=out)
+            assert [v % p for v, p in zip(got, dg.PRIMES)] == want and bad == ref[4] == (2 if n > 10 else 0)
+            assert list(got2) == want and bad2 == bad
+            assert torch.equal(out.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                               x.view(torch.int16 if dtype != torch.float32 else torch.int32))
