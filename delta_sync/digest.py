@@ -24,6 +24,7 @@ that validation needs, so verification costs no pass of its own); other devices 
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
@@ -40,7 +41,6 @@ _MIN_WORDS_PER_THREAD = 1 << 20
 #: exponent bits that mark Inf/NaN in the word holding them, per element width.
 _EXP_MASK = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00, torch.float32: 0x7F80}
 _tables: dict[torch.device, torch.Tensor] = {}
-_native_tables: dict[str, object] = {}
 
 
 def _weight_table(device: torch.device) -> torch.Tensor:
@@ -52,13 +52,11 @@ def _weight_table(device: torch.device) -> torch.Tensor:
     return _tables[device]
 
 
-def _native_args():
-    """(p, a, c) per lane, as int64 arrays for the kernel."""
-    if not _native_tables:
-        for k, col in (("p", 0), ("a", 1), ("c", 2)):
-            _native_tables[k] = torch.tensor([lane[col] for lane in _LANES], dtype=torch.int64)
-    t = _native_tables
-    return t["p"], t["a"], t["c"]
+@functools.cache
+def _native_args() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(p, a, c) per lane, as int64 arrays for the kernel (built once; the cache makes concurrent
+    first calls from the digest's threads safe)."""
+    return tuple(torch.tensor([lane[col] for lane in _LANES], dtype=torch.int64) for col in range(3))
 
 
 def _words(values: torch.Tensor) -> torch.Tensor:

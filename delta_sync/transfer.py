@@ -46,6 +46,7 @@ class SendStats:
     payload_bytes: int = 0
     pack_s: float = 0.0
     send_s: float = 0.0
+    #: the packer's pass over dense ranges: copy into the bucket, digest, Inf/NaN check (fused)
     digest_s: float = 0.0
     #: most buckets alive at once on the sender (packed and not yet sent)
     peak_buckets: int = 0
@@ -60,16 +61,21 @@ class ReceivedUpdate:
     payload_bytes: int = 0
     #: most buckets alive at once on the receiver (received and not yet handed back)
     peak_buckets: int = 0
+    #: time spent checking buckets (checksums, bounds, every dense range's digest and finiteness)
+    check_s: float = 0.0
 
 
 class _Slots:
     """At most ``limit`` buckets alive at once, each in its own reusable :class:`Arena`: ``take``
     blocks until one is free, ``give`` returns it. Counts the peak."""
 
-    def __init__(self, limit: int, device: torch.device | str = "cpu"):
+    def __init__(self, limit: int, device: torch.device | str = "cpu", arenas: list[Arena] | None = None):
         self._free: queue.Queue = queue.Queue()
-        for _ in range(limit):
-            self._free.put(Arena(device))
+        arenas = arenas if arenas is not None else []
+        while len(arenas) < limit:
+            arenas.append(Arena(device))
+        for arena in arenas[:limit]:
+            self._free.put(arena)
         self._lock = threading.Lock()
         self.live = self.peak = 0
 
@@ -100,7 +106,7 @@ class BucketSender:
         self.packer = BucketPacker(version, kind, bucket_bytes, checksum, kept=kept)
         self.stats = SendStats()
         self._names: set[str] = set()
-        self._slots = _Slots(BUCKETS_IN_FLIGHT, channel.device)
+        self._slots = _Slots(BUCKETS_IN_FLIGHT, channel.device, channel.arenas())
         self._queue: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="delta_sync-send", daemon=True)
@@ -250,7 +256,7 @@ def receive_stream(channel: Channel, kept: str | None = None) -> Iterator[tuple[
 
     A bad bucket raises after the rest of the version was drained, so the channel stays in step
     with the sender. Raises :class:`UpdateAborted` for an aborted update."""
-    slots = _Slots(BUCKETS_IN_FLIGHT, channel.device)
+    slots = _Slots(BUCKETS_IN_FLIGHT, channel.device, channel.arenas())
     first_error: Exception | None = None
     version = None
     expect_seq = 0
@@ -267,7 +273,9 @@ def receive_stream(channel: Channel, kept: str | None = None) -> Iterator[tuple[
                     if h["seq"] != expect_seq or h["version"] != version:
                         raise DeltaSyncError(f"bucket out of order: got v{h['version']} seq {h['seq']}, "
                                              f"expected v{version} seq {expect_seq}", kept=kept)
+                    t0 = time.perf_counter()
                     entries = entry_patches(bucket, kept)
+                    h["_check_s"] = time.perf_counter() - t0
                 except Exception as e:  # keep draining so the channel stays in step
                     first_error = e
                 else:
@@ -301,6 +309,7 @@ def receive_update(channel: Channel, kept: str | None = None,
                                         f"in a {update.kind!r} update", kept=kept)
         update.buckets += 1
         update.payload_bytes += h["_payload_bytes"]
+        update.check_s += h["_check_s"]
         update.peak_buckets = max(update.peak_buckets, h["_peak_buckets"])
         if bulk_sink is not None and update.kind in BULK_KINDS:
             if sink_error is None:

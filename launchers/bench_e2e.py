@@ -432,6 +432,30 @@ def _adam_step(state: dict[str, torch.Tensor], lr: float, g: torch.Generator, ch
             part.copy_(p.detach().to(t.dtype))
 
 
+def _digest_marginal(state: dict[str, torch.Tensor], reps: int = 2) -> dict:
+    """What the sender's digests add to packing, same run: every tensor copied into a buffer, once
+    plainly and once through the fused copy + digest + Inf/NaN pass the packer runs (best of
+    ``reps``). The engine's share is its own ``check_s``."""
+    from delta_sync.digest import scan_range
+
+    tensors = [t.reshape(-1) for t in state.values() if t.dtype == torch.bfloat16]
+    buf = torch.empty(max(t.numel() for t in tensors), dtype=torch.bfloat16)
+    buf.fill_(0)
+    times = {"copy": [], "fused": []}
+    for _ in range(reps):
+        for how in times:
+            t0 = time.perf_counter()
+            for t in tensors:
+                out = buf[:t.numel()]
+                if how == "copy":
+                    out.copy_(t)
+                else:
+                    scan_range(t, 0, copy_to=out)
+            times[how].append(time.perf_counter() - t0)
+    copy_s, fused_s = min(times["copy"]), min(times["fused"])
+    return {"copy_s": round(copy_s, 4), "fused_s": round(fused_s, 4), "marginal_s": round(max(0.0, fused_s - copy_s), 4)}
+
+
 def _trainer_rank(rank, world, port, files, url, bucket, densities, lr, timeout_s):
     """Every rank: the same full state through ``WeightSync.update`` (rank 0 drives the engine)."""
     import gc
@@ -448,6 +472,7 @@ def _trainer_rank(rank, world, port, files, url, bucket, densities, lr, timeout_
         state = _load_state(files)
         engines = [url] if rank == 0 else []
         rows = []
+        digest_cost = _digest_marginal(state) if rank == 0 else None
 
         def run(sync, label, density=None):
             # settle: memory freed just now (the mapped checkpoint, perturbation temporaries) leaves RSS
@@ -463,6 +488,9 @@ def _trainer_rank(rank, world, port, files, url, bucket, densities, lr, timeout_
                    "changed_fraction": rep.changed_fraction, "changed_elements": rep.changed_elements,
                    "total_elements": rep.total_elements, "buckets": rep.buckets, "verified": rep.verified,
                    "t0": t0, "t1": t1}
+            if rank == 0:  # the workers' own timings of this update (check_s: their digest checks)
+                workers = [w.get("timings") or {} for e in sync.engines for w in e.report()]
+                row["engine_check_s"] = max((w.get("check_s", 0.0) for w in workers), default=0.0)
             rows.append(row)
             if rank == 0:
                 print(f"[e2e] {tag} {label} ({rep.kind}): {row['total_s']:.3f} s, pause {rep.pause_window_s:.3f} s, "
@@ -493,7 +521,8 @@ def _trainer_rank(rank, world, port, files, url, bucket, densities, lr, timeout_
             verify_s = time.perf_counter() - t0
         finally:
             sync.close()
-        return {"pid": os.getpid(), "rows": rows, "verify_s": round(verify_s, 4), "verified": True}
+        return {"pid": os.getpid(), "rows": rows, "verify_s": round(verify_s, 4), "verified": True,
+                "digest_marginal": digest_cost}
     finally:
         dist.destroy_process_group()
 
@@ -645,7 +674,7 @@ def _memory(rows0: list[dict], results: list[dict], sampler: RssSampler, model_b
         row["trainer_rss"] = ranks
 
 
-def _pass_summary(rows: list[dict], wire_s: float) -> dict:
+def _pass_summary(rows: list[dict], wire_s: float, digest_marginal_s: float = 0.0) -> dict:
     by = {r["label"]: r for r in rows}
     deltas = [r for r in rows if r["kind"] == "delta" and r["density"] is not None]
     head = min(deltas, key=lambda r: abs(math.log(r["density"] / HEADLINE_DENSITY))) if deltas else None
@@ -672,7 +701,10 @@ def _pass_summary(rows: list[dict], wire_s: float) -> dict:
         "delta_over_wire": _ratio(head and head["total_s"], wire_s),
         "delta_pause_over_wire": _ratio(head and head["pause_window_s"], wire_s),
         "adam_over_wire": _ratio(adam and adam["total_s"], wire_s),
-        "verify_over_seed": _ratio((seed or {}).get("timings", {}).get("verify_s", 0.0), seed and seed["total_s"]),
+        # verification's cost: the engine's digest checks plus what digesting adds to the sender's
+        # packing copy (measured beside it, same run: fused pass minus plain copy)
+        "verify_over_seed": _ratio((seed or {}).get("engine_check_s", 0.0) + digest_marginal_s,
+                                   seed and seed["total_s"]),
         # the default drift sweep's share of a delta: the trainer's digests of the next window and
         # the engine's, which travel back with the start call (no call of their own)
         "sweep_over_delta": _ratio(sum((head or {}).get("timings", {}).get(k, 0.0) for k in ("sweep_s", "sweep_engine_s")),
@@ -819,7 +851,8 @@ def _measure(args, result: dict, path: Path, files: list[Path], size: dict, buck
                     raise RuntimeError(f"engine generated nothing after the {world}-rank pass: {outputs}")
                 result[_pass_key(world)] = {
                     "ranks": world, "pids": [r["pid"] for r in res], "rows": rows,
-                    "summary": _pass_summary(rows, wire["seconds"]), "verify_s": res[0]["verify_s"],
+                    "summary": _pass_summary(rows, wire["seconds"], res[0]["digest_marginal"]["marginal_s"]),
+                    "digest_marginal": res[0]["digest_marginal"], "verify_s": res[0]["verify_s"],
                     "verified": all(r["verified"] for r in res), "greedy_token_ids": [o["token_ids"] for o in outputs]}
                 for r in rows:
                     eng = r.get("engine_rss") or {}

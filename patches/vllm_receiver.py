@@ -257,7 +257,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
             raise
         self._staged = upd
         self.last_timings = {"receive_s": time.perf_counter() - t0, "peak_buckets": float(upd.peak_buckets),
-                             "bulk_apply_s": self._bulk.apply_s}
+                             "bulk_apply_s": self._bulk.apply_s, "check_s": upd.check_s}
 
     def _apply_bulk_bucket(self, entries: list[tuple[dict, Patch]]) -> None:
         """One bucket's checked dense ranges of a seed/full update, written through their loader
