@@ -42,7 +42,7 @@ from delta_sync.errors import DeltaSyncError, LayoutNotSupported, NeedsSeed, Pat
 from delta_sync.patch import Patch, apply_patch
 from delta_sync.transfer import BULK_KINDS, receive_update
 
-from .loader_views import (LoaderView, UndoLog, apply_dense, apply_dense_range, apply_sparse, digest_view,
+from .loader_views import (LoaderView, UndoLog, apply_dense, apply_dense_range, apply_sparse_many, digest_view,
                            probe_views)
 
 from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
@@ -363,7 +363,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
 
     # ---- apply ---------------------------------------------------------------------------------
     def _apply_delta(self, patches: list[Patch], params, undo: UndoLog) -> None:
-        slow = []
+        slow, sparse = [], []
         for p in patches:
             view = self.views.get(p.name)
             if view is None:
@@ -371,7 +371,8 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
             elif p.dense:
                 apply_dense(view, params, p.values, undo)
             else:
-                apply_sparse(view, params, p.indices, p.values, undo)
+                sparse.append((p.name, p.indices, p.values))
+        apply_sparse_many(self.views, params, sparse, undo)
         if slow:
             from vllm.model_executor.model_loader.checkpoint_weight_patch import (CheckpointWeightPatch,
                                                                                   load_checkpoint_weight_patches)

@@ -183,3 +183,40 @@ def test_one_loader_call_per_batch_and_the_same_views_as_one_by_one():
                                        whole=False)
     assert len(calls) == 1 + len(SPECS) and set(unsupported2) == {"scaled"}
     assert {n: v.segments for n, v in views2.items()} == {n: v.segments for n, v in views.items()}
+
+
+def test_many_tensors_in_one_apply_equal_one_by_one():
+    """apply_sparse_many groups tensors held as one run by parameter (q and k share the fused qk:
+    one index_copy_ for both); the column-sliced and transposed ones go one by one; the result and
+    the undo log equal per-tensor apply_sparse."""
+    from patches.loader_views import apply_sparse_many, whole_run
+
+    g = torch.Generator().manual_seed(5)
+    models = [FusedStandIn(), FusedStandIn()]
+    views, _ = probe_views(models[0], [(n, s, torch.float32) for n, s in SPECS], whole=False)
+    assert whole_run(views["q"]) and whole_run(views["k"]).dst_offset == 24
+    assert whole_run(views["cols"]) is None and whole_run(views["tr"]) is None
+    patches = []
+    for n, s in SPECS:
+        if n == "scaled":
+            continue
+        numel = torch.Size(s).numel()
+        idx = torch.randperm(numel, generator=g)[:max(1, numel // 3)].sort().values.to(torch.int32)
+        patches.append((n, idx, torch.randn(idx.numel(), generator=g)))
+    patches.append(("k", torch.zeros(0, dtype=torch.int32), torch.zeros(0)))  # an empty patch writes nothing
+    for m in models:
+        for p in m.parameters():
+            p.data.copy_(torch.randn(p.shape, generator=g))
+    models[1].load_state_dict(models[0].state_dict())
+    before = {n: p.clone() for n, p in models[0].named_parameters()}
+    undos = [UndoLog(), UndoLog()]
+    params = [dict(m.named_parameters()) for m in models]
+    n_many = apply_sparse_many(views, params[0], patches[:-1] + patches[-1:], undos[0])
+    n_one = sum(apply_sparse(views[n], params[1], i, v, undos[1]) for n, i, v in patches)
+    assert n_many == n_one > 0  # "cols" keeps half its columns: not every index lands
+    for name in params[0]:
+        assert torch.equal(params[0][name], params[1][name]), name
+    assert not all(torch.equal(params[0][n], before[n]) for n in before)
+    undos[0].restore()
+    for name, p in params[0].items():
+        assert torch.equal(p, before[name]), name

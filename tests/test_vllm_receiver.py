@@ -167,29 +167,29 @@ def _seeded(llm, path):
 
 
 def test_apply_failure_midway_restores_previous_version(engine, monkeypatch):
-    import patches.vllm_receiver as receiver
-
     kind, path, llm = engine
     state, sync = _seeded(llm, path)
     evolve(state, 1)
     sync.update(state.items())
     before = greedy(llm, PROMPTS)
-    calls = {"n": 0}
-    real = receiver.apply_sparse
+    import patches.loader_views as views
 
-    def failing(*args, **kwargs):  # writes some tensors for real, then fails
+    calls = {"n": 0}
+    real = views.write_positions
+
+    def failing(*args, **kwargs):  # writes some parameters for real, then fails
         calls["n"] += 1
         if calls["n"] == 6:
             raise RuntimeError("injected failure in the middle of apply")
         return real(*args, **kwargs)
-    monkeypatch.setattr(receiver, "apply_sparse", failing)
+    monkeypatch.setattr(views, "write_positions", failing)
     evolve(state, 2)
     with pytest.raises(EngineError, match="injected failure.*undo log restored"):
         sync.update(state.items())
     assert calls["n"] == 6 and sync.version == 1 and not sync.needs_seed
     assert _worker_engine(llm).version == 1
     assert greedy(llm, PROMPTS) == before
-    monkeypatch.setattr(receiver, "apply_sparse", real)
+    monkeypatch.setattr(views, "write_positions", real)
     rep = sync.update(state.items())  # the snapshot stayed at v1: this delta carries v1 -> v2 again
     assert rep.kind == "delta" and rep.version == 2
     sync.verify()
