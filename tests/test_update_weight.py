@@ -82,3 +82,23 @@ def test_updaters_keep_the_engine_exact(llm, mode, transport, cls):
         assert all(r.payload_bytes < reports[0].payload_bytes for r in later)
     stages = {"prepare_s", "send_s", "pack_s", "finish_s", "total_s"} | ({"diff_s"} if mode == "delta" else set())
     assert all(stages <= set(r.timings) for r in later)
+
+
+def test_owned_runs_are_maximal_and_cut_at_parameter_starts():
+    """The fast path's plan: runs of owned elements consecutive in both coordinates, found without
+    sorting the elements; a foreign element, a jump in local offsets, or the start of the next
+    local parameter ends a run."""
+    import torch
+
+    from update_weight.megatron_shard_delta import _expand, _owned_runs
+
+    starts = torch.tensor([0, 10, 20])  # three local parameters of 10 elements
+    # checkpoint order: local 2..7, foreign, 8..13 (crosses the parameter starting at 10), 30, 31
+    local = torch.tensor([2, 3, 4, 5, 6, 7, -1, 8, 9, 10, 11, 12, 13, 30, 31])
+    mine = local >= 0
+    begin, length, target = _owned_runs(local, mine, starts)
+    assert begin.tolist() == [2, 8, 10, 30] and length.tolist() == [6, 2, 4, 2] and target.tolist() == [0, 7, 9, 13]
+    # every owned element is covered once, at its own checkpoint position
+    assert torch.equal(_expand(begin, length), local[mine]) and torch.equal(_expand(target, length), mine.nonzero().squeeze(1))
+    begin, length, target = _owned_runs(torch.arange(5, 15), True, starts)  # all mine: cut at 10 only
+    assert begin.tolist() == [5, 10] and length.tolist() == [5, 5] and target.tolist() == [0, 5]

@@ -10,8 +10,10 @@ float64 ever enters a collective, which HCCL lacks). Every output element then n
 local offset it came from, through
 whatever Bridge does (TP gather, QKV per-group interleave, gate/up halves, expert renumbering,
 PP broadcast, vocab padding dropped). Where several ranks hold the same element (replicated norms
-at TP>1, data-parallel replicas), the lowest rank is its owner (one ``all_reduce(MIN)`` over the
-host group).
+at TP>1, data-parallel replicas), the lowest rank is its owner: one code per rank and tensor when
+each rank converted all or none of it from its own shard, an ``all_reduce(MIN)`` per element over
+the host group only for tensors gathered across ranks. Runs are found in a few vectorized passes
+over each converted tensor (no sort of its elements).
 
 Each rank keeps, per local parameter, the *runs* of owned elements that are contiguous in both
 coordinates (``local_start, length, tensor, checkpoint_start``) and a bf16 snapshot of that
@@ -214,7 +216,7 @@ class MegatronShardDelta(BridgeExportSource):
         params: list[torch.Tensor] = []
         base: list[int] = []
         offset = 0
-        pieces: dict[int, list] = {}  # local param k -> [(local offsets, plan index, targets)]
+        pieces: dict[int, list] = {}  # local param k -> [(run starts, lengths, plan index, targets)]
         names: list[str] = []
         problem = None
         for task in self.tasks():
@@ -231,26 +233,24 @@ class MegatronShardDelta(BridgeExportSource):
                 converted = self.bridge._model_bridge.maybe_modify_converted_hf_weight(task, converted or {}, {})
             finally:  # mappings cache the (shape, dtype) they broadcast: forget the probe's int64
                 _clear_caches(task.mapping)
+            starts = torch.tensor(base, dtype=torch.int64)
             for name, ids in (converted or {}).items():
                 ids = ids.reshape(-1).to("cpu", torch.int64)
-                owner = torch.full(ids.shape, _NOBODY, dtype=torch.int32)
-                owner[torch.div(ids, _RANK_STRIDE, rounding_mode="floor") == rank] = rank
-                if dist.is_initialized():
-                    collectives.all_reduce(owner, self._host_group(), op=dist.ReduceOp.MIN)
-                if bool((owner == _NOBODY).any()):
+                mine = self._owned(ids, rank)
+                if mine is None:
                     problem = problem or f"no owner for some elements of {name}"
                 if name in names:
                     problem = problem or f"{name} converted twice"
                     continue
                 names.append(name)
-                mine = (owner == rank).nonzero().squeeze(1)
-                if mine.numel() == 0:
+                if mine is None or mine is False:
                     continue
-                local = ids.take(mine).sub_(rank * _RANK_STRIDE)
-                k = torch.searchsorted(torch.tensor(base, dtype=torch.int64), local, right=True) - 1
+                local, length, target = _owned_runs(ids - rank * _RANK_STRIDE, mine, starts)
+                k = torch.searchsorted(starts, local, right=True) - 1
                 for kk in torch.unique(k).tolist():
                     sel = k == kk
-                    pieces.setdefault(kk, []).append((local[sel] - base[kk], len(names) - 1, mine[sel]))
+                    pieces.setdefault(kk, []).append((local[sel] - base[kk], length[sel], len(names) - 1,
+                                                      target[sel]))
         self._plan_names = names
         self._plan_index = {n: i for i, n in enumerate(names)}
         self._problem = problem
@@ -259,6 +259,33 @@ class MegatronShardDelta(BridgeExportSource):
         for k, runs in enumerate(self._runs or []):
             for s in torch.unique(runs.seq).tolist():
                 self._params_of.setdefault(s, []).append(k)
+
+    def _owned(self, ids: torch.Tensor, rank: int) -> torch.Tensor | bool | None:
+        """Which converted elements this rank owns: each element's owner is the lowest rank that
+        converted it from its own shard (its id names that rank). True / False for all or none,
+        a bool mask when mixed, None when some element has no owner at all.
+
+        Usually one rank converts a whole tensor from its own shard (replicated weights, an expert
+        of its own) and the others none of it from theirs: one code per rank settles that; only a
+        tensor some rank holds partly (a TP all-gather) takes a per-element all-reduce."""
+        own = torch.div(ids, _RANK_STRIDE, rounding_mode="floor") == rank
+        code = 2 if bool(own.all()) else (1 if bool(own.any()) else 0)  # all / some / none from my shard
+        if not dist.is_initialized():
+            return True if code == 2 else None
+        group = self._host_group()
+        codes = torch.empty(dist.get_world_size(group), dtype=torch.int32)
+        collectives.all_gather_into_tensor(codes, torch.tensor([code], dtype=torch.int32), group)
+        codes = codes.tolist()
+        if 1 not in codes:
+            if 2 not in codes:
+                return None
+            return codes.index(2) == dist.get_rank(group)  # the lowest rank converting it all from its own shard
+        owner = torch.full(ids.shape, _NOBODY, dtype=torch.int32)
+        owner[own] = rank
+        collectives.all_reduce(owner, group, op=dist.ReduceOp.MIN)
+        if bool((owner == _NOBODY).any()):
+            return None
+        return owner == rank
 
     def _matches(self, name: str, tensor: torch.Tensor) -> bool:
         """Seed check: every element this rank owns of ``name`` equals the exported one, bit for bit."""
@@ -293,23 +320,46 @@ def _clear_caches(mapping, seen=None) -> None:
             _clear_caches(value, seen)
 
 
+def _owned_runs(local: torch.Tensor, mine: torch.Tensor | bool, starts: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(local start, length, target start)`` of the maximal runs of owned elements that are
+    consecutive in both coordinates, from ``local`` (each checkpoint element's local flat offset,
+    in checkpoint order). Runs also break where a local parameter starts (``starts``). A few
+    vectorized passes over the tensor; no sort of its elements."""
+    n = local.numel()
+    cont = torch.zeros(n, dtype=torch.bool)  # element t continues the run of element t - 1
+    if n > 1:
+        cont[1:] = local[1:] == local[:-1] + 1
+        if mine is not True:
+            cont[1:] &= mine[1:] & mine[:-1]
+    first = (~cont).nonzero().squeeze(1)  # every run, owned or not (a foreign element is its own)
+    length = torch.diff(first, append=torch.tensor([n]))
+    if mine is not True:
+        keep = mine.take(first)
+        first, length = first[keep], length[keep]
+    begin = local.take(first)
+    k0 = torch.searchsorted(starts, begin, right=True)
+    k1 = torch.searchsorted(starts, begin + length - 1, right=True)
+    if bool((k0 != k1).any()):  # a run that crosses into the next local parameter: cut it there
+        parts = []
+        for b, ln, t in zip(begin.tolist(), length.tolist(), first.tolist()):
+            for s in starts.tolist():
+                if b < s < b + ln:
+                    parts.append((b, s - b, t))
+                    ln, t, b = ln - (s - b), t + (s - b), s
+            parts.append((b, ln, t))
+        begin, length, first = (torch.tensor(c, dtype=torch.int64) for c in zip(*parts))
+    return begin, length, first
+
+
 def _build_runs(param: torch.Tensor, plist) -> _Runs:
-    return _place(param, *_host_runs(plist))
-
-
-def _host_runs(plist) -> tuple[torch.Tensor, ...]:
-    """``(local, length, seq, target)`` of the runs of one parameter's owned elements, on the host."""
+    """The runs of one parameter's owned elements, in local order, on its device."""
     local = torch.cat([p[0] for p in plist])
-    seq = torch.cat([torch.full_like(p[0], p[1]) for p in plist])
-    target = torch.cat([p[2] for p in plist])
-    order = torch.argsort(local)
-    local, seq, target = local[order], seq[order], target[order]
-    brk = torch.ones(local.numel(), dtype=torch.bool)
-    if local.numel() > 1:
-        brk[1:] = (local[1:] != local[:-1] + 1) | (target[1:] != target[:-1] + 1) | (seq[1:] != seq[:-1])
-    starts = brk.nonzero().squeeze(1)
-    ends = torch.cat([starts[1:], torch.tensor([local.numel()])])
-    return local.take(starts), ends - starts, seq.take(starts), target.take(starts)
+    length = torch.cat([p[1] for p in plist])
+    seq = torch.cat([torch.full_like(p[0], p[2]) for p in plist])
+    target = torch.cat([p[3] for p in plist])
+    order = torch.argsort(local)  # one entry per run: a few per row
+    return _place(param, local[order], length[order], seq[order], target[order])
 
 
 def _place(param: torch.Tensor, local, length, seq, target) -> _Runs:
