@@ -205,11 +205,13 @@ def parse_header(raw: bytes) -> dict:
         raise PatchValidationError("<bucket header>", f"malformed header: {e}") from None
 
 
-def entry_patches(bucket: Bucket, kept: str | None = None) -> list[tuple[dict, Patch]]:
+def entry_patches(bucket: Bucket, kept: str | None = None, check_dense: bool = True) -> list[tuple[dict, Patch]]:
     """Split a received bucket into per-entry patches after checking its checksum and bounds.
 
     Dense entries become ``Patch`` objects with ``indices=None`` and values for the entry's
-    ``[start, start+count)`` range (the caller joins ranges of one tensor).
+    ``[start, start+count)`` range (the caller joins ranges of one tensor). Their digests and
+    finiteness are checked here, unless ``check_dense`` is False: then the caller must run
+    :func:`check_dense_entry` on each (a receiver that digests while it applies).
     """
     h = bucket.header
     if h.get("checksum") is not None:
@@ -252,15 +254,10 @@ def entry_patches(bucket: Bucket, kept: str | None = None) -> list[tuple[dict, P
                                            kept=kept)
             if not isinstance(e.get("digest"), str):
                 raise PatchValidationError(name, "dense entry without a digest", kept=kept)
-            got, bad = scan_range(vals, start)
-            if got.hex() != e["digest"]:
-                raise ChecksumMismatch(f"bucket {h['seq']} of version {h['version']}: {name!r} values "
-                                       f"[{start}, {start + n}) digest {got.hex()} != header {e['digest']}",
-                                       kept=kept)
-            if bad:
-                where = start + first_true(~torch.isfinite(vals))
-                raise PatchValidationError(name, f"non-finite value at flat index {where}", index=where,
-                                           kept=kept)
+            e["_where"] = f"bucket {h['seq']} of version {h['version']}"  # for a later check's message
+            if check_dense:
+                got, bad = scan_range(vals, start)
+                check_dense_entry(e, got, bad, vals, kept)
             p = Patch(name, shape, DTYPES[e["dtype"]], None, vals)
         out.append((e, p))
     if used_idx != bucket.indices.numel() or any(used[k] != v.numel() for k, v in bucket.values.items()):
@@ -269,6 +266,18 @@ def entry_patches(bucket: Bucket, kept: str | None = None) -> list[tuple[dict, P
                                    f"{ {k: v.numel() for k, v in bucket.values.items()} }", kept=kept)
     check_sparse_entries(h["entries"], bucket.indices, bucket.values, kept)
     return out
+
+
+def check_dense_entry(entry: dict, digest, bad: int, values: torch.Tensor, kept: str | None = None) -> None:
+    """Refuse a dense entry whose values (as received: ``values``) have another digest than the
+    sender's, or hold Inf/NaN; ``digest`` and ``bad`` are what a scan of them found."""
+    name, start, n = entry.get("name", "<unnamed>"), int(entry["start"]), int(entry["count"])
+    if digest.hex() != entry["digest"]:
+        raise ChecksumMismatch(f"{entry.get('_where', 'a bucket')}: {name!r} values "
+                               f"[{start}, {start + n}) digest {digest.hex()} != header {entry['digest']}", kept=kept)
+    if bad:
+        where = start + first_true(~torch.isfinite(values))
+        raise PatchValidationError(name, f"non-finite value at flat index {where}", index=where, kept=kept)
 
 
 def check_sparse_entries(entries: list[dict], indices: torch.Tensor, values: dict[str, torch.Tensor],

@@ -250,9 +250,12 @@ def _prefetch(channel: Channel, slots: _Slots) -> Iterator[Bucket]:
             return
 
 
-def receive_stream(channel: Channel, kept: str | None = None) -> Iterator[tuple[dict, list[tuple[dict, Patch]]]]:
+def receive_stream(channel: Channel, kept: str | None = None, check_bulk: bool = True
+                   ) -> Iterator[tuple[dict, list[tuple[dict, Patch]]]]:
     """``(header, [(entry, patch), ...])`` per bucket of one version, checked (checksum, per-entry
-    digests, bounds, tiling) before it is yielded; the next bucket is received meanwhile.
+    digests, bounds, tiling) before it is yielded; the next bucket is received meanwhile. Without
+    ``check_bulk`` the dense entries of seed/full buckets are yielded with their digests unchecked
+    (the consumer checks them, see :func:`receive_update`).
 
     A bad bucket raises after the rest of the version was drained, so the channel stays in step
     with the sender. Raises :class:`UpdateAborted` for an aborted update."""
@@ -274,7 +277,7 @@ def receive_stream(channel: Channel, kept: str | None = None) -> Iterator[tuple[
                         raise DeltaSyncError(f"bucket out of order: got v{h['version']} seq {h['seq']}, "
                                              f"expected v{version} seq {expect_seq}", kept=kept)
                     t0 = time.perf_counter()
-                    entries = entry_patches(bucket, kept)
+                    entries = entry_patches(bucket, kept, check_dense=check_bulk or h["kind"] not in BULK_KINDS)
                     h["_check_s"] = time.perf_counter() - t0
                 except Exception as e:  # keep draining so the channel stays in step
                     first_error = e
@@ -290,18 +293,22 @@ def receive_stream(channel: Channel, kept: str | None = None) -> Iterator[tuple[
 
 
 def receive_update(channel: Channel, kept: str | None = None,
-                   bulk_sink: Callable[[list[tuple[dict, Patch]]], None] | None = None) -> ReceivedUpdate:
+                   bulk_sink: Callable[[list[tuple[dict, Patch]]], None] | None = None,
+                   sink_checks: bool = False) -> ReceivedUpdate:
     """Receive one version.
 
     A delta (or any version without ``bulk_sink``) is assembled into one patch per tensor: the
     transactional path, nothing is applied here. A seed or full update with ``bulk_sink`` hands
     each bucket's checked entries to ``bulk_sink([(entry, patch), ...])`` as it arrives (the next
     bucket is received meanwhile) and returns no patches; if the sink raises, the rest of the version is
-    drained unapplied and the sink's error is raised at the end."""
+    drained unapplied and the sink's error is raised at the end. With ``sink_checks`` the sink gets
+    dense entries unchecked and must run :func:`~delta_sync.bucket.check_dense_entry` on each, e.g.
+    over the digest of the pass that applies it (the engine's case: a failed bulk update needs a
+    seed anyway, so checking after the write loses nothing and saves a pass over the bytes)."""
     asm = TensorAssembler(kept)
     update: ReceivedUpdate | None = None
     sink_error: Exception | None = None
-    for h, entries in receive_stream(channel, kept):
+    for h, entries in receive_stream(channel, kept, check_bulk=not (sink_checks and bulk_sink is not None)):
         if update is None:
             update = ReceivedUpdate(int(h["version"]), h["kind"])
         elif h["kind"] != update.kind and sink_error is None:  # drained below, raised at the end

@@ -701,9 +701,10 @@ def _pass_summary(rows: list[dict], wire_s: float, digest_marginal_s: float = 0.
         "delta_over_wire": _ratio(head and head["total_s"], wire_s),
         "delta_pause_over_wire": _ratio(head and head["pause_window_s"], wire_s),
         "adam_over_wire": _ratio(adam and adam["total_s"], wire_s),
-        # verification's cost: the engine's digest checks plus what digesting adds to the sender's
-        # packing copy (measured beside it, same run: fused pass minus plain copy)
-        "verify_over_seed": _ratio((seed or {}).get("engine_check_s", 0.0) + digest_marginal_s,
+        # verification's cost: what digesting adds to the two copies it rides on (the sender's
+        # packing, the engine's apply at TP=1: the same fused kernel, its cost over a plain copy
+        # measured beside the sync, same run) plus the engine's own bucket checks (check_s)
+        "verify_over_seed": _ratio((seed or {}).get("engine_check_s", 0.0) + 2 * digest_marginal_s,
                                    seed and seed["total_s"]),
         # the default drift sweep's share of a delta: the trainer's digests of the next window and
         # the engine's, which travel back with the start call (no call of their own)

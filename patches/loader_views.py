@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from delta_sync.digest import PRIMES, Digest, digest_range, element_sums
+from delta_sync.digest import PRIMES, Digest, digest_range, element_sums, scan_range
 
 
 @dataclass(frozen=True)
@@ -384,6 +384,27 @@ def apply_dense_range(view: LoaderView, params: dict[str, torch.Tensor], values:
                     flat.index_copy_(0, dst, src.index_select(0, sel + (c - start)).to(flat.dtype))
                     written += sel.numel()
     return written
+
+
+def apply_dense_range_scanned(view: LoaderView, params: dict[str, torch.Tensor], values: torch.Tensor,
+                              start: int) -> tuple[Digest, int] | None:
+    """:func:`apply_dense_range` through a view that holds the whole tensor in contiguous segments
+    (TP=1), each copy fused with the digest and Inf/NaN count of what it copies; returns their sums
+    over the range, to compare with the sender's after the write. None, writing nothing, for any
+    other view (strided or partial segments): the caller checks the values first."""
+    if not view.segments or not all(seg.contiguous for seg in view.segments) or \
+            sum(seg.numel for seg in view.segments) != math.prod(view.shape):
+        return None
+    src = values.reshape(-1)
+    stop = start + src.numel()
+    total, bad = Digest(), 0
+    for seg in view.segments:
+        lo, hi = max(start, seg.src_offset), min(stop, seg.src_offset + seg.numel)
+        if lo < hi:
+            dst = flat_param(params[seg.param]).narrow(0, seg.dst_offset + lo - seg.src_offset, hi - lo)
+            d, b = scan_range(src.narrow(0, lo - start, hi - lo), lo, copy_to=dst)
+            total, bad = total + d, bad + b
+    return total, bad
 
 
 def digest_view(view: LoaderView, params: dict[str, torch.Tensor]) -> tuple[Digest, int]:

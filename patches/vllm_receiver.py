@@ -37,12 +37,14 @@ import torch
 from delta_sync import accelerator
 from delta_sync.auth import AuthError, Verifier, load_secret
 from delta_sync.channel import Channel
-from delta_sync.digest import digest_tensor
+from delta_sync.bucket import check_dense_entry
+from delta_sync.digest import digest_tensor, scan_range
 from delta_sync.errors import DeltaSyncError, LayoutNotSupported, NeedsSeed, PatchValidationError
 from delta_sync.patch import Patch, apply_patch
 from delta_sync.transfer import BULK_KINDS, receive_update
 
-from .loader_views import (LoaderView, UndoLog, apply_dense, apply_dense_range, apply_sparse_many, digest_view,
+from .loader_views import (LoaderView, UndoLog, apply_dense, apply_dense_range, apply_dense_range_scanned,
+                           apply_sparse_many, digest_view,
                            probe_views)
 
 from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
@@ -237,7 +239,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         self._staged = None
         self._bulk = _BulkState()
         try:
-            upd = receive_update(self.channel, kept=self._kept(), bulk_sink=self._apply_bulk_bucket)
+            upd = receive_update(self.channel, kept=self._kept(), bulk_sink=self._apply_bulk_bucket, sink_checks=True)
             if update_info.version is not None and upd.version != update_info.version:
                 raise DeltaSyncError(f"received version {upd.version}, the sender announced {update_info.version}",
                                      kept=self._kept())
@@ -260,8 +262,10 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
                              "bulk_apply_s": self._bulk.apply_s, "check_s": upd.check_s}
 
     def _apply_bulk_bucket(self, entries: list[tuple[dict, Patch]]) -> None:
-        """One bucket's checked dense ranges of a seed/full update, written through their loader
-        views now (names seen for the first time are probed together, one loader call)."""
+        """One bucket's dense ranges of a seed/full update, written through their loader views now
+        (names seen for the first time are probed together, one loader call). Each range's digest
+        and finiteness are checked in the pass that writes it where the view allows (TP=1), else
+        before writing: a mismatch fails the update, which leaves this engine needing a seed."""
         state = self._bulk
         if not state.writing:
             state.writing = True
@@ -311,9 +315,18 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
                                        f"convert on the trainer (WeightSync(dtype={wrong}))", kept="needs_seed")
         state.advance(p.name, int(entry["start"]), p.count, p.numel)
         self.shapes[p.name] = (p.shape, p.dtype)
+        start = int(entry["start"])
         with torch.no_grad():
+            scanned = apply_dense_range_scanned(view, params, p.values, start) \
+                if view is not None and self._whole() else None
+            if scanned is None:
+                digest, bad = scan_range(p.values, start)
+                check_dense_entry(entry, digest, bad, p.values, "needs_seed")
+            else:
+                check_dense_entry(entry, *scanned, p.values, "needs_seed")
+                return
             if view is not None:
-                apply_dense_range(view, params, p.values, int(entry["start"]))
+                apply_dense_range(view, params, p.values, start)
             else:  # vLLM's loader needs the whole tensor: hold its ranges until the last one
                 parts = state.pending.setdefault(p.name, [])
                 parts.append(p.values.clone())

@@ -12,6 +12,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 from delta_sync.bucket import Bucket  # noqa: E402
+from delta_sync.digest import scan_range  # noqa: E402
 from delta_sync.errors import EngineError, PatchValidationError  # noqa: E402
 from delta_sync.patch import Patch  # noqa: E402
 from delta_sync.sync import WeightSync  # noqa: E402
@@ -203,19 +204,56 @@ def test_seed_failure_leaves_needs_seed_and_next_update_reseeds(engine, monkeypa
     state, sync = _seeded(llm, path)
     sync.close()
     fresh = WeightSync([llm], mode="delta")  # a new trainer: its first update is a seed
-    real = receiver.apply_dense_range
     calls = {"n": 0}
 
-    def failing(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise RuntimeError("injected seed failure")
-        return real(*args, **kwargs)
-    monkeypatch.setattr(receiver, "apply_dense_range", failing)
+    def failing(real):
+        def wrapped(*args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("injected seed failure")
+            return real(*args, **kwargs)
+        return wrapped
+    for fn in ("apply_dense_range", "apply_dense_range_scanned"):  # checked after / before the write
+        monkeypatch.setattr(receiver, fn, failing(getattr(receiver, fn)))
     with pytest.raises(EngineError, match="injected seed failure.*needs_seed"):
         fresh.update(state.items())
     assert fresh.needs_seed and _worker_engine(llm).needs_seed
-    monkeypatch.setattr(receiver, "apply_dense_range", real)
+    monkeypatch.undo()
+    rep = fresh.update(state.items())
+    assert rep.kind == "seed" and rep.verified and not _worker_engine(llm).needs_seed
+    fresh.close()
+
+
+@pytest.mark.parametrize("damage", ["flipped bits", "NaN"])
+def test_a_seed_damaged_in_flight_is_caught_where_it_is_applied(engine, damage):
+    """At TP=1 the engine digests a seed's values in the pass that writes them and compares after:
+    a value changed on the wire (bits flipped, or a NaN where the sender checked a number) fails the
+    update with the tensor named; the engine needs a seed, and the next one is exact."""
+    kind, path, llm = engine
+    state, sync = _seeded(llm, path)
+    sync.close()
+    fresh = WeightSync([llm], mode="delta", bucket_bytes=256 << 10)  # several buckets
+    fresh._connect()
+    plain_send = fresh.channel.send_bucket
+
+    def damaging(bucket: Bucket) -> None:
+        if bucket.header["seq"] == 1:  # after bucket 0 was applied: a partly written engine
+            vals = next(iter(bucket.values.values()))
+            if damage == "NaN":  # with a digest to match (a sender that skipped its own check)
+                pos = vals.numel() // 2
+                vals[pos] = float("nan")
+                e = next(e for e in bucket.header["entries"] if e["value_offset"] <= pos < e["value_offset"] + e["count"])
+                e["digest"] = scan_range(vals[e["value_offset"]:e["value_offset"] + e["count"]], e["start"])[0].hex()
+            else:
+                vals.view(torch.int16)[vals.numel() // 2] ^= 0x0100
+        plain_send(bucket)
+    fresh.channel.send_bucket = damaging
+    with pytest.raises(EngineError, match="digest" if damage == "flipped bits" else "non-finite") as e:
+        fresh.update(state.items())
+    assert "needs_seed" in str(e.value)
+    assert fresh.needs_seed and _worker_engine(llm).needs_seed
+    if fresh.channel is not None:  # the failed update may have dropped it (a new one is made)
+        fresh.channel.__dict__.pop("send_bucket", None)
     rep = fresh.update(state.items())
     assert rep.kind == "seed" and rep.verified and not _worker_engine(llm).needs_seed
     fresh.close()
