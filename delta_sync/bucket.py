@@ -300,14 +300,6 @@ def check_sparse_entries(entries: list[dict], indices: torch.Tensor, values: dic
         k = int(torch.searchsorted(first, torch.tensor([pos], device=dev), right=True)) - 1
         return sparse[k], pos - int(first[k])
 
-    if idx.numel():
-        numel = torch.tensor([math.prod(int(d) for d in e["shape"]) for e in sparse], dtype=torch.int64, device=dev)
-        bad = (idx < 0) | (idx >= torch.repeat_interleave(numel, counts))
-        if bool(bad.any()):
-            pos = first_true(bad)
-            e, at = where(pos)
-            why = "is negative" if int(idx[pos]) < 0 else f"out of bounds for {math.prod(e['shape'])} elements"
-            raise PatchValidationError(e["name"], f"index {int(idx[pos])} {why}", index=at, kept=kept)
     if idx.numel() > 1:
         step = idx[1:] - idx[:-1]
         step[(first - 1)[(first > 0) & (counts > 0)]] = 1  # entries do not continue each other
@@ -318,6 +310,24 @@ def check_sparse_entries(entries: list[dict], indices: torch.Tensor, values: dic
             why = (f"duplicate index {int(idx[pos])}" if int(step[pos - 1]) == 0 else
                    f"indices not increasing: {int(idx[pos - 1])} then {int(idx[pos])}")
             raise PatchValidationError(e["name"], why, index=at, kept=kept)
+    if idx.numel():
+        # strictly increasing within each entry (above): its first and last index bound all of it
+        nonempty = counts > 0
+        lo = idx.index_select(0, first[nonempty])
+        hi = idx.index_select(0, (first + counts - 1)[nonempty])
+        numel = torch.tensor([math.prod(int(d) for d in e["shape"]) for e in sparse], dtype=torch.int64,
+                             device=dev)[nonempty]
+        bad = (lo < 0) | (hi >= numel)
+        if bool(bad.any()):
+            k = first_true(bad)
+            e = [e for e, n in zip(sparse, nonempty.tolist()) if n][k]
+            start = int(first[nonempty][k])
+            if int(lo[k]) < 0:  # increasing: the entry's first index is its first negative one
+                at, why = 0, "is negative"
+            else:  # and its out-of-bounds ones are its last: name the first of them
+                at = first_true(idx[start:start + int(e["count"])] >= int(numel[k]))
+                why = f"out of bounds for {math.prod(e['shape'])} elements"
+            raise PatchValidationError(e["name"], f"index {int(idx[start + at])} {why}", index=at, kept=kept)
     for dname in {e["dtype"] for e in sparse}:
         mine = [e for e in sparse if e["dtype"] == dname]
         lo = int(mine[0]["value_offset"])
