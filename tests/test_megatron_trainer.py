@@ -83,6 +83,48 @@ def test_trainer_reconstruction_equals_independent_export(kind, world, tp, pp, e
     assert all(r[0] == kinds for r in results)  # every rank reports the same updates
 
 
+def _digests_both_ways(rank, world, port, path, ep):
+    """The fast path's shard digests, run by run and element by element, against the export's."""
+    import torch.distributed as dist
+
+    import update_weight.megatron_shard_delta as fast
+    from delta_sync.digest import digest_tensor
+    from delta_sync.memory_receiver import MemoryReceiver
+    from launchers.megatron_trainer import MegatronTrainer
+    from update_weight import build_updater
+    from update_weight.args import UpdateWeightConfig
+    from update_weight.megatron_source import BridgeExportSource
+
+    trainer = MegatronTrainer.from_hf(path, ep=ep, lr=1e-4)
+    source = fast.MegatronShardDelta(trainer.bridge, trainer.model)
+    updater = build_updater(UpdateWeightConfig("delta", "sparse_gloo", "gloo", 64 << 20, 0),
+                            [MemoryReceiver()] if rank == 0 else [])
+    updater.update_weights(source)
+    digests = {}
+    for way, threshold in (("runs", 1), ("elements", 1 << 62)):
+        fast._LONG_RUNS = threshold
+        digests[way] = {n: d.hex() for n, d in source.local_digests().items()}
+    exported = {n: digest_tensor(t).hex() for n, t in BridgeExportSource(trainer.bridge, trainer.model)}
+    updater.close()
+    dist.barrier()
+    return digests, exported
+
+
+def test_shard_digests_run_by_run_equal_element_by_element():
+    """The drift sweep digests long runs as contiguous ranges (the compiled kernel) and short ones
+    element by element: both give every rank's share, and on one rank the export's own digests."""
+    path = str(build("moe-wide"))
+    (digests, exported), = run_ranks(_digests_both_ways, 1, path, 1, timeout=600)
+    assert digests["runs"] == digests["elements"] == exported
+    (d0, exported), (d1, _) = run_ranks(_digests_both_ways, 2, path, 2, timeout=600)  # EP=2: shares add up
+    assert d0["runs"] == d0["elements"] and d1["runs"] == d1["elements"]
+    from delta_sync.digest import Digest
+
+    total = {n: (Digest.parse(d0["runs"].get(n, Digest().hex())) + Digest.parse(d1["runs"].get(n, Digest().hex()))).hex()
+             for n in exported}
+    assert total == exported
+
+
 def _one_step_export(rank, world, port, path, tp, pp, ep, lr, out):
     from safetensors.torch import save_file
 

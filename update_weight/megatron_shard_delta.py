@@ -40,7 +40,7 @@ import torch.distributed as dist
 from delta_sync import collectives
 from delta_sync.collectives import TrainerGroups
 from delta_sync.diff import BitwiseDiff, int_view
-from delta_sync.digest import Digest, digest_elements
+from delta_sync.digest import Digest, digest_elements, digest_range
 from delta_sync.gather import Ordered
 from delta_sync.patch import Patch
 
@@ -51,6 +51,8 @@ log = logging.getLogger(__name__)
 _RANK_STRIDE = 1 << 40  # ids: rank * 2**40 + local offset (int64)
 _NOBODY = torch.iinfo(torch.int32).max
 _EMBED = "model.embed_tokens.weight"
+#: mean run length from which digests go run by run (contiguous ranges) instead of element by element
+_LONG_RUNS = 1 << 12
 
 
 @dataclass
@@ -183,6 +185,15 @@ class MegatronShardDelta(BridgeExportSource):
                 keep = torch.isin(run_seq, torch.tensor(wanted, dtype=run_seq.dtype, device=run_seq.device))
                 run_local, run_target, run_length, run_seq = (run_local[keep], run_target[keep],
                                                               run_length[keep], run_seq[keep])
+            if run_length.numel() and int(run_length.sum()) >= _LONG_RUNS * run_length.numel():
+                # long runs (whole rows or tensors): one contiguous digest per run, at memory speed
+                for loc, tgt, ln, s in zip(run_local.tolist(), run_target.tolist(), run_length.tolist(),
+                                           run_seq.tolist()):
+                    name = self._plan_names[s]
+                    d = digest_range(snap.narrow(0, loc, ln).view(self._dtypes[name]), tgt)
+                    for n in [name, *self._aliases.get(name, [])]:
+                        out[n] = out.get(n, Digest()) + d
+                continue
             local, target = _expand(run_local, run_length), _expand(run_target, run_length)
             seqs = torch.repeat_interleave(run_seq, run_length)
             for s in torch.unique(seqs).tolist():
