@@ -103,6 +103,7 @@ class Verifier:
         self._key = key
         self._seen: OrderedDict[str, tuple[int, set[int]]] = OrderedDict()
         self._lock = threading.Lock()
+        self.session: str | None = None
 
     def check(self, envelope) -> tuple[str, dict]:
         """``(method, payload)`` of a valid envelope; :class:`AuthError` otherwise."""
@@ -125,6 +126,7 @@ class Verifier:
         if not session or not counter.isdigit():
             raise AuthError(f"{method!r}: malformed nonce", kept=kept)
         self._fresh(method, session, int(counter), kept)
+        self.session = session  # whose call this is (the engine's trainer claim is keyed by it)
         return method, payload
 
     def _fresh(self, method: str, session: str, counter: int, kept: str) -> None:

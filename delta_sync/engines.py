@@ -69,6 +69,10 @@ class _SignedEngine:
     def report(self, digests: bool = False, names: list[str] | None = None) -> list[dict]:
         return self._call("report", {"digests": digests, "names": names})
 
+    def release(self) -> None:
+        """This trainer is done with the engine: another may claim it at once."""
+        self._call("release")
+
 
 class HttpEngine(_SignedEngine):
     """A vLLM OpenAI server started with ``VLLM_SERVER_DEV_MODE=1`` (RL + collective_rpc routes) and

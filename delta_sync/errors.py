@@ -56,6 +56,14 @@ class NeedsSeed(DeltaSyncError):
     """The receiver has no valid base version (fresh, restarted, or a failed seed): send a full seed."""
 
 
+class EngineClaimed(DeltaSyncError):
+    """Another trainer holds this engine (it synced it recently and did not close): refused."""
+
+
+class UpdateInFlight(DeltaSyncError):
+    """``update`` was called while another update of the same sync was still running."""
+
+
 class EngineError(DeltaSyncError):
     """An engine rejected or failed an update; carries the engine's own message."""
 

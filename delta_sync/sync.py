@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -34,7 +35,7 @@ from .channel import Channel, free_port
 from .collectives import TrainerGroups
 from .digest import Digest, digest_tensor
 from .engines import EngineClient, as_engine
-from .errors import DeltaSyncError, GatherError, PatchValidationError, with_kept
+from .errors import DeltaSyncError, GatherError, PatchValidationError, UpdateInFlight, with_kept
 from .gather import Ordered, PatchGather, order_and_merge
 from .patch import Patch, check_indexable
 from .snapshot import SnapshotStore
@@ -184,6 +185,7 @@ class WeightSync:
         self.version = -1
         self.needs_seed = True
         self.sharded: ShardedSource | None = None  # the source whose shard snapshots back the deltas
+        self._busy = threading.Lock()  # one update at a time
 
     # ---- channel ---------------------------------------------------------------------------------
     def _connect(self) -> None:
@@ -223,6 +225,16 @@ class WeightSync:
     # ---- one update ------------------------------------------------------------------------------
     def update(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> UpdateReport:
         """Sync one version. Every trainer rank calls this with the same names in the same order."""
+        if not self._busy.acquire(blocking=False):
+            raise UpdateInFlight(f"update v{self.version + 1} is still running on this WeightSync (called from "
+                                 "two threads?); updates of one sync are sequential",
+                                 kept=f"the running update goes on; trainer snapshot at v{self.version}")
+        try:
+            return self._update(named_tensors)
+        finally:
+            self._busy.release()
+
+    def _update(self, named_tensors) -> UpdateReport:
         t_start = time.perf_counter()
         if not self.needs_seed and self._from_rank0(self.rank == 0 and self._engines_lost_base()):
             self.needs_seed = True  # an engine restarted or lost its base: only a seed can repair it
@@ -653,6 +665,15 @@ class WeightSync:
         return want
 
     def close(self) -> None:
+        """Leave the channel and release the engines (another trainer may claim them at once)."""
+        for e in self.engines:
+            release = getattr(e, "release", None)
+            if callable(release):
+                try:
+                    release()
+                except Exception as err:  # best effort: an unreachable engine's claim lapses by itself
+                    log.warning("delta-sync: releasing %s failed (%s); its claim lapses after %s s of silence",
+                                getattr(e, "name", e), err, "DELTA_SYNC_CLAIM_S")
         self._drop_channel()
 
 

@@ -111,11 +111,12 @@ def check_gather_and_device_rule(device, g, port: int) -> dict:
 
 
 def check_fast_path(device, g) -> dict:
-    from update_weight.megatron_shard_delta import _host_runs, _locate, _place
+    from update_weight.megatron_shard_delta import _host_runs, _locate, _owned_runs, _place
 
-    local = torch.arange(0, 4096)
-    plist = [(local[:1024], 0, local[:1024] + 7), (local[1024:], 1, local[1024:].flip(0))]
-    host = _host_runs(plist)
+    local, starts = torch.arange(0, 4096), torch.tensor([0])
+    b0, n0, t0 = _owned_runs(local[:1024], True, starts)  # one run, shifted by 7 in the checkpoint
+    b1, n1, t1 = _owned_runs(local[1024:].flip(0), True, starts)  # reversed: runs of one element
+    host = _host_runs([(b0, n0, 0, t0 + 7), (b1, n1, 1, t1 + 1024)])
     param = torch.empty(64, 64, dtype=torch.bfloat16, device=device)
     runs = _place(param, *host)
     pos = torch.randint(0, 4096, (300,), generator=g).unique()

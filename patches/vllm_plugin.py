@@ -118,6 +118,8 @@ def delta_sync_call(self, request: str = "{}"):
     except ValueError:
         envelope = None
     method, payload = engine.verifier.check(envelope)
+    if not engine.claim(method, engine.verifier.session):
+        return {"released": True}
     with engine.authorized(version=payload.get("version") if method == "finish" else None):
         if method == "init":
             if getattr(self, "_weight_update_active", False):  # a new trainer: the old one's session is over

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -39,7 +40,7 @@ from delta_sync.auth import AuthError, Verifier, load_secret
 from delta_sync.channel import Channel
 from delta_sync.bucket import check_dense_entry
 from delta_sync.digest import digest_tensor, scan_range
-from delta_sync.errors import DeltaSyncError, LayoutNotSupported, NeedsSeed, PatchValidationError
+from delta_sync.errors import DeltaSyncError, EngineClaimed, LayoutNotSupported, NeedsSeed, PatchValidationError
 from delta_sync.patch import Patch, apply_patch
 from delta_sync.transfer import BULK_KINDS, receive_update
 
@@ -53,6 +54,11 @@ from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightT
 from . import BACKEND_NAME
 
 log = logging.getLogger(__name__)
+
+#: seconds of silence after which a trainer's claim on this engine lapses (a crashed trainer's
+#: successor waits at most this long); 0 turns claims off
+CLAIM_ENV = "DELTA_SYNC_CLAIM_S"
+DEFAULT_CLAIM_S = 60.0
 
 
 @dataclass
@@ -160,6 +166,10 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         #: a seed/full update wrote some weights and did not complete: serving them would be wrong
         self.partial = False
         self.verifier = Verifier(load_secret(required=False))  # refuses every call without a secret
+        #: the trainer session that syncs this engine and when it last called; another session is
+        #: refused until this one releases it or stays silent for claim_s (0: no claims)
+        self.claimed: tuple[str, float] | None = None
+        self.claim_s = float(os.environ.get(CLAIM_ENV, DEFAULT_CLAIM_S))
         self._authorized = False
         self._call_version: int | None = None
 
@@ -173,6 +183,27 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
             yield
         finally:
             self._authorized, self._call_version = False, None
+
+    def claim(self, method: str, session: str) -> bool:
+        """One trainer per engine: a verified call from ``session`` is refused with
+        :class:`EngineClaimed` while another session holds the engine (it called within
+        ``claim_s`` and did not release); otherwise ``session`` holds it from now on. Returns False
+        for a ``release``, which ends the claim and needs nothing else."""
+        now = time.monotonic()
+        if self.claimed is not None and self.claimed[0] != session and self.claim_s > 0:
+            idle = now - self.claimed[1]
+            if idle < self.claim_s:
+                raise EngineClaimed(
+                    f"{method}: another trainer syncs this engine (session {self.claimed[0][:8]}, last call "
+                    f"{idle:.0f} s ago); a second one is refused until it closes its WeightSync or stays "
+                    f"silent for {self.claim_s:.0f} s ({CLAIM_ENV}), i.e. in {self.claim_s - idle:.0f} s",
+                    kept=self._kept() + "; the other trainer's channel and staged update are unchanged")
+        if method == "release":
+            if self.claimed is not None and self.claimed[0] == session:
+                self.claimed = None
+            return False
+        self.claimed = (session, now)
+        return True
 
     def require_authorized(self, what: str) -> None:
         if not self._authorized:

@@ -7,6 +7,10 @@ import secrets
 from delta_sync.auth import ENV
 
 os.environ.setdefault(ENV, secrets.token_hex(32))
+# Engines here see many trainers one after another, some killed on purpose; a trainer's claim on an
+# engine (60 s of silence by default) would make each wait for the last. Claims are off for the
+# suite; tests/test_vllm_receiver.py turns them on where it tests them.
+os.environ.setdefault("DELTA_SYNC_CLAIM_S", "0")
 
 
 import pytest  # noqa: E402

@@ -133,3 +133,33 @@ def test_readme_example_runs_as_written(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith(("seed", "delta"))]
     assert [ln.split()[0] for ln in lines] == ["seed", "delta", "delta"], out.stdout[-2000:]
+
+
+def test_an_update_while_another_runs_is_refused():
+    """Two threads calling update on one WeightSync: the second gets UpdateInFlight at once, the
+    first completes, and the receiver holds exactly its version."""
+    import threading
+
+    from delta_sync.errors import UpdateInFlight
+    from delta_sync.memory_receiver import MemoryReceiver
+
+    rx = MemoryReceiver()
+    sync = WeightSync([rx], mode="delta", timeout_s=60)
+    state = {"w": torch.randn(64, 64).to(torch.bfloat16)}
+    inside, go = threading.Event(), threading.Event()
+
+    def slow():
+        inside.set()
+        go.wait(30)
+        yield from state.items()
+    result = {}
+    th = threading.Thread(target=lambda: result.setdefault("rep", sync.update(slow())))
+    th.start()
+    assert inside.wait(30)
+    with pytest.raises(UpdateInFlight, match="still running"):
+        sync.update(state.items())
+    go.set()
+    th.join(60)
+    assert result["rep"].kind == "seed" and rx.version == 0
+    assert torch.equal(rx.tensors["w"], state["w"])
+    sync.close()

@@ -374,3 +374,39 @@ def test_seed_in_another_dtype_is_refused_with_the_fix(engine):
     assert sync.update(state.items()).kind == "seed"
     sync.verify()
     sync.close()
+
+
+def test_a_second_trainer_is_refused_while_the_first_holds_the_engine(engine):
+    """One trainer per engine: a second trainer (same secret, another session) is refused with a
+    typed error and writes nothing, the first one's channel goes on; a closed WeightSync releases
+    the engine, and a claim also lapses after its silence bound (a crashed trainer's successor)."""
+    import time
+
+    kind, path, llm = engine
+    if kind != "dense":
+        pytest.skip("claims do not depend on the model")
+    state, first = _seeded(llm, path)
+    worker = _worker_engine(llm)
+    worker.claim_s = 30.0  # the suite runs with claims off (conftest); production default 60 s
+    second = WeightSync([llm], mode="delta")
+    try:
+        before = greedy(llm, PROMPTS)
+        with pytest.raises(EngineError, match="another trainer syncs this engine") as e:
+            second.update(state.items())
+        assert f"kept: engine weights at version v{first.version}" in str(e.value)
+        assert greedy(llm, PROMPTS) == before and worker.version == first.version
+        evolve(state, 1)
+        assert first.update(state.items()).kind == "delta"  # its channel and claim are intact
+        first.close()  # releases the engine
+        rep = second.update(state.items())
+        assert rep.kind == "seed" and rep.verified
+        third = WeightSync([llm], mode="delta")
+        with pytest.raises(EngineError, match="another trainer syncs this engine"):
+            third.update(state.items())
+        worker.claim_s = 0.5  # the second trainer goes silent past the bound: its claim lapses
+        time.sleep(0.6)
+        assert third.update(state.items()).kind == "seed"
+        third.close()
+    finally:
+        worker.claim_s = 0.0
+        second.close()

@@ -365,12 +365,18 @@ def _owned_runs(local: torch.Tensor, mine: torch.Tensor | bool, starts: torch.Te
 
 def _build_runs(param: torch.Tensor, plist) -> _Runs:
     """The runs of one parameter's owned elements, in local order, on its device."""
+    return _place(param, *_host_runs(plist))
+
+
+def _host_runs(plist) -> tuple[torch.Tensor, ...]:
+    """``(local, length, seq, target)`` of one parameter's runs in local order, on the host, from
+    ``(run local starts, lengths, plan index, run target starts)`` per converted tensor."""
     local = torch.cat([p[0] for p in plist])
     length = torch.cat([p[1] for p in plist])
     seq = torch.cat([torch.full_like(p[0], p[2]) for p in plist])
     target = torch.cat([p[3] for p in plist])
     order = torch.argsort(local)  # one entry per run: a few per row
-    return _place(param, local[order], length[order], seq[order], target[order])
+    return local[order], length[order], seq[order], target[order]
 
 
 def _place(param: torch.Tensor, local, length, seq, target) -> _Runs:
