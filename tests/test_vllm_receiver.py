@@ -230,6 +230,8 @@ def test_a_seed_damaged_in_flight_is_caught_where_it_is_applied(engine, damage):
     a value changed on the wire (bits flipped, or a NaN where the sender checked a number) fails the
     update with the tensor named; the engine needs a seed, and the next one is exact."""
     kind, path, llm = engine
+    if kind != "dense":
+        pytest.skip("the check does not depend on the model (suite time)")
     state, sync = _seeded(llm, path)
     sync.close()
     fresh = WeightSync([llm], mode="delta", bucket_bytes=256 << 10)  # several buckets
