@@ -313,15 +313,15 @@ def check_sparse_entries(entries: list[dict], indices: torch.Tensor, values: dic
     if idx.numel():
         # strictly increasing within each entry (above): its first and last index bound all of it
         nonempty = counts > 0
-        lo = idx.index_select(0, first[nonempty])
-        hi = idx.index_select(0, (first + counts - 1)[nonempty])
+        heads, lens = first[nonempty], counts[nonempty]
+        lo, hi = idx.index_select(0, heads), idx.index_select(0, heads + lens - 1)
         numel = torch.tensor([math.prod(int(d) for d in e["shape"]) for e in sparse], dtype=torch.int64,
                              device=dev)[nonempty]
         bad = (lo < 0) | (hi >= numel)
         if bool(bad.any()):
             k = first_true(bad)
             e = [e for e, n in zip(sparse, nonempty.tolist()) if n][k]
-            start = int(first[nonempty][k])
+            start = int(heads[k])
             if int(lo[k]) < 0:  # increasing: the entry's first index is its first negative one
                 at, why = 0, "is negative"
             else:  # and its out-of-bounds ones are its last: name the first of them

@@ -371,11 +371,10 @@ def apply_dense_range(view: LoaderView, params: dict[str, torch.Tensor], values:
             seg.dst_view(flat).copy_(seg.src_view(src))
             written += seg.numel
         elif seg.contiguous:
-            lo, hi = max(start, seg.src_offset), min(stop, seg.src_offset + seg.numel)
-            if lo < hi:
-                d = seg.dst_offset + lo - seg.src_offset
-                flat.narrow(0, d, hi - lo).copy_(src.narrow(0, lo - start, hi - lo))
-                written += hi - lo
+            hit = _run_slices(seg, flat, src, start)
+            if hit is not None:
+                hit[0].copy_(hit[1])
+                written += hit[1].numel()
         else:
             for c in range(start, stop, RANGE_CHUNK):
                 idx = torch.arange(c, min(c + RANGE_CHUNK, stop), device=src.device)
@@ -396,15 +395,24 @@ def apply_dense_range_scanned(view: LoaderView, params: dict[str, torch.Tensor],
             sum(seg.numel for seg in view.segments) != math.prod(view.shape):
         return None
     src = values.reshape(-1)
-    stop = start + src.numel()
     total, bad = Digest(), 0
     for seg in view.segments:
-        lo, hi = max(start, seg.src_offset), min(stop, seg.src_offset + seg.numel)
-        if lo < hi:
-            dst = flat_param(params[seg.param]).narrow(0, seg.dst_offset + lo - seg.src_offset, hi - lo)
-            d, b = scan_range(src.narrow(0, lo - start, hi - lo), lo, copy_to=dst)
+        hit = _run_slices(seg, flat_param(params[seg.param]), src, start)
+        if hit is not None:
+            dst, part, lo = hit
+            d, b = scan_range(part, lo, copy_to=dst)
             total, bad = total + d, bad + b
     return total, bad
+
+
+def _run_slices(seg: Segment, flat: torch.Tensor, src: torch.Tensor, start: int
+                ) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """Where checkpoint elements ``[start, start + len(src))`` meet a contiguous segment:
+    ``(parameter slice, the matching slice of src, its first checkpoint index)``, or None."""
+    lo, hi = max(start, seg.src_offset), min(start + src.numel(), seg.src_offset + seg.numel)
+    if lo >= hi:
+        return None
+    return flat.narrow(0, seg.dst_offset + lo - seg.src_offset, hi - lo), src.narrow(0, lo - start, hi - lo), lo
 
 
 def digest_view(view: LoaderView, params: dict[str, torch.Tensor]) -> tuple[Digest, int]:

@@ -336,26 +336,23 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         if known is not None and known != (p.shape, p.dtype):
             raise PatchValidationError(p.name, f"shape/dtype {p.shape}/{p.dtype} differ from the seeded "
                                        f"{known[0]}/{known[1]}", kept="needs_seed")
-        self._probe([p])
-        view = self.views.get(p.name)
+        view = self.views.get(p.name)  # probed for the whole bucket by _apply_bulk_bucket
         params = state.params(self.model)
         wrong = next((params[seg.param].dtype for seg in view.segments if params[seg.param].dtype != p.dtype),
                      None) if view is not None else None
         if wrong is not None:  # copy_ would convert silently, and every later digest would disagree
             raise PatchValidationError(p.name, f"arrives as {p.dtype} but the engine holds it as {wrong}; "
                                        f"convert on the trainer (WeightSync(dtype={wrong}))", kept="needs_seed")
-        state.advance(p.name, int(entry["start"]), p.count, p.numel)
-        self.shapes[p.name] = (p.shape, p.dtype)
         start = int(entry["start"])
+        state.advance(p.name, start, p.count, p.numel)
+        self.shapes[p.name] = (p.shape, p.dtype)
         with torch.no_grad():
             scanned = apply_dense_range_scanned(view, params, p.values, start) \
                 if view is not None and self._whole() else None
-            if scanned is None:
-                digest, bad = scan_range(p.values, start)
-                check_dense_entry(entry, digest, bad, p.values, "needs_seed")
-            else:
+            if scanned is not None:  # written and digested in one pass: compare after the write
                 check_dense_entry(entry, *scanned, p.values, "needs_seed")
                 return
+            check_dense_entry(entry, *scan_range(p.values, start), p.values, "needs_seed")
             if view is not None:
                 apply_dense_range(view, params, p.values, start)
             else:  # vLLM's loader needs the whole tensor: hold its ranges until the last one
