@@ -6,6 +6,8 @@
 # `--trainer-ranks 4 --tp 2 --pp 2 --ep 2` on the tiny MoE and checks the engine against a fresh one);
 # this script only changes the devices, the model and the engine settings below. It has not been
 # run on NPUs by this project: needs torch_npu + CANN, vllm-ascend, MindSpeed (Megatron on Ascend).
+# vllm-ascend must be a release on vLLM >= 0.32's weight-transfer API; on 0.23.0.post1 (the newest
+# published) the engine refuses to start with delta-sync (README: Supported versions).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 MODEL=${MODEL:?path to the Qwen3-30B-A3B Hugging Face checkpoint}

@@ -15,14 +15,16 @@ They are added to ``WorkerBase``, the base of every platform's worker (vLLM's GP
 and vLLM-Ascend's ``NPUWorker`` alike), so they do not depend on which worker class a platform
 picks. In the API server process the plugin adds the *pause lease* (:func:`_install_pause_lease`).
 
-vLLM quirk corrected here: ``Worker.finish_weight_update`` leaves the update session marked
-active when the engine's finish raises, so every later ``start_weight_update`` fails with
-"already active". delta-sync's finish raises after restoring v-1, so the session must end.
+``delta_sync_call`` drives the engine itself rather than through the worker's lifecycle
+methods, which differ by platform and version. It also ends the worker's session when the engine's
+finish raises (vLLM's ``Worker.finish_weight_update`` leaves it marked active, so every later
+start would fail with "already active"; delta-sync's finish raises after restoring v-1).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
@@ -66,38 +68,59 @@ def _ours(worker):
 
 
 def _patch_worker() -> None:
-    from vllm.v1.worker.gpu_worker import Worker
+    """Adds the two collective_rpc methods to ``WorkerBase`` and gates vLLM's own lifecycle methods
+    on every worker class that defines them: those already imported and, through
+    ``__init_subclass__``, those a platform imports later (vLLM loads general plugins before it
+    resolves ``worker_cls``; vLLM-Ascend's ``NPUWorker`` defines its own lifecycle)."""
     from vllm.v1.worker.worker_base import WorkerBase
 
     if getattr(WorkerBase, "_delta_sync_patched", False):
         return
     WorkerBase._delta_sync_patched = True
-
-    def gate(name: str, fn):
-        @functools.wraps(fn)
-        def gated(self, *args, **kwargs):
-            engine = _ours(self)
-            if engine is not None:  # refused before vLLM touches its session state
-                engine.require_authorized(name)
-            return fn(self, *args, **kwargs)
-        return gated
-
-    for name in _GATED:
-        if hasattr(Worker, name):
-            setattr(Worker, name, gate(name, getattr(Worker, name)))
-    original_finish = Worker.finish_weight_update
-
-    @functools.wraps(original_finish)
-    def finish_weight_update(self):
-        try:
-            return original_finish(self)
-        except BaseException:
-            _end_session(self)
-            raise
-
-    Worker.finish_weight_update = finish_weight_update
     WorkerBase.delta_sync_call = delta_sync_call
     WorkerBase.delta_sync_status = delta_sync_status
+    _gate_subclasses(WorkerBase)
+    own = WorkerBase.__dict__.get("__init_subclass__")  # a classmethod, if this vLLM defines one
+
+    def __init_subclass__(cls, **kwargs):
+        if own is not None:
+            own.__get__(None, cls)(**kwargs)
+        else:
+            super(WorkerBase, cls).__init_subclass__(**kwargs)
+        _gate_class(cls)
+
+    WorkerBase.__init_subclass__ = classmethod(__init_subclass__)
+
+
+def _gate_subclasses(base) -> None:
+    seen, todo = set(), [base]
+    while todo:
+        cls = todo.pop()
+        if cls not in seen:
+            seen.add(cls)
+            _gate_class(cls)
+            todo.extend(cls.__subclasses__())
+
+
+def _gate_class(cls) -> None:
+    """Wraps the lifecycle methods ``cls`` itself defines: on a delta-sync engine they run only
+    inside a verified ``delta_sync_call``, refused before the worker touches any state (vLLM's HTTP
+    routes call them with no proof; vLLM-Ascend's start would first swap the model's parameters for
+    a layerwise reload)."""
+    for name in _GATED:
+        fn = cls.__dict__.get(name)
+        if fn is None or getattr(fn, "_delta_sync_gate", False):
+            continue
+
+        def gated(self, *args, _name=name, _fn=fn, **kwargs):
+            engine = _ours(self)
+            if engine is not None:
+                engine.require_authorized(_name)
+            return _fn(self, *args, **kwargs)
+
+        functools.update_wrapper(gated, fn)
+        gated._delta_sync_gate = True
+        setattr(cls, name, gated)
 
 
 def _end_session(worker) -> None:
@@ -108,7 +131,12 @@ def _end_session(worker) -> None:
 
 
 def delta_sync_call(self, request: str = "{}"):
-    """``collective_rpc("delta_sync_call", args=(json.dumps(envelope),))``: one verified call."""
+    """``collective_rpc("delta_sync_call", args=(json.dumps(envelope),))``: one verified call.
+
+    It drives the delta-sync engine itself and keeps the worker's ``_weight_update_active`` as
+    vLLM's worker does, instead of calling the worker's lifecycle methods: those differ by platform
+    and version (vLLM-Ascend's ``NPUWorker`` runs a layerwise reload around the transfer and never
+    calls the engine's start/finish), and a delta-sync update must run the same everywhere."""
     engine = _ours(self)
     if engine is None:
         raise RuntimeError("this engine has no delta_sync weight transfer: start it with "
@@ -120,20 +148,42 @@ def delta_sync_call(self, request: str = "{}"):
     method, payload = engine.verifier.check(envelope)
     if not engine.claim(method, engine.verifier.session):
         return {"released": True}
-    with engine.authorized(version=payload.get("version") if method == "finish" else None):
+    active = getattr(self, "_weight_update_active", False)
+    with engine.authorized(version=payload.get("version") if method == "finish" else None), _config(self):
         if method == "init":
-            if getattr(self, "_weight_update_active", False):  # a new trainer: the old one's session is over
+            if active:  # a new trainer: the old one's session is over
                 engine._staged = None
                 _end_session(self)
-            self.init_weight_transfer_engine(payload)
+            engine.init_transfer_engine(engine.parse_init_info(payload))
         elif method == "start":
-            self.start_weight_update()
+            if active:
+                raise RuntimeError("start: a weight update is already active on this worker (finish or "
+                                   "init it first)")
+            try:
+                engine.start_weight_update()
+            except BaseException:
+                engine.reset_weight_update_target()
+                raise
+            self._weight_update_active = True
             if payload.get("digest_names"):  # the drift sweep: this version's digests, before the update
                 return engine.report(digests=True, names=list(payload["digest_names"]))
-        elif method == "update":
-            self.update_weights(payload)
-        elif method == "finish":
-            self.finish_weight_update()
+        elif method in ("update", "finish"):
+            if not active:
+                raise RuntimeError(f"{method}: no weight update is active on this worker (start first)")
+            if method == "update":
+                try:
+                    engine.update_weights(payload)
+                except BaseException:
+                    _end_session(self)
+                    raise
+            else:
+                try:
+                    engine.finish_weight_update()
+                finally:  # applied or rolled back to v-1 by the engine: the session is over either way
+                    _end_session(self)
+                reset_lora = getattr(getattr(self, "model_runner", None), "reset_lora_state", None)
+                if reset_lora is not None:  # as vLLM's worker does after a transfer
+                    reset_lora()
         elif method == "discard":  # the sender gave up on this version on another engine
             engine._staged = None
             return {"discarded": True}
@@ -142,6 +192,16 @@ def delta_sync_call(self, request: str = "{}"):
         else:
             raise ValueError(f"unknown delta_sync_call method {method!r}")
     return None
+
+
+def _config(worker):
+    """vLLM's current-config scope around engine calls, as its worker sets it."""
+    cfg = getattr(worker, "vllm_config", None)
+    if cfg is None:
+        return contextlib.nullcontext()
+    from vllm.config import set_current_vllm_config
+
+    return set_current_vllm_config(cfg)
 
 
 def delta_sync_status(self) -> dict:

@@ -148,7 +148,14 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
     update_info_cls = DeltaSyncUpdateInfo
     supports_draft_weight_update = False
 
-    def __init__(self, config, vllm_config, device, model):
+    def __init__(self, config, *args):
+        if len(args) != 3:  # (config, parallel_config, model): the API before engine-owned start/finish
+            raise DeltaSyncError(
+                f"this vLLM builds weight-transfer engines from {1 + len(args)} arguments; delta-sync needs "
+                f"the API of the vLLM it pins (config, vllm_config, device, model; the engine owns start "
+                f"and finish). vLLM 0.23's API, which vLLM-Ascend 0.23.0.post1 builds on, is the older one: "
+                f"see the README's version matrix", kept="the engine as loaded, without delta-sync transfer")
+        vllm_config, device, model = args
         super().__init__(config, vllm_config, device, model)
         self.channel: Channel | None = None
         self.version: int | None = None
