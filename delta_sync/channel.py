@@ -8,6 +8,11 @@ The collective backend comes from the accelerator module (hccl on Ascend, nccl o
 CPU). The group is built directly on the store and never registered as torch.distributed's default
 group, so it coexists with the engine's own TP/DP groups and the trainer's world.
 
+Backend ``local``: every rank in this one process (in-process ``vllm.LLM`` engines). No store and
+no wire: a broadcast hands the sender's tensor to the other ranks' threads, which copy it into
+their own buffers on their own devices. NCCL and HCCL refuse two ranks on one device, which is where
+an in-process engine sits on a one-GPU machine.
+
 Bucket transfer: ``[header_len, index_count, n_value_buffers]`` (int64), header bytes followed by
 an HMAC of them under the token, the index buffer, then one value buffer per dtype in name order:
 3 + n_dtypes broadcasts per bucket. Sizes are bounded before anything is allocated.
@@ -20,6 +25,7 @@ import hashlib
 import hmac
 import logging
 import socket
+import threading
 from typing import Callable
 
 import torch
@@ -69,6 +75,11 @@ class Channel:
             raise ChannelError("an empty channel token is not allowed")
         if not 0 <= rank < world_size:
             raise ChannelError(f"rank {rank} outside world size {world_size}")
+        if backend == LOCAL:
+            pg = LocalGroup.join(_namespace(token), rank, world_size, timeout_s)
+            device = torch.device(device) if device is not None else torch.device("cpu")
+            log.info("channel rank %d/%d up on %s in process", rank, world_size, device)
+            return cls(pg, rank, world_size, device, LOCAL, None, key=token.encode())
         family = accelerator.family_for_backend(backend) if backend else accelerator.detect_family()
         backend = backend or accelerator.backend_for(family)
         accelerator.require_family(family)
@@ -165,6 +176,123 @@ class Channel:
         idx = self.broadcast(bufs[0])
         values = {k: self.broadcast(b) for k, b in zip(names, bufs[1:])}
         return Bucket(header, idx, values)
+
+
+LOCAL = "local"
+
+
+class LocalGroup:
+    """The ranks of one channel that all live in this process, one thread each (backend ``local``).
+
+    ``broadcast`` is a rendezvous, like gloo's: the source publishes its tensor and returns once
+    every other rank copied it into its own tensor (any device; accelerator copies are synchronized
+    before the source may reuse its buffer). A rank that left before taking part, or one that does
+    not arrive within the timeout, fails the broadcast on every rank waiting in it."""
+
+    _groups: dict[str, "LocalGroup"] = {}
+    _lock = threading.Lock()
+
+    def __init__(self, world_size: int, timeout_s: float):
+        self.world_size, self.timeout_s = world_size, timeout_s
+        self.cv = threading.Condition()
+        self.ranks: set[int] = set()
+        self.left: set[int] = set()
+        self.gen = 0  # broadcasts published so far
+        self.seen: dict[int, int] = {}  # rank -> broadcasts it copied
+        self.copied = 0
+        self.payload: torch.Tensor | None = None
+        self.failed: str | None = None  # a timeout or a mismatch: the group is unusable
+
+    @classmethod
+    def join(cls, namespace: str, rank: int, world_size: int, timeout_s: float) -> "LocalMember":
+        with cls._lock:
+            group = cls._groups.get(namespace)
+            if group is None:
+                group = cls._groups[namespace] = LocalGroup(world_size, timeout_s)
+            if group.world_size != world_size:
+                raise ChannelError(f"rank {rank}: in-process channel of {group.world_size} ranks, this rank "
+                                   f"expects {world_size}")
+            if rank in group.ranks:
+                raise ChannelError(f"rank {rank} is already taken in this channel (two engines with the "
+                                   f"same rank offset?)")
+            group.ranks.add(rank)
+            group.seen[rank] = 0
+        return LocalMember(group, rank, namespace)
+
+    def broadcast(self, rank: int, tensor: torch.Tensor, src: int) -> None:
+        with self.cv:
+            if rank == src:
+                self.payload, self.copied = tensor, 0
+                self.gen += 1
+                self.cv.notify_all()
+                gen = self.gen
+                self._wait(lambda: self.copied == self.world_size - 1, rank, "every rank to copy",
+                           lambda: [r for r in self.left if r != src and self.seen.get(r, 0) < gen])
+                self.payload = None
+                return
+            want = self.seen[rank] + 1
+            self._wait(lambda: self.gen >= want, rank, f"broadcast {want} from rank {src}",
+                       lambda: [src] if src in self.left else [])
+            payload = self.payload
+        if payload.shape != tensor.shape or payload.dtype != tensor.dtype:
+            with self.cv:
+                self.failed = (f"rank {rank} expected {tuple(tensor.shape)} {tensor.dtype}, rank {src} sent "
+                               f"{tuple(payload.shape)} {payload.dtype}")
+                self.cv.notify_all()
+            raise ChannelError(f"in-process channel: {self.failed}")
+        tensor.copy_(payload)
+        accelerator.synchronize(tensor.device)  # the source reuses its buffer once this returns
+        accelerator.synchronize(payload.device)
+        with self.cv:
+            self.seen[rank] = want
+            self.copied += 1
+            self.cv.notify_all()
+
+    def _wait(self, ready, rank: int, what: str, gone) -> None:
+        """Under ``cv``: until ``ready()``; raises if the group failed or a rank in ``gone()`` left."""
+        if not self.cv.wait_for(lambda: ready() or self.failed is not None or gone(), self.timeout_s):
+            self.failed = f"rank {rank} waited {self.timeout_s:.0f} s for {what}"
+            self.cv.notify_all()
+        if self.failed is not None:
+            raise ChannelError(f"in-process channel failed: {self.failed}")
+        if not ready():
+            raise ChannelError(f"in-process channel: rank(s) {gone()} closed their end before {what}")
+
+    def leave(self, rank: int, namespace: str) -> None:
+        with self.cv:
+            self.left.add(rank)
+            self.cv.notify_all()
+        with LocalGroup._lock:  # forgotten once every rank left
+            if len(self.left) == self.world_size and LocalGroup._groups.get(namespace) is self:
+                del LocalGroup._groups[namespace]
+
+
+class LocalMember:
+    """One rank's handle on a :class:`LocalGroup`, shaped like the process group it stands for."""
+
+    def __init__(self, group: LocalGroup, rank: int, namespace: str):
+        self.group, self._rank, self._namespace = group, rank, namespace
+
+    def name(self) -> str:
+        return LOCAL
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self.group.world_size
+
+    def broadcast(self, tensors: list[torch.Tensor], opts) -> "_Done":
+        self.group.broadcast(self._rank, tensors[0], opts.rootRank)
+        return _Done()
+
+    def shutdown(self) -> None:
+        self.group.leave(self._rank, self._namespace)
+
+
+class _Done:
+    def wait(self) -> bool:
+        return True
 
 
 def _store(host: str, port: int, is_server: bool, timeout: datetime.timedelta) -> TCPStore:

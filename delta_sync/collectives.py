@@ -24,6 +24,8 @@ import torch.distributed as dist
 from .errors import DeltaSyncError
 
 HOST_BACKENDS = ("gloo",)
+#: the in-process channel (threads of one process): each rank copies into its own tensor, any device
+ANY_DEVICE_BACKENDS = ("local",)
 
 
 class DeviceMismatch(DeltaSyncError):
@@ -61,6 +63,8 @@ def check(op: str, group, *tensors: torch.Tensor) -> None:
         if t.dtype == torch.float64:
             raise DeviceMismatch(f"{op} on {backend}: float64 tensor (HCCL has no float64 collectives; send "
                                  "float32/int64 or split the value)")
+        if backend in ANY_DEVICE_BACKENDS:
+            continue
         if host and t.device.type != "cpu":
             raise DeviceMismatch(f"{op} on host group ({backend}): tensor on {t.device}; metadata goes over the "
                                  "host group as CPU tensors, payloads over the device group")

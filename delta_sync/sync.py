@@ -31,10 +31,10 @@ import torch.distributed as dist
 from . import collectives
 from .auth import channel_token, load_secret
 from .bucket import DEFAULT_BUCKET_BYTES
-from .channel import Channel, free_port
+from .channel import LOCAL, Channel, free_port
 from .collectives import TrainerGroups
 from .digest import Digest, digest_tensor
-from .engines import EngineClient, as_engine
+from .engines import EngineClient, InProcessEngine, as_engine
 from .errors import DeltaSyncError, GatherError, PatchValidationError, UpdateInFlight, with_kept
 from .gather import Ordered, PatchGather, order_and_merge
 from .patch import Patch, check_indexable
@@ -197,12 +197,13 @@ class WeightSync:
         nonce = secrets.token_hex(16)  # signed clients send this; their workers derive the token from it
         token = channel_token(self._key, nonce) if self._key else secrets.token_hex(16)
         offsets = [1 + sum(workers[:i]) for i in range(len(workers))]
+        backend = self.backend or (LOCAL if all(isinstance(e, InProcessEngine) for e in self.engines) else None)
         with ThreadPoolExecutor(max_workers=len(self.engines)) as pool:
             futs = [pool.submit(e.init, {"host": self.host, "port": port, "world_size": world, "token": token,
-                                         "channel_nonce": nonce, "rank_offset": off, "backend": self.backend,
+                                         "channel_nonce": nonce, "rank_offset": off, "backend": backend,
                                          "timeout_s": self.timeout_s})
                     for e, off in zip(self.engines, offsets)]
-            self.channel = Channel.connect(self.host, port, 0, world, token, backend=self.backend,
+            self.channel = Channel.connect(self.host, port, 0, world, token, backend=backend,
                                            timeout_s=self.timeout_s)
             for f in futs:
                 f.result()
@@ -672,8 +673,8 @@ class WeightSync:
                 try:
                     release()
                 except Exception as err:  # best effort: an unreachable engine's claim lapses by itself
-                    log.warning("delta-sync: releasing %s failed (%s); its claim lapses after %s s of silence",
-                                getattr(e, "name", e), err, "DELTA_SYNC_CLAIM_S")
+                    log.warning("delta-sync: releasing %s failed (%s); its claim lapses after the engine's "
+                                "DELTA_SYNC_CLAIM_S seconds of silence (default 60)", getattr(e, "name", e), err)
         self._drop_channel()
 
 

@@ -218,19 +218,19 @@ def send_abort(channel: Channel, version: int, reason: str) -> None:
     channel.send_bucket(_abort_bucket(version, reason))
 
 
-def _prefetch(channel: Channel, slots: _Slots) -> Iterator[Bucket]:
+def _prefetch(channel: Channel, slots: _Slots, streamed: bool = True) -> Iterator[Bucket]:
     """Buckets of one version, each received on a thread while the previous one is in use.
 
-    Bulk buckets are received into the slots' reusable arenas (their consumer copies the values
-    out before asking for the next bucket); delta buckets get buffers of their own, since a delta
-    is assembled whole before it is applied."""
+    Bulk buckets of a ``streamed`` version are received into the slots' reusable arenas (their
+    consumer copies the values out before asking for the next bucket); other buckets get buffers
+    of their own, since they are assembled whole before they are applied."""
     q: queue.Queue = queue.Queue()
 
     def run():
         try:
             while True:
                 arena = slots.take()
-                b = channel.recv_bucket(lambda h: arena if h.get("kind") in BULK_KINDS else None)
+                b = channel.recv_bucket(lambda h: arena if streamed and h.get("kind") in BULK_KINDS else None)
                 q.put((b, arena))
                 if b.header.get("last") or b.header.get("kind") == "abort":
                     return
@@ -250,12 +250,13 @@ def _prefetch(channel: Channel, slots: _Slots) -> Iterator[Bucket]:
             return
 
 
-def receive_stream(channel: Channel, kept: str | None = None, check_bulk: bool = True
+def receive_stream(channel: Channel, kept: str | None = None, check_bulk: bool = True, streamed: bool = True
                    ) -> Iterator[tuple[dict, list[tuple[dict, Patch]]]]:
     """``(header, [(entry, patch), ...])`` per bucket of one version, checked (checksum, per-entry
     digests, bounds, tiling) before it is yielded; the next bucket is received meanwhile. Without
     ``check_bulk`` the dense entries of seed/full buckets are yielded with their digests unchecked
-    (the consumer checks them, see :func:`receive_update`).
+    (the consumer checks them, see :func:`receive_update`). Without ``streamed``, bulk buckets get
+    buffers of their own, as delta buckets do (the consumer keeps them all).
 
     A bad bucket raises after the rest of the version was drained, so the channel stays in step
     with the sender. Raises :class:`UpdateAborted` for an aborted update."""
@@ -263,7 +264,7 @@ def receive_stream(channel: Channel, kept: str | None = None, check_bulk: bool =
     first_error: Exception | None = None
     version = None
     expect_seq = 0
-    stream = _prefetch(channel, slots)
+    stream = _prefetch(channel, slots, streamed)
     try:
         for bucket in stream:
             h = bucket.header
@@ -308,7 +309,9 @@ def receive_update(channel: Channel, kept: str | None = None,
     asm = TensorAssembler(kept)
     update: ReceivedUpdate | None = None
     sink_error: Exception | None = None
-    for h, entries in receive_stream(channel, kept, check_bulk=not (sink_checks and bulk_sink is not None)):
+    # without a sink a seed is assembled whole like a delta: its buckets must not share arenas
+    for h, entries in receive_stream(channel, kept, check_bulk=not (sink_checks and bulk_sink is not None),
+                                     streamed=bulk_sink is not None):
         if update is None:
             update = ReceivedUpdate(int(h["version"]), h["kind"])
         elif h["kind"] != update.kind and sink_error is None:  # drained below, raised at the end

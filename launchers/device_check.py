@@ -10,6 +10,8 @@ library's own code on device tensors and compares it bit for bit with the host p
   metadata tensor must go over the host group made beside it), patches gathered on the device;
 * device check: a host tensor into the device group raises ``DeviceMismatch`` before NCCL sees it;
 * fast path: owned-element runs placed on the device and changed offsets mapped there;
+* in-process channel: a seed and a delta from a sender thread to a receiver thread on the *same*
+  device (the one-GPU in-process engine, where NCCL would refuse two ranks on one device);
 * loader views: a fused / column-sliced / transposed stand-in module on the device, ranges and
   sparse patches applied through the views, read back and digested on the device;
 * bench: the device diff against the device's copy bandwidth (``diff_over_copy``).
@@ -108,6 +110,39 @@ def check_gather_and_device_rule(device, g, port: int) -> dict:
                 "host_tensor_refused": refused}
     finally:
         dist.destroy_process_group()
+
+
+def check_local_channel(device, g) -> dict:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from delta_sync.channel import Channel
+    from delta_sync.patch import Patch
+    from delta_sync.transfer import receive_update, send_update
+
+    base = _randn(1 << 20, g, device)
+    new = _perturb(base, 0.01, g)
+    idx = (base.view(torch.int16) != new.view(torch.int16)).nonzero().view(-1).to(torch.int32)
+
+    def receiver():
+        chan = Channel.connect("127.0.0.1", 0, 1, 2, "device-check", backend="local", device=device)
+        got = torch.empty_like(base)
+        seed = receive_update(chan)
+        got.copy_(seed.patches[0].values.view(got.shape))
+        delta = receive_update(chan)
+        p = delta.patches[0]
+        got.view(-1).index_copy_(0, p.indices.long(), p.values)
+        chan.close()
+        return got
+
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(receiver)
+        chan = Channel.connect("127.0.0.1", 0, 0, 2, "device-check", backend="local", device=device)
+        send_update(chan, 0, "seed", [Patch("w", tuple(base.shape), base.dtype, None, base.view(-1))])
+        send_update(chan, 1, "delta", [Patch("w", tuple(base.shape), base.dtype, idx, new.view(-1)[idx.long()])])
+        got = fut.result(timeout=120)
+        chan.close()
+    assert got.device.type == device.type and torch.equal(got.view(torch.int16), new.view(torch.int16))
+    return {"elements": base.numel(), "changed": idx.numel()}
 
 
 def check_fast_path(device, g) -> dict:
@@ -229,6 +264,7 @@ def main(argv: list[str] | None = None) -> dict:
     steps = [("diff", lambda: check_diff(device, g)), ("snapshot", lambda: check_snapshot(device, g)),
              ("digest", lambda: check_digest(device, g)),
              ("gather", lambda: check_gather_and_device_rule(device, g, free_port())),
+             ("local_channel", lambda: check_local_channel(device, g)),
              ("fast_path", lambda: check_fast_path(device, g)), ("loader_views", lambda: check_loader_views(device, g))]
     ok = True
     for name, fn in steps:

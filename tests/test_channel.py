@@ -145,3 +145,84 @@ def _dup_node(rank, world, port, chan_port):
 
 def test_duplicate_rank_is_refused():
     assert run_ranks(_dup_node, 3, free_port(), init_world=False, timeout=90) == ["sender", "joined", "refused"]
+
+
+# ---- backend "local": every rank in this process (in-process engines) -------------------------------
+def _local_ranks(world: int, token: str, fn, timeout_s: float = 20):
+    """Runs ``fn(channel)`` on ranks 1..world-1 in threads and returns (rank 0's channel, futures)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(max_workers=world - 1)
+    futs = [pool.submit(lambda r=r: fn(Channel.connect("127.0.0.1", 0, r, world, token, backend="local",
+                                                        timeout_s=timeout_s))) for r in range(1, world)]
+    return Channel.connect("127.0.0.1", 0, 0, world, token, backend="local", timeout_s=timeout_s), futs
+
+
+def test_in_process_channel_carries_updates_bit_for_bit():
+    """The channel an in-process engine gets (NCCL/HCCL refuse two ranks on one device): real
+    buckets, three versions, two receivers in threads."""
+    def receiver(chan):
+        recon = {}
+        for _ in range(3):
+            upd = receive_update(chan)
+            for p in upd.patches:
+                if p.name not in recon:
+                    recon[p.name] = torch.empty(p.shape, dtype=p.dtype)
+                apply_patch(recon[p.name], p)
+        chan.close()
+        return recon
+
+    sender, futs = _local_ranks(3, "tok-local", receiver)
+    assert sender.backend == "local"
+    store = SnapshotStore(rank=0, world_size=1)
+    for v in range(3):
+        state = model_at(v)
+        kind = "seed" if store.version is None else "delta"
+        send_update(sender, v, kind, [store.prepare(n, state[n]) for n, _, _ in SPECS], bucket_bytes=4096)
+        store.commit(v)
+    final = model_at(2)
+    for f in futs:
+        recon = f.result(timeout=60)
+        assert sorted(recon) == sorted(final)
+        for n, t in final.items():
+            assert torch.equal(int_view(recon[n]), int_view(t)), n
+    sender.close()
+
+
+def test_in_process_channel_fails_fast_when_a_rank_leaves_or_is_taken():
+    import time
+
+    def leaves(chan):
+        chan.close()  # as a receiver that failed: the sender's broadcast must not wait for it
+        return "left"
+
+    sender, futs = _local_ranks(2, "tok-leave", leaves, timeout_s=60)
+    assert futs[0].result(timeout=30) == "left"
+    t0 = time.monotonic()
+    with pytest.raises(ChannelError, match=r"rank\(s\) \[1\] closed their end"):
+        sender.broadcast(torch.arange(4))
+    assert time.monotonic() - t0 < 10
+    sender.close()
+    one = Channel.connect("127.0.0.1", 0, 1, 2, "tok-dup", backend="local")
+    with pytest.raises(ChannelError, match="already taken"):
+        Channel.connect("127.0.0.1", 0, 1, 2, "tok-dup", backend="local")
+    one.close()
+
+
+def test_in_process_channel_takes_tensors_on_any_device():
+    """Each rank copies into its own tensor, so an engine on the trainer's GPU is fine; gloo and
+    nccl groups still refuse the wrong device (fake "cuda" tensors, no GPU here)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from delta_sync import collectives
+    from delta_sync.channel import LocalGroup
+
+    member = LocalGroup.join("any-device-test", 0, 1, 5)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        on_gpu = torch.empty(4, device="cuda")
+        collectives.check("broadcast", member, on_gpu, torch.empty(4))
+        with pytest.raises(collectives.DeviceMismatch):
+            collectives.check("broadcast", collectives._Named("gloo"), on_gpu)
+        with pytest.raises(collectives.DeviceMismatch, match="float64"):
+            collectives.check("broadcast", member, torch.empty(2, dtype=torch.float64))
+    member.shutdown()

@@ -62,6 +62,8 @@ def test_single_process_hf_trainer_equals_fresh_engine(tmp_path):
         assert [r.kind for r in reports] == ["seed"] + ["delta"] * (STEPS - 1)
         assert all(r.verified for r in reports)
         assert all(0 < r.changed_fraction < 1 for r in reports[1:]), [r.changed_fraction for r in reports]
+        # in-process: the channel stays in this process (NCCL/HCCL refuse two ranks on one device)
+        assert sync.channel.backend == "local"
         live = greedy(llm, PROMPTS)
         sync.close()
         _save_bf16(str(path), dict(model.named_parameters()), tmp_path / "trained")
