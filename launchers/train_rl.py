@@ -21,7 +21,9 @@ model weights, as Megatron's mixed precision does; each step reports the changed
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import io
 import json
 import sys
 import time
@@ -94,7 +96,7 @@ def _trainer(rank: int, world: int, master_port: int | None, opts: dict, local_r
 
     import torch.distributed as dist
 
-    _quiet_upstream(rank)
+    upstream = _quiet_upstream(rank)
     placement = accelerator.bind(opts["device"], local_rank=rank if local_rank is None else local_rank)
     opts = dict(opts, device=str(placement.device))
     init = "env://" if master_port is None else f"tcp://127.0.0.1:{master_port}"
@@ -105,16 +107,49 @@ def _trainer(rank: int, world: int, master_port: int | None, opts: dict, local_r
     try:
         return _train(rank, world, opts)
     finally:
+        upstream()
         dist.destroy_process_group()
 
 
-def _quiet_upstream(rank: int) -> None:
-    """Upstream fallback and deprecation warnings (Transformer Engine / Apex missing, torch and
-    transformers deprecations) once per job, from rank 0, instead of once per rank and module."""
+#: set to 1 to see the upstream warnings the main job hides (see :func:`_quiet_upstream`)
+UPSTREAM_ENV = "DELTA_SYNC_UPSTREAM_WARNINGS"
+
+
+def _quiet_upstream(rank: int):
+    """Hides what installed packages warn about (Megatron's Transformer Engine / Apex fallbacks,
+    torch and transformers deprecations, their log warnings) so the job's output is its own: the
+    progress bar, the per-step table and the verdict. Returns a function that prints, from rank 0,
+    one line saying how many were hidden. ``DELTA_SYNC_UPSTREAM_WARNINGS=1`` shows them all."""
+    import collections
+    import logging
+    import os
+    import sysconfig
     import warnings
 
-    for category in (UserWarning, DeprecationWarning, FutureWarning):
-        warnings.filterwarnings("once" if rank == 0 else "ignore", category=category)
+    if os.environ.get(UPSTREAM_ENV) == "1":
+        return lambda: None
+    installed = tuple({sysconfig.get_paths()[k] for k in ("purelib", "platlib")})
+    hidden: collections.Counter = collections.Counter()
+    show = warnings.showwarning
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        if str(filename).startswith(installed):
+            hidden[category.__name__] += 1
+            return
+        show(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = showwarning
+    logging.getLogger("megatron").setLevel(logging.ERROR)  # its WARNING logs: fallbacks and deprecations
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # transformers sets its level from this on import
+
+    def summary() -> None:
+        if rank == 0 and hidden:
+            kinds = ", ".join(f"{n} {k}" for k, n in hidden.most_common())
+            print(f"upstream: {sum(hidden.values())} warnings from installed packages hidden ({kinds}; Megatron "
+                  f"runs without Transformer Engine / Apex here and falls back to torch); {UPSTREAM_ENV}=1 "
+                  f"shows them", file=sys.stderr, flush=True)
+
+    return summary
 
 
 def torchrun_env() -> tuple[int, int, int] | None:
@@ -139,8 +174,9 @@ def _train(rank: int, world: int, opts: dict) -> list[dict]:
 
     from .megatron_trainer import MegatronTrainer
 
-    trainer = MegatronTrainer.from_hf(opts["model"], tp=opts["tp"], pp=opts["pp"], ep=opts["ep"], lr=opts["lr"],
-                                      device=opts["device"], master_device=opts["master_device"])
+    with contextlib.redirect_stdout(io.StringIO()):  # Bridge's load progress and Megatron's parameter count
+        trainer = MegatronTrainer.from_hf(opts["model"], tp=opts["tp"], pp=opts["pp"], ep=opts["ep"], lr=opts["lr"],
+                                          device=opts["device"], master_device=opts["master_device"])
     # deltas from local shard diffs mapped with Bridge's conversions (checked against the full
     # export at every seed; it falls back to the export by itself), or always through the export
     fast = opts["sync"]["mode"] == "delta" and not opts["reference_export"]

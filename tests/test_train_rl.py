@@ -29,6 +29,12 @@ def _run(tmp_path, *argv):
 def test_main_job_is_exact(tmp_path, argv):
     proc, out = _run(tmp_path, *argv)
     _check_exact(proc, out, argv)
+    # its own output only: upstream warnings are counted in one line, not shown
+    for noise in ("Warning:", "warnings.warn", "Transformer Engine", "is deprecated", " > number of parameters",
+                  "Loading from"):
+        assert noise not in proc.stdout + proc.stderr.replace("without Transformer Engine", ""), noise
+    assert "step | mode | ver" in proc.stdout
+    assert "upstream: " in proc.stderr and "warnings from installed packages hidden" in proc.stderr
 
 
 def _check_exact(proc, out, argv):
