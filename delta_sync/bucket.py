@@ -30,7 +30,7 @@ import torch
 
 import time
 
-from .digest import checksum_bytes, scan_range
+from .digest import checksum_bytes, nonfinite_count, scan_range
 from .errors import ChecksumMismatch, PatchValidationError
 from .patch import DTYPES, Patch, dtype_name, first_true
 
@@ -294,21 +294,20 @@ def check_sparse_entries(entries: list[dict], indices: torch.Tensor, values: dic
     dev = indices.device
     counts = torch.tensor([int(e["count"]) for e in sparse], dtype=torch.int64, device=dev)
     first = torch.cumsum(counts, 0) - counts  # each entry's first position in the index buffer
-    idx = indices.to(torch.int64)
+    idx = indices  # int32 throughout: compared, never subtracted (a difference could wrap)
 
     def where(pos: int) -> tuple[dict, int]:
         k = int(torch.searchsorted(first, torch.tensor([pos], device=dev), right=True)) - 1
         return sparse[k], pos - int(first[k])
 
     if idx.numel() > 1:
-        step = idx[1:] - idx[:-1]
-        step[(first - 1)[(first > 0) & (counts > 0)]] = 1  # entries do not continue each other
-        bad = step <= 0
-        if bool(bad.any()):
-            pos = first_true(bad) + 1
+        ok = idx[1:] > idx[:-1]
+        ok[(first - 1)[(first > 0) & (counts > 0)]] = True  # entries do not continue each other
+        if not bool(ok.all()):
+            pos = first_true(~ok) + 1
             e, at = where(pos)
-            why = (f"duplicate index {int(idx[pos])}" if int(step[pos - 1]) == 0 else
-                   f"indices not increasing: {int(idx[pos - 1])} then {int(idx[pos])}")
+            a, b = int(idx[pos - 1]), int(idx[pos])
+            why = f"duplicate index {b}" if a == b else f"indices not increasing: {a} then {b}"
             raise PatchValidationError(e["name"], why, index=at, kept=kept)
     if idx.numel():
         # strictly increasing within each entry (above): its first and last index bound all of it
@@ -332,9 +331,9 @@ def check_sparse_entries(entries: list[dict], indices: torch.Tensor, values: dic
         mine = [e for e in sparse if e["dtype"] == dname]
         lo = int(mine[0]["value_offset"])
         hi = int(mine[-1]["value_offset"]) + int(mine[-1]["count"])
-        ok = torch.isfinite(values[dname][lo:hi])  # dense entries in between were checked already
-        if not bool(ok.all()):
-            pos = lo + first_true(~ok)
+        span = values[dname][lo:hi]  # dense entries in between were checked already
+        if nonfinite_count(span):
+            pos = lo + first_true(~torch.isfinite(span))
             e = next(e for e in mine if int(e["value_offset"]) <= pos < int(e["value_offset"]) + int(e["count"]))
             at = pos - int(e["value_offset"])
             flat = int(indices[int(e["index_offset"]) + at])

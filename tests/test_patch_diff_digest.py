@@ -257,7 +257,8 @@ def test_memory_receiver_mismatched_names_missing_and_flipped_tensors():
 @pytest.mark.parametrize("case,match", [
     ("negative", "index -1 is negative"), ("bounds", "index 40 out of bounds for 40 elements"),
     ("duplicate", "duplicate index 7"), ("order", "indices not increasing: 9 then 8"),
-    ("nan", "non-finite value nan at flat index 9")])
+    ("nan", "non-finite value nan at flat index 9"),
+    ("wrap", "indices not increasing: 2147483647 then -2147483648")])  # an int32 difference would wrap to +1
 def test_bucket_checks_sparse_entries_at_once_and_names_the_tensor(case, match):
     """Both the packer and the receiver check every sparse entry of a bucket in one vectorized pass;
     the error names the tensor and the position, whichever entry of the bucket is bad."""
@@ -274,6 +275,8 @@ def test_bucket_checks_sparse_entries_at_once_and_names_the_tensor(case, match):
         idx[2] = 7
     elif case == "order":
         idx = [5, 9, 8]
+    elif case == "wrap":
+        idx = [5, 2**31 - 1, -2**31]
     else:
         vals[2] = float("nan")
     bad = Patch("b", (8, 5), torch.bfloat16, torch.tensor(idx, dtype=torch.int32), torch.tensor(vals).to(torch.bfloat16))
@@ -312,3 +315,20 @@ def test_host_kernel_equals_the_device_formula(dtype, monkeypatch):
             assert list(got2) == want and bad2 == bad
             assert torch.equal(out.view(torch.int16 if dtype != torch.float32 else torch.int32),
                                x.view(torch.int16 if dtype != torch.float32 else torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_nonfinite_count_host_kernel_and_device_formula_agree(dtype, monkeypatch):
+    """The packer's and receiver's finiteness check counts Inf/NaN with the digest's exponent test:
+    the host kernel and the torch-op path (what devices run) give ``torch.isfinite``'s count."""
+    import delta_sync.digest as dg
+
+    g = torch.Generator().manual_seed(5)
+    v = torch.randn(70_001, generator=g).to(dtype)
+    v[torch.randint(0, v.numel(), (37,), generator=g)] = float("nan")
+    v[[3, 70_000]] = float("inf")
+    v[11] = float("-inf")
+    want = int((~torch.isfinite(v)).sum())
+    assert dg.nonfinite_count(v) == want
+    monkeypatch.setattr(dg.native, "supports_words", lambda t: False)
+    assert dg.nonfinite_count(v) == want and dg.nonfinite_count(v[:0]) == 0
