@@ -23,8 +23,9 @@ def _run(tmp_path, *argv):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("argv", [
-    ["--update-weight-mode", "delta", "--update-weight-transport", "sparse_gloo"],  # default: tiny MoE, DP=2
-    ["--trainer-ranks", "4", "--tp", "2", "--pp", "2", "--ep", "2"],  # the NPU script's layout, in miniature
+    # seed + 2 deltas (the job's default is 3 steps; 2 keep the suite's time)
+    ["--update-weight-mode", "delta", "--update-weight-transport", "sparse_gloo", "--steps", "2"],  # tiny MoE, DP=2
+    ["--trainer-ranks", "4", "--tp", "2", "--pp", "2", "--ep", "2", "--steps", "2"],  # the NPU script's layout
 ], ids=["moe-delta", "moe-tp2pp2ep2-delta"])
 def test_main_job_is_exact(tmp_path, argv):
     proc, out = _run(tmp_path, *argv)
