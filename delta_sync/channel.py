@@ -195,10 +195,9 @@ class LocalGroup:
     def __init__(self, world_size: int, timeout_s: float):
         self.world_size, self.timeout_s = world_size, timeout_s
         self.cv = threading.Condition()
-        self.ranks: set[int] = set()
         self.left: set[int] = set()
         self.gen = 0  # broadcasts published so far
-        self.seen: dict[int, int] = {}  # rank -> broadcasts it copied
+        self.seen: dict[int, int] = {}  # joined rank -> broadcasts it copied
         self.copied = 0
         self.payload: torch.Tensor | None = None
         self.failed: str | None = None  # a timeout or a mismatch: the group is unusable
@@ -212,10 +211,9 @@ class LocalGroup:
             if group.world_size != world_size:
                 raise ChannelError(f"rank {rank}: in-process channel of {group.world_size} ranks, this rank "
                                    f"expects {world_size}")
-            if rank in group.ranks:
+            if rank in group.seen:
                 raise ChannelError(f"rank {rank} is already taken in this channel (two engines with the "
                                    f"same rank offset?)")
-            group.ranks.add(rank)
             group.seen[rank] = 0
         return LocalMember(group, rank, namespace)
 

@@ -116,7 +116,7 @@ def check_local_channel(device, g) -> dict:
     from concurrent.futures import ThreadPoolExecutor
 
     from delta_sync.channel import Channel
-    from delta_sync.patch import Patch
+    from delta_sync.patch import Patch, apply_patch
     from delta_sync.transfer import receive_update, send_update
 
     base = _randn(1 << 20, g, device)
@@ -126,11 +126,8 @@ def check_local_channel(device, g) -> dict:
     def receiver():
         chan = Channel.connect("127.0.0.1", 0, 1, 2, "device-check", backend="local", device=device)
         got = torch.empty_like(base)
-        seed = receive_update(chan)
-        got.copy_(seed.patches[0].values.view(got.shape))
-        delta = receive_update(chan)
-        p = delta.patches[0]
-        got.view(-1).index_copy_(0, p.indices.long(), p.values)
+        for _ in range(2):  # the seed, then the delta
+            apply_patch(got, receive_update(chan).patches[0])
         chan.close()
         return got
 

@@ -34,7 +34,9 @@ DEST = ROOT / ".cache" / "vllm-ascend" / FILENAME
 
 def _pip_config(key: str) -> str | None:
     out = subprocess.run([sys.executable, "-m", "pip", "config", "get", key], capture_output=True, text=True)
-    return out.stdout.strip() or None if out.returncode == 0 else None
+    if out.returncode != 0:
+        return None
+    return out.stdout.strip() or None
 
 
 def index_urls() -> list[str]:
