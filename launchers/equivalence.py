@@ -101,18 +101,32 @@ def start_engine(model: str | Path, port: int, log: Path, tp: int = 1,
                             start_new_session=True)
 
 
-def wait_ready(proc: subprocess.Popen, base: str, log: Path, timeout: float = 420) -> None:
+def wait_ready(proc: subprocess.Popen | int, base: str, log: Path, timeout: float = 420) -> None:
+    """Until ``base`` answers ``/health``. ``proc`` is the server, or its pid from another process
+    of this host (a trainer rank waiting for the engine its parent started, which reaps it)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"engine exited with rc={proc.returncode}; see {log}")
+        exited = _exit_status(proc)
+        if exited is not None:
+            raise RuntimeError(f"engine exited ({exited}); see {log}")
         try:
             urllib.request.urlopen(base + "/health", timeout=2)
             return
         except Exception:
-            time.sleep(1)
-    proc.kill()
+            time.sleep(0.5)
+    if isinstance(proc, subprocess.Popen):
+        proc.kill()
     raise RuntimeError(f"engine not ready after {timeout:.0f} s; see {log}")
+
+
+def _exit_status(proc: subprocess.Popen | int) -> str | None:
+    if isinstance(proc, subprocess.Popen):
+        return None if proc.poll() is None else f"rc={proc.returncode}"
+    try:
+        os.kill(proc, 0)
+        return None
+    except ProcessLookupError:
+        return f"pid {proc} is gone"
 
 
 def stop_engine(proc: subprocess.Popen) -> None:

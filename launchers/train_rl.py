@@ -26,6 +26,7 @@ import dataclasses
 import io
 import json
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -181,6 +182,8 @@ def _train(rank: int, world: int, opts: dict) -> list[dict]:
     # export at every seed; it falls back to the export by itself), or always through the export
     fast = opts["sync"]["mode"] == "delta" and not opts["reference_export"]
     source = (MegatronShardDelta if fast else BridgeExportSource)(trainer.bridge, trainer.model)
+    if rank == 0 and opts["engine_pid"] is not None:  # the engine started beside the trainers' own start
+        equivalence.wait_ready(opts["engine_pid"], opts["engine"], Path(opts["out"]) / "engine.log")
     updater = build_updater(UpdateWeightConfig(**opts["sync"]), [opts["engine"]] if rank == 0 else [])
     dp_rank, dp = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     prompt_ids = equivalence.tokenize(opts["engine"], PROMPTS) if rank == 0 else None
@@ -238,11 +241,12 @@ def check_layout(ranks: int, tp: int, pp: int, ep: int) -> str | None:
     return None
 
 
-def _opts(args, model, device: str, engine: str, out: Path, cfg) -> dict:
+def _opts(args, model, device: str, engine: str, out: Path, cfg, engine_pid: int | None = None) -> dict:
     """What every trainer rank needs, as one picklable dict (spawned ranks and torchrun alike)."""
     return {"model": str(model), "tp": args.tp, "pp": args.pp, "ep": args.ep, "device": device, "lr": args.lr,
             "master_device": args.master_device, "steps": args.steps, "group": args.group_size,
-            "max_tokens": args.max_tokens, "engine": engine, "export": str(out / "export"),
+            "max_tokens": args.max_tokens, "engine": engine, "engine_pid": engine_pid, "out": str(out),
+            "export": str(out / "export"),
             "sync": dataclasses.asdict(cfg), "reference_export": args.reference_export}
 
 
@@ -304,14 +308,16 @@ def main(argv=None) -> int:
         port = free_port()
         engine = f"http://127.0.0.1:{port}"
         proc = equivalence.start_engine(model, port, out / "engine.log")
+        # the trainers build their model while the engine starts; rank 0 waits for it by pid, and this
+        # thread reaps the engine the moment it exits, so that wait sees an engine that died
+        threading.Thread(target=proc.wait, daemon=True).start()
     try:
-        if proc is not None:
-            equivalence.wait_ready(proc, engine, out / "engine.log")
-        opts = _opts(args, model, device, engine, out, cfg)
+        opts = _opts(args, model, device, engine, out, cfg, engine_pid=proc.pid if proc is not None else None)
         t0 = time.perf_counter()
         rows = _run_trainers(args.trainer_ranks, opts, args.timeout)
         (out / "updates.json").write_text(json.dumps(rows, indent=1))
-        print(f"training + sync: {time.perf_counter() - t0:.1f} s", flush=True)
+        print(f"trainers: {time.perf_counter() - t0:.1f} s (model build beside the engine's start, training, "
+              f"sync)", flush=True)
         stop = (lambda: equivalence.stop_engine(proc)) if proc is not None else None
         return _check(args, engine, out, rows, stop)
     finally:
