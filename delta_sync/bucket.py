@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -102,6 +102,11 @@ class BucketPacker:
         self.digest_s = 0.0
         #: where the next bucket's buffers are carved (None: fresh allocations)
         self.arena: Arena | None = None
+        #: set: every whole dense tensor is packed into fresh bucket memory and handed to ``keep(name,
+        #: view)`` once packed (a one-rank trainer's seed: its buckets become its snapshot, one copy
+        #: instead of two). Tensors are then never split across buckets, except those larger than a
+        #: bucket: each gets memory of its own, sent in bucket-sized pieces.
+        self.keep: Callable[[str, torch.Tensor], None] | None = None
 
     def _scan_dense(self, p: Patch, done: int, take: int, out: torch.Tensor) -> str:
         """Copy ``p``'s values ``[done, done+take)`` into ``out`` while digesting them and checking
@@ -129,11 +134,16 @@ class BucketPacker:
         parts: list[tuple[dict, Patch, int, int]] = []  # (entry, patch, first element, count)
         counts = {"idx": 0, "bytes": 0, "vals": {}}
 
-        def flush(last: bool) -> Bucket:
-            arena = self.arena if self.arena is not None else Arena(self._device(parts))
-            names = sorted(counts["vals"])
-            bufs = arena.carve([(torch.int32, counts["idx"])] + [(DTYPES[k], counts["vals"][k]) for k in names])
-            idx, vals = bufs[0], dict(zip(names, bufs[1:]))
+        def flush(last: bool, into: torch.Tensor | None = None) -> Bucket:
+            """``into``: the buffer of a bucket that holds one piece of one tensor (keep mode)."""
+            if into is not None:
+                idx, vals = torch.empty(0, dtype=torch.int32, device=into.device), {entries[0]["dtype"]: into}
+            else:
+                fresh = self.arena is None or self.keep is not None
+                arena = Arena(self._device(parts)) if fresh else self.arena
+                names = sorted(counts["vals"])
+                bufs = arena.carve([(torch.int32, counts["idx"])] + [(DTYPES[k], counts["vals"][k]) for k in names])
+                idx, vals = bufs[0], dict(zip(names, bufs[1:]))
             if any(p.dense for _, p, _, _ in parts):  # bulk buckets: one fused pass per range
                 for entry, p, done, take in parts:
                     out = vals[entry["dtype"]].narrow(0, entry["value_offset"], take)
@@ -152,12 +162,29 @@ class BucketPacker:
                       "value_counts": {k: int(v.numel()) for k, v in vals.items()}}
             if self.check:
                 check_sparse_entries(header["entries"], idx, vals, self.kept)  # refused before it leaves
+            if self.keep is not None and into is None:
+                for entry, p, done, take in parts:
+                    if p.dense and take == p.count:
+                        self.keep(p.name, vals[entry["dtype"]].narrow(0, entry["value_offset"], take).view(p.shape))
             b = Bucket(header, idx, vals)
             header["checksum"] = b.payload_checksum() if self.checksum and idx.numel() else None
             self.seq += 1
             entries.clear(), parts.clear()
             counts.update(idx=0, bytes=0, vals={})
             return b
+
+        def add(p: Patch, dname: str, per: int, done: int, take: int) -> None:
+            vo = counts["vals"].get(dname, 0)
+            entry = {"name": p.name, "dtype": dname, "shape": list(p.shape),
+                     "encoding": "dense" if p.dense else "sparse", "count": take,
+                     "start": done if p.dense else 0, "index_offset": counts["idx"],
+                     "value_offset": vo}
+            entries.append(entry)
+            parts.append((entry, p, done, take))
+            if not p.dense:
+                counts["idx"] += take
+            counts["vals"][dname] = vo + take
+            counts["bytes"] += take * per
 
         for p in patches:
             dname = dtype_name(p.dtype, tensor=p.name)
@@ -166,6 +193,22 @@ class BucketPacker:
             total = p.count
             if total == 0 and not p.dense:
                 continue  # nothing changed: no entry at all
+            if self.keep is not None and p.dense:
+                if total * per > self.max_bytes:  # its own memory, sent in bucket-sized pieces
+                    if entries:
+                        yield flush(False)
+                    own = Arena(p.values.device).carve([(p.dtype, total)])[0]
+                    step = max(1, self.max_bytes // per)
+                    for done in range(0, total, step):
+                        take = min(step, total - done)
+                        add(p, dname, per, done, take)
+                        b = flush(False, into=own.narrow(0, done, take))
+                        if done + take == total:
+                            self.keep(p.name, own.view(p.shape))
+                        yield b
+                    continue
+                if entries and counts["bytes"] + total * per > self.max_bytes:
+                    yield flush(False)  # whole tensors only: each one stays a view of its bucket
             done = 0
             while True:
                 room = (self.max_bytes - counts["bytes"]) // per
@@ -173,17 +216,7 @@ class BucketPacker:
                     yield flush(False)
                     continue
                 take = min(room, total - done)
-                vo = counts["vals"].get(dname, 0)
-                entry = {"name": p.name, "dtype": dname, "shape": list(p.shape),
-                         "encoding": "dense" if p.dense else "sparse", "count": take,
-                         "start": done if p.dense else 0, "index_offset": counts["idx"],
-                         "value_offset": vo}
-                entries.append(entry)
-                parts.append((entry, p, done, take))
-                if not p.dense:
-                    counts["idx"] += take
-                counts["vals"][dname] = vo + take
-                counts["bytes"] += take * per
+                add(p, dname, per, done, take)
                 done += take
                 if done >= total:
                     break

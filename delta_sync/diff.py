@@ -66,7 +66,7 @@ class BitwiseDiff:
         n = int_view(new.contiguous())
         lanes = 8 // o.element_size()
         numel = o.numel()
-        nwords = numel // lanes if (_word_aligned(o) and _word_aligned(n)) else 0
+        nwords = numel // lanes if (word_aligned(o) and word_aligned(n)) else 0
         idx_parts: list[torch.Tensor] = []
         val_parts: list[torch.Tensor] = []
         if nwords:
@@ -115,5 +115,5 @@ class BitwiseDiff:
         val_parts.append(new_words.view(lane_dtype).take(hit))
 
 
-def _word_aligned(flat: torch.Tensor) -> bool:
+def word_aligned(flat: torch.Tensor) -> bool:
     return (flat.storage_offset() * flat.element_size()) % 8 == 0

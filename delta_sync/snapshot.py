@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .diff import BitwiseDiff
+from .diff import BitwiseDiff, word_aligned
 from .errors import PatchValidationError
 from .patch import Patch, check_indexable, dtype_name
 
@@ -98,6 +98,18 @@ class SnapshotStore:
         else:
             self._staged[name] = _Staged(patch)
         return patch
+
+    def adopt(self, name: str, tensor: torch.Tensor) -> None:
+        """Stage ``tensor`` itself, not a copy, as the next full value of ``name``: memory the caller
+        filled for this and gives up (a seed's bucket, see ``BucketPacker.keep``). A tensor on another
+        device than the snapshot's, or not word-aligned for the diff kernel, is copied instead."""
+        self._spare.pop(name, None)  # the replaced snapshot's memory goes as the new one arrives
+        if tensor.device != self.device or not word_aligned(tensor.view(-1)):
+            self.prepare(name, tensor, full=True)
+            return
+        if name in self._staged:
+            raise PatchValidationError(name, "tensor staged twice in one update")
+        self._staged[name] = _Staged(Patch.full(name, tensor), tensor)
 
     def commit(self, version: int) -> None:
         """Fold every staged value into the snapshot: it now holds ``version``."""

@@ -395,6 +395,8 @@ class WeightSync:
         trainer never diffs), rank 0 packs and sends every tensor as it comes. Before the last
         bucket, the ranks agree that nobody failed; a failure aborts the update instead."""
         snapshots = self.mode == "delta"
+        # one rank owns every tensor: the packer's buckets become its snapshot (one copy, no spare buckets)
+        keep = snapshots and self.world == 1
         elements = [0]
         self._catalog, self._sweep_at = {}, 0  # the names this seed carries
         failure: list[BaseException] = []
@@ -413,7 +415,7 @@ class WeightSync:
                 try:
                     if isinstance(t, Exception):
                         raise t
-                    if snapshots and self.store.owns(name, t.numel() * t.element_size()):
+                    if snapshots and not keep and self.store.owns(name, t.numel() * t.element_size()):
                         self.store.prepare(name, t, full=True)
                     if self.rank == 0:
                         check_indexable(name, t.numel())
@@ -458,6 +460,8 @@ class WeightSync:
             return None, None, elements[0]
 
         def send(sender: BucketSender) -> SendStats:
+            if keep:
+                sender.packer.keep = self.store.adopt
             try:
                 sender.send(full_patches())
             except Exception as e:  # a bad tensor found while packing (NaN, too large)

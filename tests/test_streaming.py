@@ -63,6 +63,42 @@ def test_seed_and_full_hold_at_most_two_buckets_each_side(mode):
         sync.close()
 
 
+def test_one_rank_seed_packs_each_tensor_once_into_its_snapshot():
+    """A one-rank delta trainer's seed buckets become its snapshot (one copy of the model, not a
+    snapshot copy plus the buckets'): each snapshot is a view of the bucket it was packed into, a
+    tensor larger than a bucket gets memory of its own, one that would sit off the diff kernel's
+    word alignment is copied, nothing aliases the trainer's tensors, and deltas stay exact."""
+    from delta_sync.diff import word_aligned
+
+    state = _many_tensors()  # 48 tensors of 5-11 KiB
+    g = torch.Generator().manual_seed(3)
+    state["big"] = torch.randn(200, 100, generator=g).to(torch.bfloat16)  # 40 KB: 2 buckets of 32 KiB
+    state["odd"] = torch.randn(3, 5, generator=g).to(torch.bfloat16)  # 30 B: puts the next one off 8-byte words
+    state["after_odd"] = torch.randn(16, 16, generator=g).to(torch.bfloat16)
+    receiver = MemoryReceiver()
+    sync = WeightSync([receiver], mode="delta", bucket_bytes=32 << 10, timeout_s=60)
+    try:
+        sync.update(state.items())
+        snaps = dict(sync.store.snapshots())
+        assert snaps.keys() == state.keys()
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in snaps.values()}
+        model_bytes = sum(t.numel() * t.element_size() for t in state.values())
+        assert len(storages) < len(snaps) / 2  # several tensors per bucket share its memory
+        assert model_bytes <= sum(storages.values()) <= model_bytes + 2 * 512 + 64 * len(storages)
+        assert snaps["big"].untyped_storage().nbytes() == 40_000  # its own memory, sent in pieces
+        assert all(word_aligned(t.view(-1)) for t in snaps.values())
+        assert not storages.keys() & {t.untyped_storage().data_ptr() for t in state.values()}
+        assert all(torch.equal(snaps[n].view(torch.int16), t.view(torch.int16)) for n, t in state.items())
+        for step in range(2):
+            for t in state.values():
+                t.view(-1)[step::5] = (t.view(-1)[step::5].float() * 1.5 + 0.25).to(t.dtype)
+            rep = sync.update(state.items())
+            assert rep.kind == "delta" and receiver.mismatched(state.items()) == []
+        assert sync.verify()  # engine digests == the adopted snapshots'
+    finally:
+        sync.close()
+
+
 def test_full_update_failing_midway_ends_in_a_seed():
     """A full update writes as it goes (no undo copy): a failure after the first bucket leaves the
     receiver without a valid version, and the trainer's next update is a seed that repairs it."""
