@@ -235,10 +235,26 @@ def probe_views(model: torch.nn.Module, names_shapes: list[tuple[str, tuple[int,
 
 @dataclass
 class UndoLog:
-    """Old values at every position an apply wrote, restorable in reverse order."""
+    """Old values at every position an apply wrote, restorable in reverse order.
+
+    ``deferred``: an apply only records its writes (positions, values in the target's dtype) next
+    to the old values it reads now, and :meth:`write` performs them later. A delta is prepared so
+    while the engine still serves (reads only), and its pause window covers nothing but the writes."""
 
     #: (target, flat positions or None for the whole target, old values)
     entries: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = field(default_factory=list)
+    deferred: bool = False
+    #: deferred writes, in order: (target, flat positions or None for the whole target, new values)
+    pending: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = field(default_factory=list)
+
+    def write(self) -> None:
+        """Perform the deferred writes (on failure: :meth:`restore` puts back every recorded value)."""
+        for target, pos, values in self.pending:
+            if pos is None:
+                target.copy_(values)
+            else:
+                target.index_copy_(0, pos, values)
+        self.pending.clear()
 
     def record_positions(self, flat: torch.Tensor, pos: torch.Tensor) -> None:
         self.entries.append((flat, pos, flat.index_select(0, pos)))
@@ -331,9 +347,13 @@ def apply_sparse_many(views: dict[str, LoaderView], params: dict[str, torch.Tens
 
 def write_positions(flat: torch.Tensor, dst: torch.Tensor, values: torch.Tensor, undo: UndoLog | None) -> int:
     """``flat[dst] = values`` (int64 positions), the old values kept in ``undo`` first."""
+    values = values.to(flat.dtype)
     if undo is not None:
         undo.record_positions(flat, dst)
-    flat.index_copy_(0, dst, values.to(flat.dtype))
+        if undo.deferred:
+            undo.pending.append((flat, dst, values))
+            return dst.numel()
+    flat.index_copy_(0, dst, values)
     return dst.numel()
 
 
@@ -346,7 +366,10 @@ def apply_dense(view: LoaderView, params: dict[str, torch.Tensor], values: torch
         dst = seg.dst_view(flat_param(params[seg.param]))
         if undo is not None:
             undo.record_view(dst)
-        dst.copy_(seg.src_view(src))
+        if undo is not None and undo.deferred:
+            undo.pending.append((dst, None, seg.src_view(src)))
+        else:
+            dst.copy_(seg.src_view(src))
         written += seg.numel
     return written
 

@@ -152,7 +152,7 @@ def delta_sync_call(self, request: str = "{}"):
     with engine.authorized(version=payload.get("version") if method == "finish" else None), _config(self):
         if method == "init":
             if active:  # a new trainer: the old one's session is over
-                engine._staged = None
+                engine.discard_staged()
                 _end_session(self)
             engine.init_transfer_engine(engine.parse_init_info(payload))
         elif method == "start":
@@ -185,7 +185,7 @@ def delta_sync_call(self, request: str = "{}"):
                 if reset_lora is not None:  # as vLLM's worker does after a transfer
                     reset_lora()
         elif method == "discard":  # the sender gave up on this version on another engine
-            engine._staged = None
+            engine.discard_staged()
             return {"discarded": True}
         elif method == "report":
             return engine.report(digests=bool(payload.get("digests")), names=payload.get("names"))

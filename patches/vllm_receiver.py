@@ -8,13 +8,15 @@ Lifecycle (names match vLLM's wire protocol)::
                           were built
     update_weights        a delta: receive *all* buckets of version v, validate every patch (name,
                           shape, dtype, bounds, order, duplicates, finite values, checksum) and
-                          stage it; nothing touches the weights yet.
+                          stage it, then prepare its apply (positions, old values for the undo
+                          log: weights are only read); nothing touches the weights yet.
                           a seed or full update: check and apply each bucket as it arrives (the
                           next one is received meanwhile; each entry's digest and finiteness
                           checked in one pass), no undo copy: from the first write on, the worker
                           reports ``needs_seed`` until the version completes
-    finish_weight_update  a delta: apply everything staged with an undo log; on failure restore
-                          v-1. a bulk update: take the version it completed
+    finish_weight_update  a delta: perform the prepared writes (the pause window's only work), or
+                          apply from scratch if the parameters moved since; on failure restore
+                          v-1 from the undo log. a bulk update: take the version it completed
 
 Every lifecycle call must arrive through the worker's signed ``delta_sync_call`` (see
 ``patches/vllm_plugin.py`` and :mod:`delta_sync.auth`); vLLM's own unsigned routes reach these
@@ -167,6 +169,9 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         self.fallback_values: dict[str, torch.Tensor] = {}
         self.shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         self._staged = None
+        #: a staged delta's prepared apply: (that update, its undo log with the writes deferred, the
+        #: parameters' fingerprint it was planned against)
+        self._planned: tuple | None = None
         self._fingerprint: dict | None = None
         self.last_timings: dict[str, float] = {}
         self.last_error: str | None = None
@@ -245,7 +250,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         if self.channel is not None:
             self.channel.close()
             self.channel = None
-        self._staged = None
+        self.discard_staged()
         rank = init_info.rank_offset + self._worker_rank()
         device = self.device if self.device.type != "cpu" else torch.device("cpu")
         self.channel = Channel.connect(init_info.host, init_info.port, rank, init_info.world_size, token,
@@ -253,7 +258,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
 
     def start_weight_update(self) -> None:
         self.require_authorized("start")
-        self._staged = None
+        self.discard_staged()
         if self._fingerprint is not None and self._fingerprint != _fingerprint(self.model):
             changed = [n for n, f in _fingerprint(self.model).items() if self._fingerprint.get(n) != f]
             self.views.clear()
@@ -274,7 +279,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         if self.channel is None:
             raise DeltaSyncError("init_transfer_engine was not called", kept=self._kept())
         t0 = time.perf_counter()
-        self._staged = None
+        self._staged = self._planned = None
         self._bulk = _BulkState()
         try:
             upd = receive_update(self.channel, kept=self._kept(), bulk_sink=self._apply_bulk_bucket, sink_checks=True)
@@ -298,6 +303,22 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         self._staged = upd
         self.last_timings = {"receive_s": time.perf_counter() - t0, "peak_buckets": float(upd.peak_buckets),
                              "bulk_apply_s": self._bulk.apply_s, "check_s": upd.check_s}
+        if upd.kind not in BULK_KINDS:
+            self._plan_delta(upd)
+
+    def _plan_delta(self, upd) -> None:
+        """Everything of a delta's apply but its writes, while the engine still serves: positions,
+        values in the parameters' dtype, the undo log's old values (weights are only read meanwhile).
+        Finish then only writes, if the parameters are still the storages planned against. Names
+        without a view go through vLLM's loader at finish: such a delta is not planned."""
+        if any(p.name not in self.views for p in upd.patches):
+            return
+        t0 = time.perf_counter()
+        undo = UndoLog(deferred=True)
+        with torch.no_grad():
+            self._apply_delta(upd.patches, dict(self.model.named_parameters()), undo)
+        self._planned = (upd, undo, _fingerprint(self.model))
+        self.last_timings["plan_s"] = time.perf_counter() - t0
 
     def _apply_bulk_bucket(self, entries: list[tuple[dict, Patch]]) -> None:
         """One bucket's dense ranges of a seed/full update, written through their loader views now
@@ -380,6 +401,10 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         # indices and values were checked per bucket as they arrived (bounds, order, finiteness)
         p.validate(expected_shape=shape, expected_dtype=dtype, contents=False, kept=self._kept())
 
+    def discard_staged(self) -> None:
+        """Drop a received, not yet applied delta and its prepared apply (nothing was written)."""
+        self._staged = self._planned = None
+
     def finish_weight_update(self) -> None:
         self.require_authorized("finish")
         version = self._call_version
@@ -395,11 +420,15 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
             self._fingerprint = _fingerprint(self.model)
             return
         t0 = time.perf_counter()
-        params = dict(self.model.named_parameters())
-        undo = UndoLog()
+        planned, self._planned = self._planned, None
         try:
             with torch.no_grad():
-                self._apply_delta(upd.patches, params, undo)
+                if planned is not None and planned[0] is upd and planned[2] == _fingerprint(self.model):
+                    undo = planned[1]
+                    undo.write()
+                else:  # not planned, or the parameters moved since (e.g. reallocated): apply from scratch
+                    undo = UndoLog()
+                    self._apply_delta(upd.patches, dict(self.model.named_parameters()), undo)
         except Exception as e:
             undo.restore()
             kept = self._kept() + " (undo log restored)"

@@ -168,32 +168,71 @@ def _seeded(llm, path):
 
 
 def test_apply_failure_midway_restores_previous_version(engine, monkeypatch):
+    """A delta's apply is prepared while the engine serves and only written at finish. A failure
+    while preparing writes nothing; one midway through the writes is undone from the undo log.
+    Either way the engine stays on v1 and the trainer's next delta carries v1 -> v2 again."""
     kind, path, llm = engine
     state, sync = _seeded(llm, path)
     evolve(state, 1)
     sync.update(state.items())
+    worker = _worker_engine(llm)
+    assert "plan_s" in worker.last_timings  # the delta was prepared before its pause
     before = greedy(llm, PROMPTS)
     import patches.loader_views as views
 
     calls = {"n": 0}
     real = views.write_positions
 
-    def failing(*args, **kwargs):  # writes some parameters for real, then fails
+    def failing(*args, **kwargs):  # prepares some parameters' writes, then fails
         calls["n"] += 1
         if calls["n"] == 6:
-            raise RuntimeError("injected failure in the middle of apply")
+            raise RuntimeError("injected failure while preparing the apply")
         return real(*args, **kwargs)
     monkeypatch.setattr(views, "write_positions", failing)
     evolve(state, 2)
-    with pytest.raises(EngineError, match="injected failure.*undo log restored"):
+    with pytest.raises(EngineError, match="injected failure while preparing"):
         sync.update(state.items())
-    assert calls["n"] == 6 and sync.version == 1 and not sync.needs_seed
-    assert _worker_engine(llm).version == 1
+    assert calls["n"] == 6 and sync.version == 1 and not sync.needs_seed and worker.version == 1
     assert greedy(llm, PROMPTS) == before
     monkeypatch.setattr(views, "write_positions", real)
+
+    real_write = views.UndoLog.write
+
+    def write_half_then_fail(self):  # writes some parameters for real, then fails
+        self.pending[len(self.pending) // 2:] = []
+        assert self.pending
+        real_write(self)
+        raise RuntimeError("injected failure in the middle of the writes")
+    monkeypatch.setattr(views.UndoLog, "write", write_half_then_fail)
+    with pytest.raises(EngineError, match="injected failure in the middle.*undo log restored"):
+        sync.update(state.items())
+    assert sync.version == 1 and not sync.needs_seed and worker.version == 1
+    assert greedy(llm, PROMPTS) == before
+    monkeypatch.setattr(views.UndoLog, "write", real_write)
     rep = sync.update(state.items())  # the snapshot stayed at v1: this delta carries v1 -> v2 again
     assert rep.kind == "delta" and rep.version == 2
     sync.verify()
+    sync.close()
+
+
+def test_a_prepared_apply_is_dropped_when_parameters_moved_before_finish(engine, monkeypatch):
+    """Parameters reallocated between a delta's update call and its finish (a wake from sleep,
+    say): the writes prepared against the old storages are not used; finish applies from scratch
+    into the new ones, and the engine's digests equal the trainer's."""
+    kind, path, llm = engine
+    state, sync = _seeded(llm, path)
+    worker = _worker_engine(llm)
+    real_plan = type(worker)._plan_delta
+
+    def plan_then_move(self, upd):
+        real_plan(self, upd)
+        assert self._planned is not None
+        for p in self.model.parameters():
+            p.data = p.data.clone()
+    monkeypatch.setattr(type(worker), "_plan_delta", plan_then_move)
+    evolve(state, 1)
+    assert sync.update(state.items()).kind == "delta"
+    assert len(sync.verify()) == len(state)  # every tensor, read back through the new storages
     sync.close()
 
 
