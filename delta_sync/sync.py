@@ -361,32 +361,41 @@ class WeightSync:
             timings["diff_s"] = time.perf_counter() - t0
             return out
 
-        t0 = time.perf_counter()
-        try:
-            patches = self.gatherer.gather(produce) if self.gatherer is not None else order_and_merge(produce())
-        except GatherError:
-            self._rollback()  # every rank raises the same error
-            raise
-        except Exception as e:
-            if self.world == 1:
-                self._rollback()
-                raise
-            return Outcome(False, f"{type(e).__name__}: {e}"), e, elements[0]
-        timings["prepare_s"] = time.perf_counter() - t0
-        if self.rank != 0:
-            return None, None, elements[0]
-        # Indices and values are checked per bucket by the packer (one vectorized pass, before the
-        # bucket leaves); here only what a bucket check cannot see.
-        kept = f"engines and trainer snapshot at v{self.version}"
+        # rank 0 starts the engines' update (and their half of the drift sweep) while the ranks diff;
+        # the engines keep serving, and an update that fails before publishing ends those sessions
+        early = _EarlyStart(self) if self.rank == 0 and self.channel is not None and self.engines else None
         try:
             t0 = time.perf_counter()
-            for p in patches:
-                p.validate(contents=False, kept=kept)
-            timings["validate_s"] = time.perf_counter() - t0
-        except Exception as e:
-            return Outcome(False, f"{type(e).__name__}: {e}"), e, elements[0]
-        outcome, error = self._publish(version, "delta", timings, lambda sender: sender.close(patches), kept=kept)
-        return outcome, error, elements[0]
+            try:
+                patches = self.gatherer.gather(produce) if self.gatherer is not None else order_and_merge(produce())
+            except GatherError:
+                self._rollback()  # every rank raises the same error
+                raise
+            except Exception as e:
+                if self.world == 1:
+                    self._rollback()
+                    raise
+                return Outcome(False, f"{type(e).__name__}: {e}"), e, elements[0]
+            timings["prepare_s"] = time.perf_counter() - t0
+            if self.rank != 0:
+                return None, None, elements[0]
+            # Indices and values are checked per bucket by the packer (one vectorized pass, before the
+            # bucket leaves); here only what a bucket check cannot see.
+            kept = f"engines and trainer snapshot at v{self.version}"
+            try:
+                t0 = time.perf_counter()
+                for p in patches:
+                    p.validate(contents=False, kept=kept)
+                timings["validate_s"] = time.perf_counter() - t0
+            except Exception as e:
+                return Outcome(False, f"{type(e).__name__}: {e}"), e, elements[0]
+            published, early = early, None  # from here on, _publish ends the sessions it started
+            outcome, error = self._publish(version, "delta", timings, lambda sender: sender.close(patches),
+                                           kept=kept, early=published)
+            return outcome, error, elements[0]
+        finally:
+            if early is not None:
+                early.cancel()
 
     # ---- seed / full: one streaming pass ----------------------------------------------------------
     def _bulk(self, version: int, kind: str, named_tensors, timings: dict
@@ -477,7 +486,8 @@ class WeightSync:
 
     # ---- publish (rank 0) ------------------------------------------------------------------------
     def _publish(self, version: int, kind: str, timings: dict, send: Callable[[BucketSender], SendStats],
-                 bulk: bool = False, kept: str | None = None) -> tuple[Outcome, BaseException | None]:
+                 bulk: bool = False, kept: str | None = None, early: _EarlyStart | None = None
+                 ) -> tuple[Outcome, BaseException | None]:
         """Bulk: pause -> start -> send (applied as it arrives) -> finish -> resume.
 
         Delta: start -> send (staged and validated while the engine keeps serving: nothing is
@@ -488,27 +498,19 @@ class WeightSync:
         except Exception as e:
             return Outcome(False, f"{type(e).__name__}: {e}", needs_seed=self.needs_seed), e
         t_pause = [time.perf_counter()]
-        started: list[EngineClient] = []
+        started: list[EngineClient] = early.started if early is not None else []
         finished: list[EngineClient] = []
         sweep: dict = {}
 
         def open_engines() -> None:
             """Right before the first bucket leaves: a bulk update pauses here, so its pause window
             never covers what precedes its first bucket (a Megatron source's one-time plan, the
-            export of the first tensors)."""
+            export of the first tensors). A delta's engines may have been started already."""
             if bulk:
                 t_pause[0] = time.perf_counter()
                 for e in self.engines:
                     e.pause(self.pause_mode)
-            names, want = self._sweep if (kind == "delta" and self._sweep) else (None, None)
-            for e in self.engines:
-                reports = e.start(names) if names else e.start()
-                started.append(e)
-                if names:
-                    sweep["checked"] = len(names)
-                    sweep["engine_s"] = max([sweep.get("engine_s", 0.0)] +
-                                            [r.get("digest_s", 0.0) for r in reports or []])
-                    sweep["drift"] = sweep.get("drift") or _differs(e.name, reports or [], want)
+            sweep.update(early.result() if early is not None else self._start_engines(kind, started))
 
         try:
             stats = self._send(version, kind, timings, send, kept, open_engines)
@@ -528,14 +530,7 @@ class WeightSync:
             # Engines left on different versions, or a bulk update they started writing, can only
             # be repaired by a seed; they report it themselves.
             needs_seed = kind == "seed" or 0 < len(finished) < len(self.engines) or self._engines_lost_base()
-            for e in started:
-                if e in finished:
-                    continue
-                for step in (e.discard, lambda: e.finish(self.version)):
-                    try:
-                        step()  # ends the engine's session without applying v
-                    except Exception:
-                        pass
+            self._end_sessions([e for e in started if e not in finished])
             if not needs_seed:  # engines are on v-1 and consistent: serve again
                 for e in self.engines:
                     try:
@@ -551,6 +546,30 @@ class WeightSync:
         if "engine_s" in sweep:
             timings["sweep_engine_s"] = sweep["engine_s"]
         return Outcome(True, report=report, checked=sweep.get("checked", 0), drift=sweep.get("drift")), None
+
+    def _start_engines(self, kind: str, started: list[EngineClient]) -> dict:
+        """``start`` on every engine (``started`` collects each one that did); a delta's drift sweep
+        rides along: the engines' digests of the window, compared here. Returns the sweep's result."""
+        sweep: dict = {}
+        names, want = self._sweep if (kind == "delta" and self._sweep) else (None, None)
+        for e in self.engines:
+            reports = e.start(names) if names else e.start()
+            started.append(e)
+            if names:
+                sweep["checked"] = len(names)
+                sweep["engine_s"] = max([sweep.get("engine_s", 0.0)] + [r.get("digest_s", 0.0) for r in reports or []])
+                sweep["drift"] = sweep.get("drift") or _differs(e.name, reports or [], want)
+        return sweep
+
+    def _end_sessions(self, engines: list[EngineClient]) -> None:
+        """End started sessions without applying the version (best effort: an engine that cannot be
+        reached ends its own when the trainer's next call or its claim timeout comes)."""
+        for e in engines:
+            for step in (e.discard, lambda: e.finish(self.version)):
+                try:
+                    step()
+                except Exception:
+                    pass
 
     def _send(self, version: int, kind: str, timings: dict, send: Callable[[BucketSender], SendStats],
               kept: str | None, open_engines: Callable[[], None]):
@@ -680,6 +699,35 @@ class WeightSync:
                     log.warning("delta-sync: releasing %s failed (%s); its claim lapses after the engine's "
                                 "DELTA_SYNC_CLAIM_S seconds of silence (default 60)", getattr(e, "name", e), err)
         self._drop_channel()
+
+
+class _EarlyStart:
+    """A delta's ``start`` calls on a thread of rank 0, issued while the trainer ranks diff."""
+
+    def __init__(self, sync: WeightSync):
+        self.sync = sync
+        self.started: list[EngineClient] = []
+        self._sweep: dict = {}
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="delta_sync-start", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._sweep = self.sync._start_engines("delta", self.started)
+        except BaseException as e:  # raised where the publish opens the engines
+            self._error = e
+
+    def result(self) -> dict:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._sweep
+
+    def cancel(self) -> None:
+        """The delta failed before publishing: end the sessions that were started."""
+        self._thread.join()
+        self.sync._end_sessions(self.started)
 
 
 class DriftDetected(DeltaSyncError):

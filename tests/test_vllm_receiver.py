@@ -148,6 +148,12 @@ def test_bad_updates_rejected_and_outputs_unchanged(engine):
     with pytest.raises(PatchValidationError, match="non-finite"):
         sync.update(state.items())
     state[name].view(-1)[0] = 0.25
+    # a diff that fails on the trainer (a tensor left out) after the engine's update session was
+    # started beside it: the session is ended, nothing applied
+    with pytest.raises(PatchValidationError, match="left out of this delta"):
+        sync.update([(n, t) for n, t in state.items() if n != name])
+    worker = llm.llm_engine.model_executor.driver_worker.worker
+    assert not worker._weight_update_active and greedy(llm, PROMPTS) == before
     # after all of that, a normal update is still exact
     evolve(state, 2)
     rep = sync.update(state.items())
