@@ -26,8 +26,10 @@ import time
 import urllib.request
 from pathlib import Path
 
+from delta_sync import accelerator
 from delta_sync.auth import ensure_secret
 from delta_sync.channel import free_port
+from patches.vllm_plugin import SPIN_ENV
 
 DEFAULT_PROMPTS = ["the quick brown fox", "one two three four", "def add(a, b):",
                    "weights change a little every step of reinforcement learning"]
@@ -84,6 +86,12 @@ def compare(synced: list[dict], fresh: list[dict]) -> dict:
     return {"equal": equal, "fields": fields, "max_abs_logprob_error": worst, "first_difference": first_diff}
 
 
+#: vLLM's shm readers spin this long after a read on CPU hosts (vLLM: 1 s, which cost a 0.2% delta's
+#: diff a third of its speed here). 0 stalled the engine ~5 s per update here (a read that found its
+#: notification already taken waits for the next one): keep a short spin.
+CPU_HOST_SPIN_S = "0.05"
+
+
 def start_engine(model: str | Path, port: int, log: Path, tp: int = 1,
                  extra: list[str] | None = None, env: dict[str, str] | None = None) -> subprocess.Popen:
     """A vLLM OpenAI server on 127.0.0.1 with the options the synced engine uses (checkpoint layout).
@@ -92,6 +100,8 @@ def start_engine(model: str | Path, port: int, log: Path, tp: int = 1,
     sign their calls with it. Its own session: :func:`kill_engine` takes down its workers too."""
     ensure_secret()
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_OMP_THREADS_BIND="nobind", **(env or {}))
+    if accelerator.detect_family() == "cpu":  # engine and trainer share this host's cores
+        env.setdefault(SPIN_ENV, CPU_HOST_SPIN_S)
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name",
            "m", "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--enforce-eager",
            "--max-model-len", "512", "--kv-cache-memory-bytes", str(64 << 20), "--seed", "0",

@@ -59,6 +59,35 @@ def register() -> None:
         vllm_cpu_layout.install()
     _patch_worker()
     _install_pause_lease()
+    spin = os.environ.get(SPIN_ENV)
+    if spin:
+        _cap_shm_spin(float(spin))
+
+
+#: seconds vLLM's shared-memory queue readers keep spinning after a read (vLLM: 1 s); set by
+#: ``launchers.equivalence.start_engine`` for CPU engines, which share the host's cores with the trainer
+SPIN_ENV = "DELTA_SYNC_VLLM_SPIN_S"
+
+
+def _cap_shm_spin(seconds: float) -> None:
+    """After every read, a reader of vLLM's shm message queue (each worker waiting for the next RPC,
+    the engine core waiting for the workers' replies) spins on ``sched_yield`` for 1 s before it
+    sleeps on its notify socket. On a host where the engine and the trainer share a few cores,
+    every sync call then costs the trainer about a core for a second. Capping the spin adds a socket
+    wake-up to a read that comes later than ``seconds`` after the previous one."""
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+    if getattr(SpinCondition, "_delta_sync_spin", None) == seconds:
+        return
+    wait = getattr(SpinCondition, "_delta_sync_wait", SpinCondition.wait)
+
+    def capped_wait(self, timeout_ms=None):
+        self.busy_loop_s = min(self.busy_loop_s, seconds)
+        return wait(self, timeout_ms)
+
+    SpinCondition._delta_sync_wait = wait
+    SpinCondition._delta_sync_spin = seconds
+    SpinCondition.wait = capped_wait
 
 
 def _ours(worker):

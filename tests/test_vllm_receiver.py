@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -457,3 +458,30 @@ def test_a_second_trainer_is_refused_while_the_first_holds_the_engine(engine):
     finally:
         worker.claim_s = 0.0
         second.close()
+
+
+def test_shm_readers_spin_at_most_the_capped_time(monkeypatch):
+    """vLLM's shm queue readers spin 1 s after every read; the plugin caps that (CPU engines started
+    by ``start_engine`` share the host's cores with the trainer), and ``start_engine`` asks for it."""
+    import subprocess as sp
+
+    import zmq
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+    from launchers import equivalence
+    from patches.vllm_plugin import SPIN_ENV, _cap_shm_spin
+
+    ctx = zmq.Context()
+    writer = SpinCondition(is_reader=False, context=ctx, notify_address="inproc://delta-sync-spin")
+    reader = SpinCondition(is_reader=True, context=ctx, notify_address="inproc://delta-sync-spin")
+    assert reader.busy_loop_s == 1
+    _cap_shm_spin(0.05)
+    _cap_shm_spin(0.05)  # idempotent: one wrapper
+    writer.notify()
+    reader.wait(timeout_ms=1000)
+    assert reader.busy_loop_s == 0.05
+    seen, popen = {}, sp.Popen
+    monkeypatch.setattr(equivalence.subprocess, "Popen", lambda cmd, env, **kw: seen.update(env) or popen(["true"]))
+    monkeypatch.delenv(SPIN_ENV, raising=False)
+    equivalence.start_engine("m", 1, Path(os.devnull)).wait()
+    assert seen[SPIN_ENV] == equivalence.CPU_HOST_SPIN_S
