@@ -26,10 +26,11 @@ everything measured on this machine in the same run:
 
 Artifacts in ``--out``: ``e2e.json`` (everything), ``rss.json`` (the raw samples), ``e2e.png``
 (update time vs density against the wire / seed / full / vLLM-load lines; peak memory per side),
-``engine.log``. Last line: one JSON object with the ratios (``seed_over_wire``, ``full_over_wire``,
-``delta_over_wire``, ``delta_pause_over_wire``, ``verify_over_seed``, ``sweep_over_delta``,
-``engine_seed_peak_over_bucket``,
-``trainer_seed_peak_over_model``, ``apply_over_native``, ``diff_over_copy``) and the times behind them.
+``engine.log``. Last line: one JSON object with the ratios (``seed_over_wire``: a full-mode
+trainer's first update; ``reseed_over_wire``: a delta-mode trainer's seed, which also builds its
+snapshot; ``full_over_wire``, ``delta_over_wire``, ``delta_pause_over_wire``, ``verify_over_seed``,
+``sweep_over_delta``, ``engine_seed_peak_over_bucket``, ``trainer_seed_peak_over_model``,
+``apply_over_native`` and ``write_over_native``, ``diff_over_copy``) and the times behind them.
 """
 
 from __future__ import annotations
@@ -698,6 +699,8 @@ def _pass_summary(rows: list[dict], wire_s: float, digest_marginal_s: float = 0.
         "adam_pause_s": adam and adam["pause_window_s"],
         "headline_density": head and head["density"],
         "seed_over_wire": _ratio(seed and seed["total_s"], wire_s),
+        # a delta-mode trainer's seed: it also builds its snapshot (in fresh pages)
+        "reseed_over_wire": _ratio(by.get("reseed", {}).get("total_s"), wire_s),
         "full_over_wire": _ratio(full and full["total_s"], wire_s),
         "delta_over_wire": _ratio(head and head["total_s"], wire_s),
         "delta_pause_over_wire": _ratio(head and head["pause_window_s"], wire_s),
@@ -965,7 +968,8 @@ def main(argv: list[str]) -> dict:
         "seed_s": s.get("seed_s"), "full_s": s.get("full_s"), "reseed_s": s.get("reseed_s"),
         "delta_s": s.get("delta_s"), "delta_pause_s": s.get("delta_pause_s"),
         "adam_density": s.get("adam_density"), "adam_s": s.get("adam_s"),
-        "seed_over_wire": s.get("seed_over_wire"), "full_over_wire": s.get("full_over_wire"),
+        "seed_over_wire": s.get("seed_over_wire"), "reseed_over_wire": s.get("reseed_over_wire"),
+        "full_over_wire": s.get("full_over_wire"),
         "delta_over_wire": s.get("delta_over_wire"), "delta_pause_over_wire": s.get("delta_pause_over_wire"),
         "adam_over_wire": s.get("adam_over_wire"), "vllm_load_over_wire": result["vllm_load_over_wire"],
         "verify_over_seed": s.get("verify_over_seed"), "sweep_over_delta": s.get("sweep_over_delta"),
@@ -976,7 +980,8 @@ def main(argv: list[str]) -> dict:
         "apply_over_native": result.get("apply_over_native"), "write_over_native": result.get("write_over_native"),
         "diff_over_copy": result.get("diff_over_copy"),
         "two_ranks": {k: two.get(k) for k in ("seed_s", "full_s", "delta_s", "adam_s", "adam_density",
-                                              "seed_over_wire", "full_over_wire", "delta_over_wire",
+                                              "seed_over_wire", "reseed_over_wire", "full_over_wire",
+                                              "delta_over_wire",
                                               "delta_pause_over_wire", "trainer_seed_peak_over_model",
                                               "engine_seed_peak_over_bucket")} if two else None,
         "megatron": {k: result["megatron"][k] for k in ("model", "params", "seed_s", "export_seed_s", "delta_s",
