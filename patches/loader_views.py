@@ -250,11 +250,20 @@ class UndoLog:
     def write(self) -> None:
         """Perform the deferred writes (on failure: :meth:`restore` puts back every recorded value)."""
         for target, pos, values in self.pending:
-            if pos is None:
-                target.copy_(values)
-            else:
-                target.index_copy_(0, pos, values)
+            _put(target, pos, values)
         self.pending.clear()
+
+    def change(self, target: torch.Tensor, pos: torch.Tensor | None, values: torch.Tensor) -> None:
+        """Record the old values at ``pos`` of ``target`` (None: all of it), then write ``values``
+        there: now, or at :meth:`write` when ``deferred``."""
+        if pos is None:
+            self.record_view(target)
+        else:
+            self.record_positions(target, pos)
+        if self.deferred:
+            self.pending.append((target, pos, values))
+        else:
+            _put(target, pos, values)
 
     def record_positions(self, flat: torch.Tensor, pos: torch.Tensor) -> None:
         self.entries.append((flat, pos, flat.index_select(0, pos)))
@@ -264,15 +273,20 @@ class UndoLog:
 
     def restore(self) -> None:
         for target, pos, old in reversed(self.entries):
-            if pos is None:
-                target.copy_(old)
-            else:
-                target.index_copy_(0, pos, old)
+            _put(target, pos, old)
         self.entries.clear()
 
     @property
     def nbytes(self) -> int:
         return sum(o.numel() * o.element_size() + (0 if p is None else p.numel() * 8) for _, p, o in self.entries)
+
+
+def _put(target: torch.Tensor, pos: torch.Tensor | None, values: torch.Tensor) -> None:
+    """``target[pos] = values`` along dim 0 (int64 positions), or all of ``target`` when ``pos`` is None."""
+    if pos is None:
+        target.copy_(values)
+    else:
+        target.index_copy_(0, pos, values)
 
 
 def flat_param(param: torch.Tensor) -> torch.Tensor:
@@ -348,12 +362,10 @@ def apply_sparse_many(views: dict[str, LoaderView], params: dict[str, torch.Tens
 def write_positions(flat: torch.Tensor, dst: torch.Tensor, values: torch.Tensor, undo: UndoLog | None) -> int:
     """``flat[dst] = values`` (int64 positions), the old values kept in ``undo`` first."""
     values = values.to(flat.dtype)
-    if undo is not None:
-        undo.record_positions(flat, dst)
-        if undo.deferred:
-            undo.pending.append((flat, dst, values))
-            return dst.numel()
-    flat.index_copy_(0, dst, values)
+    if undo is None:
+        flat.index_copy_(0, dst, values)
+    else:
+        undo.change(flat, dst, values)
     return dst.numel()
 
 
@@ -364,12 +376,10 @@ def apply_dense(view: LoaderView, params: dict[str, torch.Tensor], values: torch
     written = 0
     for seg in view.segments:
         dst = seg.dst_view(flat_param(params[seg.param]))
-        if undo is not None:
-            undo.record_view(dst)
-        if undo is not None and undo.deferred:
-            undo.pending.append((dst, None, seg.src_view(src)))
-        else:
+        if undo is None:
             dst.copy_(seg.src_view(src))
+        else:
+            undo.change(dst, None, seg.src_view(src))
         written += seg.numel
     return written
 
