@@ -1,5 +1,6 @@
 /* Fused bitwise diff for host memory: one pass over two word arrays, emitting the flat index and
- * the new bits of every changed element. Memory-bound: it reads each input once and writes only
+ * the new bits of every changed element (optionally also its old bits, while moving the old array
+ * to the new values: a snapshot then needs no second, random-access pass to commit). Memory-bound: it reads each input once and writes only
  * the changed entries, which the torch-op path cannot do (its compare writes a mask and its
  * gathers revisit the inputs at random).
  *
@@ -10,6 +11,8 @@
  *   a, b       the two inputs as 64-bit words (8-byte aligned), `nwords` of them
  *   base       flat element index of a[0]'s first lane
  *   idx, val   output, room for `cap` entries (cap >= 8 words' worth: 8 * 64 / W)
+ *   prev       NULL, or output beside `val`: the bits of `a` at each entry; then every changed word
+ *              of `a` is overwritten with `b`'s (the snapshot advances in the pass that reads it)
  *   *done      words consumed; the call stops early, at a word boundary, when the next word
  *              could overflow the output, so the caller loops with bounded scratch
  *   returns    entries written, flat indices strictly increasing
@@ -20,8 +23,8 @@
 #endif
 
 #define DEFINE_DIFF(W, VT)                                                                      \
-    int64_t diff_words_##W(const uint64_t *a, const uint64_t *b, int64_t nwords, int64_t base,  \
-                           int32_t *idx, VT *val, int64_t cap, int64_t *done) {                 \
+    int64_t diff_words_##W(uint64_t *a, const uint64_t *b, int64_t nwords, int64_t base,        \
+                           int32_t *idx, VT *val, VT *prev, int64_t cap, int64_t *done) {       \
         const int lanes = 64 / (W);                                                             \
         const uint64_t lane_mask = (1ull << (W)) - 1;                                           \
         int64_t k = 0, w = 0;                                                                   \
@@ -36,11 +39,13 @@
             for (int64_t v = w; v < end; ++v) {                                                 \
                 uint64_t x = a[v] ^ b[v];                                                       \
                 if (!x) continue;                                                               \
-                uint64_t nb = b[v];                                                             \
+                uint64_t nb = b[v], ob = a[v];                                                  \
+                if (prev) a[v] = nb;                                                            \
                 for (int l = 0; l < lanes; ++l) {                                               \
                     if ((x >> ((W) * l)) & lane_mask) {                                         \
                         idx[k] = (int32_t)(base + v * lanes + l);                               \
                         val[k] = (VT)(nb >> ((W) * l));                                         \
+                        if (prev) prev[k] = (VT)(ob >> ((W) * l));                              \
                         ++k;                                                                    \
                     }                                                                           \
                 }                                                                               \
@@ -50,8 +55,41 @@
         return k;                                                                               \
     }
 
+/* diff_many_W: diff_words_W over many tensors in one call (a model's thousands of small tensors
+ * would otherwise pay a foreign call and its scratch each). Tensor t is a_addr[t] / b_addr[t]
+ * (word addresses) with nwords[t] words; the call starts at word w0 of tensor t0 and fills one
+ * output, ends[t] = entries written up to the end of tensor t. It stops at a word boundary when the
+ * output could overflow: *stop_t / *stop_w say where to resume (stop_t == ntensors: all done).
+ * Returns the entries written. */
+#define DEFINE_DIFF_MANY(W, VT)                                                                 \
+    int64_t diff_many_##W(int64_t ntensors, const int64_t *a_addr, const int64_t *b_addr,       \
+                          const int64_t *nwords, int64_t t0, int64_t w0, int32_t *idx, VT *val, \
+                          VT *prev, int64_t cap, int64_t *ends, int64_t *stop_t,                \
+                          int64_t *stop_w) {                                                    \
+        const int lanes = 64 / (W);                                                             \
+        int64_t k = 0, t = t0, w = w0;                                                          \
+        for (; t < ntensors; ++t, w = 0) {                                                      \
+            int64_t done = 0;                                                                   \
+            k += diff_words_##W((uint64_t *)(uintptr_t)a_addr[t] + w,                           \
+                                (const uint64_t *)(uintptr_t)b_addr[t] + w, nwords[t] - w,      \
+                                w * lanes, idx + k, val + k, prev ? prev + k : 0, cap - k,      \
+                                &done);                                                         \
+            if (w + done < nwords[t]) {                                                         \
+                *stop_t = t;                                                                    \
+                *stop_w = w + done;                                                             \
+                return k;                                                                       \
+            }                                                                                   \
+            ends[t] = k;                                                                        \
+        }                                                                                       \
+        *stop_t = ntensors;                                                                     \
+        *stop_w = 0;                                                                            \
+        return k;                                                                               \
+    }
+
 DEFINE_DIFF(16, uint16_t)
 DEFINE_DIFF(32, uint32_t)
+DEFINE_DIFF_MANY(16, uint16_t)
+DEFINE_DIFF_MANY(32, uint32_t)
 
 /* Position-weighted digest lanes over signed 16-bit words, fused with a non-finite scan and,
  * optionally, a copy (see delta_sync/digest.py for the definition; the torch-op path computes

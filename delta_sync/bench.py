@@ -1,10 +1,14 @@
 """Benchmarks that print ratios measured in one run: ``python -m delta_sync.bench {diff,...}``.
 
-``diff``: bitwise diff throughput against ``dst.copy_(src)`` on the same tensors. Bytes counted
+``diff``: bitwise diff throughput (the pass a snapshot store runs: it also advances the snapshot)
+against ``dst.copy_(src)`` on the same tensors. Bytes counted
 the same way for both: copy reads N and writes N, diff reads 2N (snapshot and new), so each
 side "moves" 2N bytes per pass. Last line: one JSON object with ``diff_over_copy`` (the path the
 library uses here: the host kernel of :mod:`delta_sync.native` when it builds) and
 ``torch_ops_over_copy`` (the portable torch-op path, what a device snapshot runs).
+
+``tensors``: what a delta costs per tensor (many small tensors, in process), and the batched
+diff against one tensor at a time.
 
 Other subcommands (``apply``) are contributed by packages that know an engine, through the
 ``delta_sync.bench`` entry-point group, so this core module never imports vLLM.
@@ -21,7 +25,7 @@ from importlib.metadata import entry_points
 import torch
 
 from . import native
-from .diff import BitwiseDiff
+from .diff import BitwiseDiff, restore
 
 
 def _best(fn, reps: int) -> float:
@@ -66,20 +70,28 @@ def bench_diff(argv: list[str]) -> dict:
     produced = []
 
     def diff_with(d: BitwiseDiff):
+        """What a snapshot store runs: the diff that advances each snapshot in its pass."""
         def run():
             produced.clear()
             for i, (o, n) in enumerate(zip(olds, news)):
-                produced.append(d.diff(f"t{i}", o, n))
+                produced.append((o, *d.advance(f"t{i}", o, n)))
         return run
 
+    def put_back():  # untimed: the snapshots go back to the old version for the next pass
+        for o, p, old_bits in produced:
+            restore(o, p.indices, old_bits)
+
     run_diff, run_portable = diff_with(differ), diff_with(portable)
-    run_copy(), run_diff(), run_portable()  # warm up allocations and page faults
+    for fn in (run_copy, run_diff, put_back, run_portable, put_back):  # warm up allocations and page faults
+        fn()
     t_copy = t_diff = t_portable = float("inf")
     for _ in range(args.reps):  # interleaved, so all see the same machine state
         t_copy = min(t_copy, _best(run_copy, 1))
         t_portable = min(t_portable, _best(run_portable, 1))
+        put_back()
         t_diff = min(t_diff, _best(run_diff, 1))
-    found = sum(p.count for p in produced)
+        found = sum(p.count for _, p, _ in produced)
+        put_back()
     if found != changed:
         raise SystemExit(f"diff found {found} changed elements, expected {changed}")
     copy_gbps = 2 * total / t_copy / 1e9
@@ -93,7 +105,65 @@ def bench_diff(argv: list[str]) -> dict:
             "diff_over_copy": round(diff_gbps / copy_gbps, 3)}
 
 
-BUILTIN = {"diff": bench_diff}
+def bench_tensors(argv: list[str]) -> dict:
+    """Per-tensor costs: deltas of many small tensors through :class:`WeightSync` to the in-memory
+    receiver (this process), where bytes are few and the work per tensor is what shows. Also the
+    snapshot store's diff alone, batched (what a delta runs) and one tensor at a time, same run."""
+    from .memory_receiver import MemoryReceiver
+    from .snapshot import SnapshotStore
+    from .sync import WeightSync
+
+    ap = argparse.ArgumentParser(prog="python -m delta_sync.bench tensors")
+    ap.add_argument("--tensors", type=int, default=4000)
+    ap.add_argument("--elements", type=int, default=32768, help="bf16 elements per tensor (default 64 KiB)")
+    ap.add_argument("--density", type=float, default=0.002)
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args(argv)
+    g = torch.Generator().manual_seed(0)
+    state = {f"layers.{i}.w": torch.randn(args.elements, generator=g).to(torch.bfloat16) for i in range(args.tensors)}
+    k = max(1, int(args.elements * args.density))
+
+    def step():
+        for t in state.values():
+            t[torch.randint(0, args.elements, (k,), generator=g)] += 1
+
+    sync = WeightSync([MemoryReceiver()], mode="delta", timeout_s=600)
+    try:
+        sync.update(state.items())
+        best = None
+        for _ in range(args.reps):
+            step()
+            rep = sync.update(state.items())
+            if best is None or rep.timings["total_s"] < best.timings["total_s"]:
+                best = rep
+    finally:
+        sync.close()
+    store, items = SnapshotStore(), list(state.items())
+    store.prepare_many(items)
+    store.commit(0)
+    step()
+
+    def batched():
+        store.prepare_many(items)
+        store.rollback()
+
+    def one_by_one():
+        for name, t in items:
+            store.prepare(name, t)
+        store.rollback()
+
+    t_batch = t_one = float("inf")
+    for _ in range(args.reps):
+        t_batch, t_one = min(t_batch, _best(batched, 1)), min(t_one, _best(one_by_one, 1))
+    n = args.tensors
+    return {"bench": "tensors", "tensors": n, "elements": args.elements, "density": args.density,
+            "delta_s": best.timings["total_s"], "delta_ms_per_tensor": round(1e3 * best.timings["total_s"] / n, 4),
+            "stages_s": best.timings, "diff_us_per_tensor": round(1e6 * t_batch / n, 1),
+            "diff_one_by_one_us_per_tensor": round(1e6 * t_one / n, 1),
+            "batched_over_one_by_one": round(t_batch / t_one, 3)}
+
+
+BUILTIN = {"diff": bench_diff, "tensors": bench_tensors}
 
 
 def _commands() -> dict:

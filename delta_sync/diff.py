@@ -14,6 +14,10 @@ The scan is memory-bound, so it is shaped to read each input once and write as l
 
 Indices come out strictly increasing, as the patch format requires.
 
+A snapshot can *advance* in the same pass (:meth:`BitwiseDiff.advance`): every changed word is
+overwritten with the new one while it is in cache, and the old bits come out beside the new ones,
+so committing costs nothing and rolling back is one scatter of O(changed) bytes (:func:`restore`).
+
 For host tensors a compiled one-pass kernel (:mod:`delta_sync.native`) replaces steps 1-3 when a
 C compiler is present; the torch-op path is the portable reference and the fallback.
 """
@@ -52,46 +56,124 @@ class BitwiseDiff:
 
     def diff(self, name: str, old: torch.Tensor, new: torch.Tensor) -> Patch:
         """The patch that turns ``old`` into ``new``: int32 indices + values of ``new``."""
+        self._check(name, old, new, absorb=False)
+        idx, bits = self.changed(old, new)
+        return Patch(name, tuple(new.shape), new.dtype, idx, bits.view(new.dtype))
+
+    def advance(self, name: str, snapshot: torch.Tensor, new: torch.Tensor) -> tuple[Patch, torch.Tensor]:
+        """:meth:`diff`, moving ``snapshot`` (contiguous) to ``new`` in the same pass: only its changed
+        words are written, while they are in cache. Returns the patch and the old bits at its
+        indices, which put ``snapshot`` back (:func:`restore`)."""
+        return self.advance_many([(name, snapshot, new)])[0]
+
+    def advance_many(self, items: list[tuple[str, torch.Tensor, torch.Tensor]]
+                     ) -> list[tuple[Patch, torch.Tensor]]:
+        """:meth:`advance` of ``(name, snapshot, new)`` items, scanned together (:meth:`absorb_many`)."""
+        for name, snap, new in items:
+            self._check(name, snap, new, absorb=True)
+        found = self.absorb_many([(snap, new) for _, snap, new in items])
+        return [(Patch(name, tuple(new.shape), new.dtype, idx, bits.view(new.dtype)), old_bits)
+                for (name, _, new), (idx, bits, old_bits) in zip(items, found)]
+
+    def absorb_many(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]
+                    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """:meth:`absorb` of ``(old, new)`` pairs. Small host tensors share a few calls of the host
+        kernel (:func:`native.changed_many`) instead of paying its per-call costs each; the others
+        go one by one. All or nothing: if one fails, every ``old`` advanced here is put back before
+        the error is raised."""
+        out: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = [None] * len(pairs)
+        batch: dict[int, list[int]] = {}  # element width -> pairs scanned together
+        big = native.MIN_WORDS_PER_THREAD * max(1, torch.get_num_threads())
+        try:
+            for i, (old, new) in enumerate(pairs):
+                if self._batchable(old, new, big):
+                    batch.setdefault(old.element_size(), []).append(i)
+                else:
+                    out[i] = self.absorb(old, new)
+            for width, members in batch.items():
+                found = native.changed_many([pairs[i][0] for i in members], [pairs[i][1] for i in members],
+                                            8 // width, absorb=True)
+                for i, got in zip(members, found):
+                    out[i] = got
+        except BaseException:
+            for (old, _), done in zip(pairs, out):
+                if done is not None:
+                    restore(old, done[0], done[2])
+            raise
+        return out
+
+    def _batchable(self, snap: torch.Tensor, new: torch.Tensor, big: int) -> bool:
+        """A host tensor the kernel scans whole in 64-bit words, too small to split across threads."""
+        if not (self.use_native and snap.shape == new.shape and snap.dtype == new.dtype and native.supports(snap)
+                and new.device.type == "cpu" and snap.is_contiguous() and new.is_contiguous()):
+            return False
+        lanes = 8 // snap.element_size()
+        return (snap.numel() % lanes == 0 and snap.numel() // lanes < big
+                and snap.data_ptr() % 8 == 0 and new.data_ptr() % 8 == 0)
+
+    @staticmethod
+    def _check(name: str, old: torch.Tensor, new: torch.Tensor, absorb: bool) -> None:
         if old.shape != new.shape or old.dtype != new.dtype:
             raise ValueError(f"diff of {name!r}: snapshot {tuple(old.shape)}/{old.dtype} vs "
                              f"new {tuple(new.shape)}/{new.dtype}")
         check_indexable(name, new.numel())
-        idx, bits = self.changed(old, new)
-        values = bits.view(new.dtype)
-        return Patch(name, tuple(new.shape), new.dtype, idx, values)
+        if absorb and not old.is_contiguous():
+            raise ValueError(f"diff of {name!r}: advancing writes into the snapshot, which must be contiguous")
 
     def changed(self, old: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(int32 flat indices, integer bits of new at them)``; indices strictly increasing."""
-        o = int_view(old.contiguous())
+        idx, bits, _ = self._changed(old, new, absorb=False)
+        return idx, bits
+
+    def absorb(self, old: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`changed` plus the bits of ``old`` at the same indices, with ``old`` (contiguous)
+        overwritten by ``new`` wherever they differ."""
+        if old.shape != new.shape or old.dtype != new.dtype or not old.is_contiguous():
+            raise ValueError(f"absorb needs a contiguous old tensor of the new one's shape and dtype: "
+                             f"{tuple(old.shape)}/{old.dtype} vs {tuple(new.shape)}/{new.dtype}")
+        return self._changed(old, new, absorb=True)
+
+    def _changed(self, old: torch.Tensor, new: torch.Tensor, absorb: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        o = int_view(old if absorb else old.contiguous())
         n = int_view(new.contiguous())
         lanes = 8 // o.element_size()
         numel = o.numel()
         nwords = numel // lanes if (word_aligned(o) and word_aligned(n)) else 0
-        idx_parts: list[torch.Tensor] = []
-        val_parts: list[torch.Tensor] = []
+        parts: list[list[torch.Tensor]] = [[], [], []]  # indices, new bits, old bits (absorb)
+        try:
+            self._scan(o, n, nwords, lanes, parts, absorb)
+        except BaseException:
+            if absorb:  # whatever advanced goes back: a failed diff leaves the snapshot as it was
+                for idx, old_bits in zip(parts[0], parts[2]):
+                    restore(o, idx, old_bits)
+            raise
+        out = [torch.cat(p) if len(p) > 1 else p[0] if p else torch.empty(0, dtype=dt, device=o.device)
+               for p, dt in zip(parts, (torch.int32, o.dtype, o.dtype))]
+        return out[0], out[1], (out[2] if absorb else None)
+
+    def _scan(self, o, n, nwords, lanes, parts, absorb) -> None:
+        numel = o.numel()
         if nwords:
             o64 = o[: nwords * lanes].view(torch.int64)
             n64 = n[: nwords * lanes].view(torch.int64)
             if self.use_native and native.supports(o):
-                idx_parts, val_parts = native.changed_words(o64, n64, lanes)
+                for into, got in zip(parts, native.changed_words(o64, n64, lanes, absorb)):
+                    into.extend(got)
             else:
                 for start in range(0, nwords, self.chunk_words):
                     stop = min(start + self.chunk_words, nwords)
-                    self._scan_chunk(o64[start:stop], n64[start:stop], start, lanes, o.dtype,
-                                     idx_parts, val_parts)
+                    self._scan_chunk(o64[start:stop], n64[start:stop], start, lanes, o.dtype, parts, absorb)
         tail = nwords * lanes
         if tail < numel:  # unaligned or ragged end: element-width compare
             hit = (o[tail:] != n[tail:]).nonzero().squeeze(1)
-            idx_parts.append((hit + tail).to(torch.int32))
-            val_parts.append(n[tail:].take(hit))
-        if not idx_parts:
-            return (torch.empty(0, dtype=torch.int32, device=o.device),
-                    torch.empty(0, dtype=o.dtype, device=o.device))
-        if len(idx_parts) == 1:
-            return idx_parts[0], val_parts[0]
-        return torch.cat(idx_parts), torch.cat(val_parts)
+            parts[0].append((hit + tail).to(torch.int32))
+            parts[1].append(n[tail:].take(hit))
+            if absorb:
+                parts[2].append(o[tail:].take(hit))
+                o[tail:].index_copy_(0, hit, parts[1][-1])
 
-    def _scan_chunk(self, o64, n64, word0, lanes, lane_dtype, idx_parts, val_parts) -> None:
+    def _scan_chunk(self, o64, n64, word0, lanes, lane_dtype, parts, absorb) -> None:
         mask = self._scratch(o64.numel(), o64.device)
         torch.ne(o64, n64, out=mask)
         # Level 1: 8 word-flags per int64; nonzero over N/8 flag words, not N flags.
@@ -106,13 +188,22 @@ class BitwiseDiff:
         if words.numel() == 0:
             return
         # Level 2: which lanes of each changed word differ (xor of the two words' bits).
-        new_words = n64.take(words)
-        lane_bits = torch.bitwise_xor(o64.take(words), new_words).view(lane_dtype)
+        new_words, old_words = n64.take(words), o64.take(words)
+        lane_bits = torch.bitwise_xor(old_words, new_words).view(lane_dtype)
         hit = lane_bits.nonzero().squeeze(1)
         shift = lanes.bit_length() - 1
         elem = words.take(hit >> shift) * lanes + (hit & (lanes - 1)) + word0 * lanes
-        idx_parts.append(elem.to(torch.int32))
-        val_parts.append(new_words.view(lane_dtype).take(hit))
+        parts[0].append(elem.to(torch.int32))
+        parts[1].append(new_words.view(lane_dtype).take(hit))
+        if absorb:
+            parts[2].append(old_words.view(lane_dtype).take(hit))
+            o64.index_copy_(0, words, new_words)
+
+
+def restore(snapshot: torch.Tensor, indices: torch.Tensor, old_bits: torch.Tensor) -> None:
+    """Undo :meth:`BitwiseDiff.advance`: put the old bits back at ``indices`` (flat, int32)."""
+    if indices.numel():
+        int_view(snapshot).index_copy_(0, indices.to(torch.int64), old_bits)
 
 
 def word_aligned(flat: torch.Tensor) -> bool:

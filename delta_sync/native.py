@@ -92,8 +92,13 @@ def kernel() -> ctypes.CDLL | None:
         fn = getattr(lib, f"diff_words_{width}")
         fn.restype = ctypes.c_int64
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                        ctypes.POINTER(ctypes.c_int64)]
+        many = getattr(lib, f"diff_many_{width}")
+        many.restype = ctypes.c_int64
+        many.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                         ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                         ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64)]
     lib.digest_words.restype = ctypes.c_int64
     lib.digest_words.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
@@ -116,42 +121,149 @@ def supports(t: torch.Tensor) -> bool:
 
 
 def _scan(fn, width: int, old64: torch.Tensor, new64: torch.Tensor, first: int, stop: int,
-          lanes: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+          lanes: int, absorb: bool) -> list[tuple[torch.Tensor, ...]]:
     # a small tensor needs no more room than its own elements (>= one 8-word block: progress)
     room = min(SCRATCH_ENTRIES, max(8 * lanes, (stop - first) * lanes))
     idx = torch.empty(room, dtype=torch.int32)
     val = torch.empty(room, dtype=_VALUE_DTYPE[width])
+    prev = torch.empty(room, dtype=_VALUE_DTYPE[width]) if absorb else None
     done = ctypes.c_int64()
     out = []
     a, b = old64.data_ptr(), new64.data_ptr()
     w = first
     while w < stop:
-        k = fn(a + 8 * w, b + 8 * w, stop - w, w * lanes, idx.data_ptr(), val.data_ptr(), room,
-               ctypes.byref(done))
+        k = fn(a + 8 * w, b + 8 * w, stop - w, w * lanes, idx.data_ptr(), val.data_ptr(),
+               prev.data_ptr() if absorb else None, room, ctypes.byref(done))
         if k:
-            out.append((idx[:k].clone(), val[:k].clone()))
+            try:
+                out.append((idx[:k].clone(), val[:k].clone()) + ((prev[:k].clone(),) if absorb else ()))
+            except BaseException:
+                if absorb:  # this range goes back to its old bits before the error leaves
+                    for piece in [*out, (idx[:k], None, prev[:k])]:
+                        _put_back(old64, piece[0], piece[2])
+                raise
         if done.value == 0:  # cannot happen with room for 8 words of lanes
             raise RuntimeError(f"diff kernel made no progress at word {w} (scratch {room})")
         w += done.value
     return out
 
 
-def changed_words(old64: torch.Tensor, new64: torch.Tensor, lanes: int
-                  ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def changed_words(old64: torch.Tensor, new64: torch.Tensor, lanes: int, absorb: bool = False
+                  ) -> tuple[list[torch.Tensor], ...]:
     """Changed elements of two host int64 word arrays holding ``lanes`` elements per word.
 
     Returns index and value-bit parts (int32 flat element indices, strictly increasing across
-    the parts in order; values as the signed integer of the element width).
+    the parts in order; values as the signed integer of the element width). With ``absorb``, also
+    the old value bits of each entry, and every changed word of ``old64`` now holds ``new64``'s.
     """
     width = 64 // lanes
     fn = getattr(kernel(), f"diff_words_{width}")
     nwords = old64.numel()
     threads = max(1, min(torch.get_num_threads(), nwords // MIN_WORDS_PER_THREAD))
     if threads == 1:
-        parts = _scan(fn, width, old64, new64, 0, nwords, lanes)
+        parts = _scan(fn, width, old64, new64, 0, nwords, lanes, absorb)
     else:
         step = -(-nwords // threads)
         futures = [_pool(threads).submit(_scan, fn, width, old64, new64, s, min(s + step, nwords),
-                                         lanes) for s in range(0, nwords, step)]
-        parts = [p for f in futures for p in f.result()]
-    return [i for i, _ in parts], [v for _, v in parts]
+                                         lanes, absorb) for s in range(0, nwords, step)]
+        parts, error = [], None
+        for f in futures:  # every range finishes (or restores itself) before an error leaves
+            try:
+                parts.extend(f.result())
+            except BaseException as e:
+                error = error or e
+        if error is not None:
+            if absorb:  # the ranges that did advance go back too: old64 is as it was
+                for piece in parts:
+                    _put_back(old64, piece[0], piece[2])
+            raise error
+    return tuple([p[j] for p in parts] for j in range(3 if absorb else 2))
+
+
+def changed_many(olds: list[torch.Tensor], news: list[torch.Tensor], lanes: int, absorb: bool = False
+                 ) -> list[tuple[torch.Tensor, ...]]:
+    """:func:`changed_words` of many contiguous host tensors of ``lanes`` elements per 64-bit word
+    (8-byte aligned, a whole number of words each) in a few kernel calls: ``(indices, value bits[,
+    old bits])`` per tensor, views into one output per call. For a model's many small tensors, where
+    a call per tensor (scratch, foreign call, copies) costs more than scanning it.
+
+    The arrays are split into ``torch.get_num_threads()`` groups of about equal words, one thread
+    each. With ``absorb``, a failure puts every advanced word back before it is raised."""
+    width = 64 // lanes
+    n = len(olds)
+    words = [t.numel() // lanes for t in olds]
+    threads = max(1, min(torch.get_num_threads(), n, sum(words) // MIN_WORDS_PER_THREAD))
+    bounds, acc, share = [0], 0, -(-sum(words) // threads)
+    for i, w in enumerate(words):  # contiguous groups of about ``share`` words
+        acc += w
+        if acc >= share * len(bounds) and len(bounds) < threads and i + 1 < n:
+            bounds.append(i + 1)
+    bounds.append(n)
+    groups = [(lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
+    run = functools.partial(_scan_many, getattr(kernel(), f"diff_many_{width}"), width, olds, news, lanes,
+                            absorb)
+    futures = [_pool(len(groups)).submit(run, lo, hi) for lo, hi in groups[1:]]
+    results: list[list | None] = [None] * len(groups)
+    error = None
+    for g, fut in enumerate([None, *futures]):  # every group finishes (or restores itself) first
+        try:
+            results[g] = run(*groups[0]) if fut is None else fut.result()
+        except BaseException as e:
+            error = error or e
+    if error is not None:
+        if absorb:  # the groups that did advance go back too
+            for (lo, _), res in zip(groups, results):
+                for i, piece in enumerate(res or []):
+                    _put_back(olds[lo + i], piece[0], piece[2])
+        raise error
+    return [piece for res in results for piece in res]
+
+
+def _scan_many(fn, width: int, olds: list[torch.Tensor], news: list[torch.Tensor], lanes: int,
+               absorb: bool, lo: int, hi: int) -> list[tuple[torch.Tensor, ...]]:
+    """Tensors ``lo:hi`` through ``diff_many``: a few calls, one scratch, per-tensor views of the output."""
+    n = hi - lo
+    addr = torch.tensor([[t.data_ptr() for t in olds[lo:hi]], [t.data_ptr() for t in news[lo:hi]],
+                         [t.numel() // lanes for t in olds[lo:hi]]], dtype=torch.int64)
+    room = min(SCRATCH_ENTRIES, max(8 * lanes, int(addr[2].sum()) * lanes))
+    vdt = _VALUE_DTYPE[width]
+    idx, val = torch.empty(room, dtype=torch.int32), torch.empty(room, dtype=vdt)
+    prev = torch.empty(room, dtype=vdt) if absorb else None
+    ends = torch.empty(n, dtype=torch.int64)
+    stop_t, stop_w = ctypes.c_int64(), ctypes.c_int64()
+    parts: list[list[tuple[torch.Tensor, ...]]] = [[] for _ in range(n)]
+    scratch = (idx, val, prev) if absorb else (idx, val)
+    t = w = 0
+    try:
+        while t < n:
+            k = fn(n, addr[0].data_ptr(), addr[1].data_ptr(), addr[2].data_ptr(), t, w, idx.data_ptr(),
+                   val.data_ptr(), prev.data_ptr() if absorb else None, room, ends.data_ptr(),
+                   ctypes.byref(stop_t), ctypes.byref(stop_w))
+            st, sw = stop_t.value, stop_w.value
+            cuts = ends[t:st].tolist() + ([k] if st < n else [])  # the stopped array's share comes last
+            spans = [(j, a, b) for j, a, b in zip(range(t, t + len(cuts)), [0] + cuts[:-1], cuts)
+                     if b > a or not parts[j]]
+            try:
+                got = [b[:k].clone() for b in scratch]
+            except BaseException:
+                if absorb:  # this call's advance, from the scratch; the calls before it below
+                    for j, a, b in spans:
+                        _put_back(olds[lo + j], idx[a:b], prev[a:b])
+                raise
+            for j, a, b in spans:
+                parts[j].append(tuple(g[a:b] for g in got))
+            if (st, sw) == (t, w):  # cannot happen with room for 8 words of lanes
+                raise RuntimeError(f"diff kernel made no progress at array {lo + t}, word {w} (scratch {room})")
+            t, w = st, sw
+    except BaseException:
+        if absorb:  # put this group back before the error leaves
+            for j, pieces in enumerate(parts):
+                for piece in pieces:
+                    _put_back(olds[lo + j], piece[0], piece[2])
+        raise
+    return [p[0] if len(p) == 1 else tuple(torch.cat(c) for c in zip(*p)) for p in parts]
+
+
+def _put_back(old: torch.Tensor, idx: torch.Tensor, prev: torch.Tensor) -> None:
+    """The old bits ``prev`` back at flat element indices ``idx`` of ``old`` (any dtype of their width)."""
+    old.reshape(-1).view(prev.dtype).index_copy_(0, idx.to(torch.int64), prev)

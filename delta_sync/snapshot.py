@@ -5,9 +5,11 @@ least-loaded rank by bytes (deterministic: every rank sees the same order and si
 rank computes the same owner without communication). Only the owner keeps a snapshot of the
 tensor and diffs it, so snapshot memory per rank is about model/world.
 
-Invariant: ``self._base`` holds exactly the committed version ``self.version``. New values of an
-update are *staged* (a full copy for a seed, the patch for a delta: memory O(changed)) and folded
-in only by :meth:`commit`; :meth:`rollback` drops them, so the next diff is still against v-1.
+Invariant: between updates ``self._base`` holds exactly the committed version ``self.version``.
+A seed *stages* full copies, folded in by :meth:`commit`. A delta's diff *advances* each snapshot in
+the pass that reads it (changed words overwritten while in cache) and stages the old bits at the
+patch's indices (memory O(changed)): :meth:`commit` then has nothing left to write, and
+:meth:`rollback` scatters the old bits back, so the next diff is still against v-1.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .diff import BitwiseDiff, word_aligned
+from .diff import BitwiseDiff, restore, word_aligned
 from .errors import PatchValidationError
 from .patch import Patch, check_indexable, dtype_name
 
@@ -26,10 +28,17 @@ def dense_is_smaller(count: int, numel: int, element_size: int) -> bool:
     return numel * element_size < count * (4 + element_size)
 
 
+def _own(new: torch.Tensor, given: torch.Tensor) -> torch.Tensor:
+    """``new`` as memory nobody else holds: a copy where it is still the caller's tensor."""
+    return new.clone() if new.data_ptr() == given.data_ptr() else new.contiguous()
+
+
 @dataclass
 class _Staged:
     patch: Patch
     full: torch.Tensor | None = None  # seed / first sight of a tensor: the whole new value
+    #: a delta's snapshot already advanced in place: (int32 flat indices, old bits there)
+    undo: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -68,36 +77,49 @@ class SnapshotStore:
         is smaller than sparse; otherwise the sparse bitwise diff against the snapshot.
         ``tensor`` may alias a live parameter: the snapshot never keeps a reference to it.
         """
-        if name in self._staged:
-            raise PatchValidationError(name, "tensor staged twice in one update")
-        check_indexable(name, tensor.numel())
-        dtype_name(tensor.dtype, tensor=name)
-        base = self._base.get(name)
-        new = tensor.detach()
-        if new.device != self.device:
-            new = new.to(self.device, non_blocking=False)
-        if base is not None and (base.shape != new.shape or base.dtype != new.dtype):
-            raise PatchValidationError(
-                name, f"shape/dtype changed from {tuple(base.shape)}/{base.dtype} to "
-                f"{tuple(new.shape)}/{new.dtype}; a changed model needs a new seed",
-                kept=f"snapshot v{self.version}")
-        if full or base is None:
-            spare = self._spare.pop(name, None)
-            if spare is not None and spare.shape == new.shape and spare.dtype == new.dtype:
-                copy = spare.copy_(new)  # a re-seed reuses the memory of the snapshot it replaces
+        return self.prepare_many([(name, tensor)], full=full)[0]
+
+    def prepare_many(self, items: list[tuple[str, torch.Tensor]], *, full: bool = False) -> list[Patch]:
+        """:meth:`prepare` of ``(name, tensor)`` items, their diffs run together (a model's many small
+        tensors share the host kernel's calls). A bad item raises before anything of ``items`` is
+        diffed; what was staged before stays staged until :meth:`rollback`."""
+        out: list[Patch | None] = [None] * len(items)
+        diffs: list[tuple[int, torch.Tensor]] = []  # (item, its tensor on the snapshot's device)
+        names = set()
+        for i, (name, tensor) in enumerate(items):
+            if name in self._staged or name in names:
+                raise PatchValidationError(name, "tensor staged twice in one update")
+            names.add(name)
+            check_indexable(name, tensor.numel())
+            dtype_name(tensor.dtype, tensor=name)
+            base = self._base.get(name)
+            new = tensor.detach()
+            if new.device != self.device:
+                new = new.to(self.device, non_blocking=False)
+            if base is not None and (base.shape != new.shape or base.dtype != new.dtype):
+                raise PatchValidationError(
+                    name, f"shape/dtype changed from {tuple(base.shape)}/{base.dtype} to "
+                    f"{tuple(new.shape)}/{new.dtype}; a changed model needs a new seed",
+                    kept=f"snapshot v{self.version}")
+            if full or base is None:
+                spare = self._spare.pop(name, None)
+                if spare is not None and spare.shape == new.shape and spare.dtype == new.dtype:
+                    copy = spare.copy_(new)  # a re-seed reuses the memory of the snapshot it replaces
+                else:
+                    copy = _own(new, tensor)
+                out[i] = Patch.full(name, copy)
+                self._staged[name] = _Staged(out[i], copy)
             else:
-                copy = new.clone() if new.data_ptr() == tensor.data_ptr() else new.contiguous()
-            patch = Patch.full(name, copy)
-            self._staged[name] = _Staged(patch, copy)
-            return patch
-        patch = self.differ.diff(name, base, new)
-        if dense_is_smaller(patch.count, patch.numel, new.element_size()):
-            copy = new.clone() if new.data_ptr() == tensor.data_ptr() else new.contiguous()
-            patch = Patch.full(name, copy)
-            self._staged[name] = _Staged(patch, copy)
-        else:
-            self._staged[name] = _Staged(patch)
-        return patch
+                diffs.append((i, new))
+        found = self.differ.advance_many([(items[i][0], self._base[items[i][0]], new) for i, new in diffs])
+        for (i, new), (patch, old_bits) in zip(diffs, found):
+            name, tensor = items[i]
+            undo = (patch.indices, old_bits)
+            if dense_is_smaller(patch.count, patch.numel, new.element_size()):
+                patch = Patch.full(name, _own(new, tensor))
+            self._staged[name] = _Staged(patch, undo=undo)
+            out[i] = patch
+        return out
 
     def adopt(self, name: str, tensor: torch.Tensor) -> None:
         """Stage ``tensor`` itself, not a copy, as the next full value of ``name``: memory the caller
@@ -114,17 +136,17 @@ class SnapshotStore:
     def commit(self, version: int) -> None:
         """Fold every staged value into the snapshot: it now holds ``version``."""
         for name, st in self._staged.items():
-            if st.full is not None:
+            if st.full is not None:  # (a delta's snapshots advanced during its diff already)
                 self._base[name] = st.full.reshape(st.patch.shape)
-            elif st.patch.count:
-                flat = self._base[name].view(-1)
-                flat.index_copy_(0, st.patch.indices.to(torch.int64), st.patch.values)
         self._staged.clear()
         self._spare.clear()
         self.version = version
 
     def rollback(self) -> None:
-        """Forget everything staged; the snapshot stays at the committed version."""
+        """Forget everything staged; the snapshot is back at the committed version."""
+        for name, st in self._staged.items():
+            if st.undo is not None:
+                restore(self._base[name], *st.undo)
         self._staged.clear()
 
     def reset(self) -> None:

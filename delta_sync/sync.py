@@ -43,6 +43,13 @@ from .transfer import BucketSender, SendStats
 
 log = logging.getLogger(__name__)
 
+#: A delta's owned tensors are diffed in batches of at most this many tensors or bytes: the host
+#: kernel scans a batch of small tensors in a few calls instead of paying its per-call costs per
+#: tensor. A batch is read after the later tensors of it were produced, so a stream that reuses
+#: one buffer for every tensor must yield copies.
+DIFF_BATCH_TENSORS = 512
+DIFF_BATCH_BYTES = 64 << 20
+
 
 @dataclass
 class UpdateReport:
@@ -225,7 +232,10 @@ class WeightSync:
 
     # ---- one update ------------------------------------------------------------------------------
     def update(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> UpdateReport:
-        """Sync one version. Every trainer rank calls this with the same names in the same order."""
+        """Sync one version. Every trainer rank calls this with the same names in the same order.
+
+        The tensors must keep their values while ``update`` runs (a delta reads them in batches, see
+        :data:`DIFF_BATCH_BYTES`): yield views of the live weights, or fresh tensors."""
         if not self._busy.acquire(blocking=False):
             raise UpdateInFlight(f"update v{self.version + 1} is still running on this WeightSync (called from "
                                  "two threads?); updates of one sync are sequential",
@@ -336,6 +346,15 @@ class WeightSync:
             else:
                 out, failure, seen = [], None, {}
                 kept = f"engines and trainer snapshot at v{self.version}"
+                batch: list[tuple[int, str, torch.Tensor]] = []  # owned, not yet diffed (bounded)
+                held = [0]
+
+                def diff_batch() -> None:
+                    patches = self.store.prepare_many([(name, t) for _, name, t in batch])
+                    out.extend(Ordered(seq, p) for (seq, _, _), p in zip(batch, patches))
+                    batch.clear()
+                    held[0] = 0
+
                 for seq, name, t in self._tensors(named_tensors, elements, seen):
                     if failure is not None:
                         continue
@@ -345,8 +364,17 @@ class WeightSync:
                         if name not in self._catalog:
                             raise PatchValidationError(name, "is not in the seed this delta builds on (a changed "
                                                        "model needs a new seed)", kept=kept)
-                        if self.store.owns(name, t.numel() * t.element_size()):
-                            out.append(Ordered(seq, self.store.prepare(name, t)))
+                        nbytes = t.numel() * t.element_size()
+                        if self.store.owns(name, nbytes):
+                            batch.append((seq, name, t))
+                            held[0] += nbytes
+                            if len(batch) >= DIFF_BATCH_TENSORS or held[0] >= DIFF_BATCH_BYTES:
+                                diff_batch()
+                    except Exception as e:
+                        failure = e
+                if failure is None and batch:
+                    try:
+                        diff_batch()
                     except Exception as e:
                         failure = e
                 missing = [n for n in self._catalog if n not in seen]

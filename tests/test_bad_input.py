@@ -9,6 +9,7 @@ import torch
 
 from delta_sync.errors import DeltaSyncError, PatchValidationError
 from delta_sync.memory_receiver import MemoryReceiver
+from delta_sync import sync as sync_module
 from delta_sync.sync import WeightSync
 
 
@@ -44,7 +45,12 @@ def _bad_stream(kind: str, state: dict):
     ("duplicate name", "given twice"), ("left out", "left out of this delta"),
     ("new name", "not in the seed"), ("dtype kind", "shape/dtype changed"), ("shape", "shape/dtype changed"),
     ("non-finite", "non-finite")])
-def test_bad_delta_is_refused_before_anything_is_sent(kind, match):
+@pytest.mark.parametrize("batch", [1, None], ids=["diffed-one-by-one", "diffed-in-one-batch"])
+def test_bad_delta_is_refused_before_anything_is_sent(kind, match, batch, monkeypatch):
+    """One by one, the tensors ahead of the bad one were diffed and their snapshots advanced before
+    the error: the rollback must put them back for the next delta to carry their changes."""
+    if batch is not None:
+        monkeypatch.setattr(sync_module, "DIFF_BATCH_TENSORS", batch)
     state = _state()
     receiver = MemoryReceiver()
     sync = WeightSync([receiver], timeout_s=60)

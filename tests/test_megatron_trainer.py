@@ -190,21 +190,29 @@ def _nan_in_parameter(trainer, fragment: str):
 
 
 @contextlib.contextmanager
-def _diff_fails_on(rank: int, bad_rank: int, source):
-    """The shard diff of a non-sender rank raises (the fast path's counterpart of a failed conversion)."""
+def _diff_fails_on(rank: int, bad_rank: int):
+    """The shard diff of a non-sender rank raises (the fast path's counterpart of a failed conversion)
+    while mapping its second changed shard to checkpoint coordinates, after every shard snapshot of
+    that rank advanced: the rollback must put them back for the next delta."""
+    from update_weight import megatron_shard_delta
+
     from .test_sender_failures import ExportFailure
 
     if rank != bad_rank:
         yield
         return
+    real, calls = megatron_shard_delta._locate, []
 
     def broken(*args, **kwargs):
-        raise ExportFailure(f"shard diff failed on rank {rank}")
-    source.differ.changed = broken
+        calls.append(1)
+        if len(calls) > 1:
+            raise ExportFailure(f"shard diff failed on rank {rank}")
+        return real(*args, **kwargs)
+    megatron_shard_delta._locate = broken
     try:
         yield
     finally:
-        del source.differ.changed
+        megatron_shard_delta._locate = real
 
 
 def _failures_on_megatron(rank, world, port, path, fast):
@@ -233,7 +241,7 @@ def _failures_on_megatron(rank, world, port, path, fast):
     if fast:
         with _nan_in_parameter(trainer, "final_layernorm"):
             attempt("nan before send", source)
-        with _diff_fails_on(rank, 2, source):
+        with _diff_fails_on(rank, 2):
             attempt("export failure", source, expect="rank 2")
     else:
         attempt("nan before send", with_nan(source, "model.layers.1.mlp.down_proj.weight"))

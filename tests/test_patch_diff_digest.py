@@ -5,7 +5,7 @@ import torch
 
 from delta_sync import native
 from delta_sync.bucket import BucketPacker, TensorAssembler
-from delta_sync.diff import BitwiseDiff, int_view
+from delta_sync.diff import BitwiseDiff, int_view, restore
 from delta_sync.digest import Digest, digest_elements, digest_range, digest_tensor
 from delta_sync.errors import ChecksumMismatch, PatchValidationError
 from delta_sync.patch import Patch, apply_patch
@@ -96,6 +96,128 @@ def test_diff_is_bitwise_not_float(use_native):
     assert p.indices.tolist() == [1, 4]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("offset", [0, 1])
+@pytest.mark.parametrize("use_native", [False, True], ids=["torch", "native"])
+def test_advance_moves_the_snapshot_in_the_diff_pass_and_restore_undoes_it(monkeypatch, dtype, offset, use_native):
+    """The snapshot holds the new bits after the diff, the patch equals a plain diff's, and the
+    old bits it returns put every element back, bit for bit (NaN payloads, -0.0, ragged tail)."""
+    monkeypatch.setattr(native, "MIN_WORDS_PER_THREAD", 64)  # several ranges, several kernel calls
+    monkeypatch.setattr(native, "SCRATCH_ENTRIES", 64)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    g = torch.Generator().manual_seed(offset)
+    base = torch.randn(20011 + offset, generator=g).to(dtype)
+    base[offset + 7] = float("nan")
+    new = torch.where(torch.rand(base.shape, generator=g) < 0.05, base * 3 + 1, base)[offset:]
+    new[-1], new[0] = -new[-1], -0.0 if bool(base[offset] != 0) else 1.0
+    int_view(new)[7] ^= 1  # the NaN with another payload
+    snap = base[offset:]  # offset 1: unaligned, the element-width path
+    before = snap.clone()
+    differ = BitwiseDiff(64, use_native=use_native)
+    want = differ.diff("t", before, new)
+    patch, old_bits = differ.advance("t", snap, new)
+    assert torch.equal(patch.indices, want.indices) and torch.equal(int_view(patch.values), int_view(want.values))
+    assert torch.equal(int_view(snap), int_view(new))
+    assert torch.equal(old_bits, int_view(before)[patch.indices.long()])
+    restore(snap, patch.indices, old_bits)
+    assert torch.equal(int_view(snap), int_view(before))
+    with pytest.raises(ValueError, match="contiguous"):
+        differ.advance("t", snap[::2], new[::2])
+
+
+@pytest.mark.parametrize("use_native", [False, True], ids=["torch", "native"])
+def test_a_diff_that_fails_midway_leaves_the_snapshot_as_it_was(monkeypatch, use_native):
+    """Ranges advanced before another one failed are put back before the error leaves."""
+    monkeypatch.setattr(native, "MIN_WORDS_PER_THREAD", 64)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    differ = BitwiseDiff(64, use_native=use_native)
+    if use_native:  # the second of two threads fails (after restoring its own range)
+        real = native._scan
+
+        def scan(fn, width, old64, new64, first, stop, lanes, absorb):
+            if first:
+                raise MemoryError("injected")
+            return real(fn, width, old64, new64, first, stop, lanes, absorb)
+        monkeypatch.setattr(native, "_scan", scan)
+    else:  # the third chunk fails after two advanced
+        real = BitwiseDiff._scan_chunk
+        calls = []
+
+        def chunk(self, o64, *args):
+            calls.append(1)
+            if len(calls) == 3:
+                raise MemoryError("injected")
+            return real(self, o64, *args)
+        monkeypatch.setattr(BitwiseDiff, "_scan_chunk", chunk)
+    snap = torch.randn(4096).bfloat16()
+    before = snap.clone()
+    with pytest.raises(MemoryError, match="injected"):
+        differ.advance("t", snap, snap * 2)
+    assert torch.equal(int_view(snap), int_view(before))
+
+
+def _mixed_tensors(g):
+    """Snapshots and new values the batch kernel takes (small, aligned, whole words: 10 of them, in 3
+    dtypes) and ones it leaves to the one-by-one path (unaligned, a ragged tail, one big enough to
+    split over threads). With MIN_WORDS_PER_THREAD = 2048."""
+    olds, news = [], []
+    spec = [(torch.bfloat16, 4096, 0, 0.05)] * 6 + [
+        (torch.float32, 998, 0, 0.05), (torch.bfloat16, 0, 0, 0.05), (torch.float16, 64, 0, 0.9),
+        (torch.bfloat16, 4096, 1, 0.05), (torch.bfloat16, 1023, 0, 0.05), (torch.bfloat16, 1 << 15, 0, 0.01),
+        (torch.float32, 4, 0, 0.0)]
+    for dtype, n, off, density in spec:
+        base = torch.randn(n + off, generator=g).to(dtype)[off:]
+        new = base.clone()
+        hit = torch.rand(n, generator=g) < density
+        new[hit] = new[hit] * 3 + 1
+        olds.append(base), news.append(new)
+    return olds, news
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_advance_many_equals_one_by_one(monkeypatch, threads):
+    """Many tensors diffed together (several kernel calls that stop inside and between tensors,
+    several threads): the same patches as diffing each alone, every snapshot advanced, and
+    restore puts every bit back."""
+    monkeypatch.setattr(native, "MIN_WORDS_PER_THREAD", 2048)
+    monkeypatch.setattr(native, "SCRATCH_ENTRIES", 64)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    olds, news = _mixed_tensors(torch.Generator().manual_seed(threads))
+    before = [o.clone() for o in olds]
+    calls = []
+    real = native.changed_many
+    monkeypatch.setattr(native, "changed_many", lambda *a, **k: calls.append(len(a[0])) or real(*a, **k))
+    got = BitwiseDiff().advance_many([(f"t{i}", o, n) for i, (o, n) in enumerate(zip(olds, news))])
+    assert calls == [8, 2]  # a 16-bit (bf16 + fp16) and a 32-bit batch; unaligned/ragged/big one by one
+    ref = BitwiseDiff(use_native=False)
+    for i, ((patch, old_bits), b, n, o) in enumerate(zip(got, before, news, olds)):
+        want = ref.diff(f"t{i}", b, n)
+        assert patch.name == f"t{i}" and torch.equal(patch.indices, want.indices)
+        assert torch.equal(int_view(patch.values), int_view(want.values))
+        assert torch.equal(old_bits, int_view(b)[patch.indices.long()])
+        assert torch.equal(int_view(o), int_view(n))
+        restore(o, patch.indices, old_bits)
+        assert torch.equal(int_view(o), int_view(b))
+
+
+def test_advance_many_failing_in_one_batch_puts_every_snapshot_back(monkeypatch):
+    monkeypatch.setattr(native, "MIN_WORDS_PER_THREAD", 2048)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    real = native._scan_many
+
+    def scan(fn, width, olds, news, lanes, absorb, lo, hi):
+        if lo:  # the second group of the first batch
+            raise MemoryError("injected")
+        return real(fn, width, olds, news, lanes, absorb, lo, hi)
+    monkeypatch.setattr(native, "_scan_many", scan)
+    olds, news = _mixed_tensors(torch.Generator().manual_seed(5))
+    before = [o.clone() for o in olds]
+    with pytest.raises(MemoryError, match="injected"):
+        BitwiseDiff().advance_many([(f"t{i}", o, n) for i, (o, n) in enumerate(zip(olds, news))])
+    for o, b in zip(olds, before):  # the one-by-one ones and the batch's first group too
+        assert torch.equal(int_view(o), int_view(b))
+
+
 def test_diff_rejects_mismatch():
     with pytest.raises(ValueError, match="snapshot"):
         BitwiseDiff().diff("t", torch.zeros(4), torch.zeros(5))
@@ -163,8 +285,11 @@ def test_snapshot_stage_commit_rollback():
     assert torch.equal(int_view(s.snapshot_of("w")), int_view(w))
     assert s.prepare("w", w).count == 0
     s.rollback()
+    v1 = w.clone()
     w.mul_(3)  # nearly every element: dense is smaller than sparse
     assert s.prepare("w", w).dense
+    s.rollback()  # the diff advanced the snapshot in place: rollback puts v1 back, bit for bit
+    assert torch.equal(int_view(s.snapshot_of("w")), int_view(v1)) and s.prepare("w", w).dense
     with pytest.raises(PatchValidationError, match="shape/dtype changed"):
         s.rollback(), s.prepare("w", torch.zeros(3))
 

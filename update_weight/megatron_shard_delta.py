@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from delta_sync import collectives
 from delta_sync.collectives import TrainerGroups
-from delta_sync.diff import BitwiseDiff, int_view
+from delta_sync.diff import BitwiseDiff, int_view, restore
 from delta_sync.digest import Digest, digest_elements, digest_range
 from delta_sync.gather import Ordered
 from delta_sync.patch import Patch
@@ -90,7 +90,9 @@ class MegatronShardDelta(BridgeExportSource):
         self._seed_ok = self._warned = False
         self._position: dict[str, int] = {}
         self._snap: dict[int, torch.Tensor] = {}
-        self._staged: dict = {}
+        self._staged: dict = {}  # a seed's new shard snapshots, taken at commit
+        #: a delta's advanced shard snapshots: run index -> (int32 flat indices, old bits there)
+        self._undo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     # ---- reference stream (seed / full) -------------------------------------------------------
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -127,14 +129,18 @@ class MegatronShardDelta(BridgeExportSource):
             log.warning("delta-sync fast path off, deltas use the reference export: %s",
                         self._problem or "another rank could not map its shards")
         self._position = {n: i for i, n in enumerate(self._names)}
-        self._staged = {k: r.param.detach().clone() for k, r in enumerate(self._runs)} if ok else {}
+        self._staged = ({k: r.param.detach().clone(memory_format=torch.contiguous_format)
+                         for k, r in enumerate(self._runs)} if ok else {})
         self._seed_ok = ok  # takes effect at commit: the snapshots must hold what the engines hold
 
     def local_patches(self) -> list[Ordered]:
         per_seq: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        staged = {}
+        # every shard snapshot advances in the diff's pass (one batch: a few host-kernel calls for all
+        # of them); rollback puts the old bits back
+        found = self.differ.absorb_many([(self._snap[k], runs.param.detach()) for k, runs in enumerate(self._runs)])
+        self._undo = {k: (idx, old) for k, (idx, _, old) in enumerate(found) if idx.numel()}
         for k, runs in enumerate(self._runs):
-            idx, bits = self.differ.changed(self._snap[k], runs.param.detach())
+            idx, bits, _ = found[k]
             if idx.numel() == 0:
                 continue
             pos = idx.to(torch.int64)
@@ -143,7 +149,6 @@ class MegatronShardDelta(BridgeExportSource):
                 pos, bits, target, seqs = pos[inside], bits[inside], target[inside], seqs[inside]
             if pos.numel() == 0:
                 continue
-            staged[k] = (pos, bits)
             for s in torch.unique(seqs).tolist():
                 sel = seqs == s
                 per_seq.setdefault(s, []).append((target[sel], bits[sel]))
@@ -156,22 +161,21 @@ class MegatronShardDelta(BridgeExportSource):
             idx, vals = target[order].to(torch.int32), bits[order].view(self._dtypes[name])
             for n in [name, *self._aliases.get(name, [])]:
                 out.append(Ordered(self._position[n], Patch(n, self._shapes[n], self._dtypes[n], idx, vals)))
-        self._staged = staged
         return sorted(out, key=lambda o: o.seq)
 
     def commit(self) -> None:
         if self._seed_ok:  # a seed (or full update) just committed: new shard snapshots
             self._snap, self._ok, self._seed_ok = self._staged, True, False
-        else:
-            for k, (pos, bits) in self._staged.items():
-                int_view(self._snap[k]).index_copy_(0, pos, bits)
-        self._staged = {}
+        # a delta's shard snapshots advanced during its diff
+        self._staged, self._undo = {}, {}
 
     def rollback(self) -> None:
-        self._staged, self._seed_ok = {}, False
+        for k, (idx, old) in self._undo.items():
+            restore(self._snap[k], idx, old)
+        self._staged, self._undo, self._seed_ok = {}, {}, False
 
     def reset(self) -> None:
-        self._staged, self._snap, self._ok, self._seed_ok = {}, {}, False, False
+        self._staged, self._undo, self._snap, self._ok, self._seed_ok = {}, {}, {}, False, False
 
     def local_digests(self, names: set[str] | None = None) -> dict[str, Digest]:
         out: dict[str, Digest] = {}
