@@ -87,8 +87,7 @@ class SnapshotStore:
         diffs: list[tuple[int, torch.Tensor]] = []  # (item, its tensor on the snapshot's device)
         names = set()
         for i, (name, tensor) in enumerate(items):
-            if name in self._staged or name in names:
-                raise PatchValidationError(name, "tensor staged twice in one update")
+            self._unstaged(name, names)
             names.add(name)
             check_indexable(name, tensor.numel())
             dtype_name(tensor.dtype, tensor=name)
@@ -129,9 +128,13 @@ class SnapshotStore:
         if tensor.device != self.device or not word_aligned(tensor.view(-1)):
             self.prepare(name, tensor, full=True)
             return
-        if name in self._staged:
-            raise PatchValidationError(name, "tensor staged twice in one update")
+        self._unstaged(name)
         self._staged[name] = _Staged(Patch.full(name, tensor), tensor)
+
+    def _unstaged(self, name: str, also: set[str] = frozenset()) -> None:
+        """Refuse a name staged already in this update (or among ``also``, a batch being staged)."""
+        if name in self._staged or name in also:
+            raise PatchValidationError(name, "tensor staged twice in one update")
 
     def commit(self, version: int) -> None:
         """Fold every staged value into the snapshot: it now holds ``version``."""

@@ -457,6 +457,19 @@ def _digest_marginal(state: dict[str, torch.Tensor], reps: int = 2) -> dict:
     return {"copy_s": round(copy_s, 4), "fused_s": round(fused_s, 4), "marginal_s": round(max(0.0, fused_s - copy_s), 4)}
 
 
+def _diff_alone(sync, state: dict[str, torch.Tensor], g: torch.Generator, reps: int = 3) -> float:
+    """The snapshot store's diff of a headline-density step, same process and memory as the sync's
+    but with nothing around it (best of ``reps``; rolled back, so the snapshot stays as synced)."""
+    _perturb(state, HEADLINE_DENSITY, g)
+    items, best = list(state.items()), float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        sync.store.prepare_many(items)
+        best = min(best, time.perf_counter() - t0)
+        sync.store.rollback()
+    return round(best, 4)
+
+
 def _trainer_rank(rank, world, port, files, url, bucket, densities, lr, timeout_s):
     """Every rank: the same full state through ``WeightSync.update`` (rank 0 drives the engine)."""
     import gc
@@ -521,10 +534,11 @@ def _trainer_rank(rank, world, port, files, url, bucket, densities, lr, timeout_
             t0 = time.perf_counter()
             sync.verify()  # engine digests == trainer snapshot (raises on a mismatch, on every rank)
             verify_s = time.perf_counter() - t0
+            diff_alone_s = _diff_alone(sync, state, g) if world == 1 else None
         finally:
             sync.close()
         return {"pid": os.getpid(), "rows": rows, "verify_s": round(verify_s, 4), "verified": True,
-                "digest_marginal": digest_cost}
+                "digest_marginal": digest_cost, "diff_alone_s": diff_alone_s}
     finally:
         dist.destroy_process_group()
 
@@ -860,6 +874,7 @@ def _measure(args, result: dict, path: Path, files: list[Path], size: dict, buck
                     "ranks": world, "pids": [r["pid"] for r in res], "rows": rows,
                     "summary": _pass_summary(rows, wire["seconds"], res[0]["digest_marginal"]["marginal_s"]),
                     "digest_marginal": res[0]["digest_marginal"], "verify_s": res[0]["verify_s"],
+                    "diff_alone_s": res[0]["diff_alone_s"],
                     "verified": all(r["verified"] for r in res), "greedy_token_ids": [o["token_ids"] for o in outputs]}
                 for r in rows:
                     eng = r.get("engine_rss") or {}
@@ -870,6 +885,9 @@ def _measure(args, result: dict, path: Path, files: list[Path], size: dict, buck
                          f"({r.get('engine_growth_over_bucket')} x bucket), "
                          "trainer peak " + ", ".join(f"{w['peak'] / 1e9:.2f} GB (+{w['growth'] / 1e6:.0f} MB)"
                                                      for w in tr))
+                if res[0]["diff_alone_s"] is not None:
+                    _say(f"[{world}r] the diff of a {HEADLINE_DENSITY:g} step alone (no sync around it): "
+                         f"{res[0]['diff_alone_s']} s")
                 _say(f"[{world}r] verify (engine digests == trainer) ok in {res[0]['verify_s']} s; greedy tokens "
                      f"{[o['token_ids'][:6] for o in outputs]}")
         finally:
