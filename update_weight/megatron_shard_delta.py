@@ -50,6 +50,9 @@ log = logging.getLogger(__name__)
 
 _RANK_STRIDE = 1 << 40  # ids: rank * 2**40 + local offset (int64)
 _NOBODY = torch.iinfo(torch.int32).max
+#: converted tensors whose owners are settled in one exchange of codes (their int64 ids are held meanwhile)
+_OWNER_WINDOW = 64
+_OWNER_WINDOW_BYTES = 256 << 20
 _EMBED = "model.embed_tokens.weight"
 #: mean run length from which digests go run by run (contiguous ranges) instead of element by element
 _LONG_RUNS = 1 << 12
@@ -234,6 +237,28 @@ class MegatronShardDelta(BridgeExportSource):
         pieces: dict[int, list] = {}  # local param k -> [(run starts, lengths, plan index, targets)]
         names: list[str] = []
         problem = None
+        window: list[tuple[str, int | None, torch.Tensor]] = []  # converted, owner not yet settled
+        held = 0
+
+        def settle() -> str | None:
+            """Owners of the window's tensors, their runs noted: one exchange of codes for all of them."""
+            nonlocal held
+            starts = torch.tensor(base, dtype=torch.int64)
+            found = None
+            for (name, seq, ids), mine in zip(window, self._owned_many([ids for _, _, ids in window], rank)):
+                if mine is None:
+                    found = found or f"no owner for some elements of {name}"
+                if seq is None or mine is None or mine is False:
+                    continue
+                local, length, target = _owned_runs(ids - rank * _RANK_STRIDE, mine, starts)
+                k = torch.searchsorted(starts, local, right=True) - 1
+                for kk in torch.unique(k).tolist():
+                    sel = k == kk
+                    pieces.setdefault(kk, []).append((local[sel] - base[kk], length[sel], seq, target[sel]))
+            window.clear()
+            held = 0
+            return found
+
         for task in self.tasks():
             probe = None
             if task.param_weight is not None:
@@ -248,24 +273,19 @@ class MegatronShardDelta(BridgeExportSource):
                 converted = self.bridge._model_bridge.maybe_modify_converted_hf_weight(task, converted or {}, {})
             finally:  # mappings cache the (shape, dtype) they broadcast: forget the probe's int64
                 _clear_caches(task.mapping)
-            starts = torch.tensor(base, dtype=torch.int64)
             for name, ids in (converted or {}).items():
-                ids = ids.reshape(-1).to("cpu", torch.int64)
-                mine = self._owned(ids, rank)
-                if mine is None:
-                    problem = problem or f"no owner for some elements of {name}"
                 if name in names:
                     problem = problem or f"{name} converted twice"
-                    continue
-                names.append(name)
-                if mine is None or mine is False:
-                    continue
-                local, length, target = _owned_runs(ids - rank * _RANK_STRIDE, mine, starts)
-                k = torch.searchsorted(starts, local, right=True) - 1
-                for kk in torch.unique(k).tolist():
-                    sel = k == kk
-                    pieces.setdefault(kk, []).append((local[sel] - base[kk], length[sel], len(names) - 1,
-                                                      target[sel]))
+                    seq = None  # still settled with the others: every rank takes part in the same exchanges
+                else:
+                    names.append(name)
+                    seq = len(names) - 1
+                window.append((name, seq, ids.reshape(-1).to("cpu", torch.int64)))
+                held += window[-1][2].numel() * 8
+                if len(window) >= _OWNER_WINDOW or held >= _OWNER_WINDOW_BYTES:
+                    problem = settle() or problem
+        problem = settle() or problem
+
         self._plan_names = names
         self._plan_index = {n: i for i, n in enumerate(names)}
         self._problem = problem
@@ -275,32 +295,37 @@ class MegatronShardDelta(BridgeExportSource):
             for s in torch.unique(runs.seq).tolist():
                 self._params_of.setdefault(s, []).append(k)
 
-    def _owned(self, ids: torch.Tensor, rank: int) -> torch.Tensor | bool | None:
-        """Which converted elements this rank owns: each element's owner is the lowest rank that
-        converted it from its own shard (its id names that rank). True / False for all or none,
-        a bool mask when mixed, None when some element has no owner at all.
+    def _owned_many(self, converted: list[torch.Tensor], rank: int) -> list[torch.Tensor | bool | None]:
+        """Which elements of each converted tensor (element ids) this rank owns: each element's owner
+        is the lowest rank that converted it from its own shard (its id names that rank). True / False
+        for all or none, a bool mask when mixed, None when some element has no owner at all.
 
         Usually one rank converts a whole tensor from its own shard (replicated weights, an expert
-        of its own) and the others none of it from theirs: one code per rank settles that; only a
-        tensor some rank holds partly (a TP all-gather) takes a per-element all-reduce."""
-        own = torch.div(ids, _RANK_STRIDE, rounding_mode="floor") == rank
-        code = 2 if bool(own.all()) else (1 if bool(own.any()) else 0)  # all / some / none from my shard
+        of its own) and the others none of it from theirs: one code per rank and tensor settles
+        that, all the tensors' codes in one exchange; only a tensor some rank holds partly (a TP
+        all-gather) takes a per-element all-reduce."""
+        owns = [torch.div(ids, _RANK_STRIDE, rounding_mode="floor") == rank for ids in converted]
+        mine = [2 if bool(own.all()) else (1 if bool(own.any()) else 0) for own in owns]  # all / some / none
         if not dist.is_initialized():
-            return True if code == 2 else None
+            return [True if code == 2 else None for code in mine]
+        if not converted:
+            return []
         group = self._host_group()
-        codes = torch.empty(dist.get_world_size(group), dtype=torch.int32)
-        collectives.all_gather_into_tensor(codes, torch.tensor([code], dtype=torch.int32), group)
-        codes = codes.tolist()
-        if 1 not in codes:
-            if 2 not in codes:
-                return None
-            return codes.index(2) == dist.get_rank(group)  # the lowest rank converting it all from its own shard
-        owner = torch.full(ids.shape, _NOBODY, dtype=torch.int32)
-        owner[own] = rank
-        collectives.all_reduce(owner, group, op=dist.ReduceOp.MIN)
-        if bool((owner == _NOBODY).any()):
-            return None
-        return owner == rank
+        world = dist.get_world_size(group)
+        codes = torch.empty(world * len(mine), dtype=torch.int32)
+        collectives.all_gather_into_tensor(codes, torch.tensor(mine, dtype=torch.int32), group)
+        out: list[torch.Tensor | bool | None] = []
+        for j, (ids, own) in enumerate(zip(converted, owns)):
+            col = codes.view(world, -1)[:, j].tolist()
+            if 1 not in col:
+                # the lowest rank converting it all from its own shard, or nobody
+                out.append(None if 2 not in col else col.index(2) == dist.get_rank(group))
+                continue
+            owner = torch.full(ids.shape, _NOBODY, dtype=torch.int32)
+            owner[own] = rank
+            collectives.all_reduce(owner, group, op=dist.ReduceOp.MIN)
+            out.append(None if bool((owner == _NOBODY).any()) else owner == rank)
+        return out
 
     def _matches(self, name: str, tensor: torch.Tensor) -> bool:
         """Seed check: every element this rank owns of ``name`` equals the exported one, bit for bit."""
