@@ -102,3 +102,29 @@ def test_owned_runs_are_maximal_and_cut_at_parameter_starts():
     assert torch.equal(_expand(begin, length), local[mine]) and torch.equal(_expand(target, length), mine.nonzero().squeeze(1))
     begin, length, target = _owned_runs(torch.arange(5, 15), True, starts)  # all mine: cut at 10 only
     assert begin.tolist() == [5, 10] and length.tolist() == [5, 5] and target.tolist() == [0, 5]
+
+
+@pytest.mark.parametrize("long_runs", [True, False], ids=["rows-compared-as-slices", "elements-expanded"])
+def test_fast_path_seed_check_catches_one_differing_element(long_runs):
+    """The fast path's map is checked against every seed's export (``_matches``): equal owned elements
+    pass, one differing bit fails, whether its runs are compared slice by slice or element by element."""
+    import torch
+
+    from update_weight.megatron_shard_delta import _LONG_RUNS, MegatronShardDelta, _Runs
+
+    rows, cols = 4, (_LONG_RUNS if long_runs else 8)
+    param = torch.randn(rows, cols).to(torch.bfloat16)
+    exported = torch.zeros(rows + 1, cols, dtype=torch.bfloat16)  # checkpoint rows 1..4 hold the param's rows 3..0
+    for r in range(rows):
+        exported[rows - r] = param[r]
+    runs = _Runs(param, local=torch.arange(rows) * cols, length=torch.full((rows,), cols),
+                 seq=torch.zeros(rows, dtype=torch.int64), target=(rows - torch.arange(rows)) * cols)
+    src = MegatronShardDelta.__new__(MegatronShardDelta)
+    src._aliases, src._plan_index, src._params_of, src._runs = {}, {"w": 0}, {0: [0]}, [runs]
+    assert src._matches("w", exported)
+    bad = exported.clone()
+    bad.view(torch.int16)[2, cols - 1] ^= 1  # one bit of one owned element
+    assert not src._matches("w", bad)
+    bad = exported.clone()
+    bad[0] += 1  # a row this rank does not own
+    assert src._matches("w", bad)

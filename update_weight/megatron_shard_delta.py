@@ -192,7 +192,7 @@ class MegatronShardDelta(BridgeExportSource):
                 keep = torch.isin(run_seq, torch.tensor(wanted, dtype=run_seq.dtype, device=run_seq.device))
                 run_local, run_target, run_length, run_seq = (run_local[keep], run_target[keep],
                                                               run_length[keep], run_seq[keep])
-            if run_length.numel() and int(run_length.sum()) >= _LONG_RUNS * run_length.numel():
+            if _long(run_length):
                 # long runs (whole rows or tensors): one contiguous digest per run, at memory speed
                 for loc, tgt, ln, s in zip(run_local.tolist(), run_target.tolist(), run_length.tolist(),
                                            run_seq.tolist()):
@@ -338,9 +338,13 @@ class MegatronShardDelta(BridgeExportSource):
             runs = self._runs[k]
             flat = exported.to(runs.param.device)  # one device per comparison
             sel = runs.seq == s
-            local = _expand(runs.local[sel], runs.length[sel])
-            target = _expand(runs.target[sel], runs.length[sel])
-            if not torch.equal(int_view(runs.param.detach()).take(local), flat.take(target)):
+            local, length, target = runs.local[sel], runs.length[sel], runs.target[sel]
+            mine = int_view(runs.param.detach())
+            if _long(length):  # whole rows or tensors: compare run by run, no index expansion
+                if not all(torch.equal(mine.narrow(0, lo, n), flat.narrow(0, t, n))
+                           for lo, t, n in zip(local.tolist(), target.tolist(), length.tolist())):
+                    return False
+            elif not torch.equal(mine.take(_expand(local, length)), flat.take(_expand(target, length))):
                 return False
         return True
 
@@ -421,6 +425,11 @@ def _locate(runs: _Runs, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
     start = runs.local.take(r)
     inside = (pos >= start) & (pos < start + runs.length.take(r))
     return inside, runs.target.take(r) + (pos - start), runs.seq.take(r)
+
+
+def _long(length: torch.Tensor) -> bool:
+    """Runs long enough on average (whole rows or tensors) to be handled one by one as slices."""
+    return bool(length.numel()) and int(length.sum()) >= _LONG_RUNS * length.numel()
 
 
 def _expand(start: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
