@@ -48,7 +48,8 @@ from .megatron_source import BridgeExportSource
 
 log = logging.getLogger(__name__)
 
-_RANK_STRIDE = 1 << 40  # ids: rank * 2**40 + local offset (int64)
+_RANK_SHIFT = 40
+_RANK_STRIDE = 1 << _RANK_SHIFT  # ids: rank * 2**40 + local offset (int64, never negative)
 _NOBODY = torch.iinfo(torch.int32).max
 #: converted tensors whose owners are settled in one exchange of codes (their int64 ids are held meanwhile)
 _OWNER_WINDOW = 64
@@ -304,7 +305,7 @@ class MegatronShardDelta(BridgeExportSource):
         of its own) and the others none of it from theirs: one code per rank and tensor settles
         that, all the tensors' codes in one exchange; only a tensor some rank holds partly (a TP
         all-gather) takes a per-element all-reduce."""
-        owns = [torch.div(ids, _RANK_STRIDE, rounding_mode="floor") == rank for ids in converted]
+        owns = [(ids >> _RANK_SHIFT) == rank for ids in converted]  # the rank an id names (a shift, not a division)
         mine = [2 if bool(own.all()) else (1 if bool(own.any()) else 0) for own in owns]  # all / some / none
         if not dist.is_initialized():
             return [True if code == 2 else None for code in mine]
