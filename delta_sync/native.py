@@ -191,6 +191,8 @@ def changed_many(olds: list[torch.Tensor], news: list[torch.Tensor], lanes: int,
     each. With ``absorb``, a failure puts every advanced word back before it is raised."""
     width = 64 // lanes
     n = len(olds)
+    if n == 0:
+        return []
     words = [t.numel() // lanes for t in olds]
     threads = max(1, min(torch.get_num_threads(), n, sum(words) // MIN_WORDS_PER_THREAD))
     bounds, acc, share = [0], 0, -(-sum(words) // threads)

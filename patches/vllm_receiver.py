@@ -44,7 +44,7 @@ from delta_sync.bucket import check_dense_entry
 from delta_sync.digest import digest_tensor, scan_range
 from delta_sync.errors import DeltaSyncError, EngineClaimed, LayoutNotSupported, NeedsSeed, PatchValidationError
 from delta_sync.patch import Patch, apply_patch
-from delta_sync.transfer import BULK_KINDS, receive_update
+from delta_sync.transfer import BULK_KINDS, ReceivedUpdate, receive_update
 
 from .loader_views import (LoaderView, UndoLog, apply_dense, apply_dense_range, apply_dense_range_scanned,
                            apply_sparse_many, digest_view,
@@ -168,10 +168,9 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         #: is what ``report`` can say for it: the loader's result cannot be read back)
         self.fallback_values: dict[str, torch.Tensor] = {}
         self.shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-        self._staged = None
-        #: a staged delta's prepared apply: (that update, its undo log with the writes deferred, the
-        #: parameters' fingerprint it was planned against)
-        self._planned: tuple | None = None
+        #: the received, not yet applied update and, for a delta, its prepared apply (its undo log with
+        #: the writes deferred, the parameters' fingerprint it was planned against) or None
+        self._staged: tuple[ReceivedUpdate, tuple[UndoLog, dict] | None] | None = None
         self._fingerprint: dict | None = None
         self.last_timings: dict[str, float] = {}
         self.last_error: str | None = None
@@ -279,7 +278,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         if self.channel is None:
             raise DeltaSyncError("init_transfer_engine was not called", kept=self._kept())
         t0 = time.perf_counter()
-        self._staged = self._planned = None
+        self._staged = None
         self._bulk = _BulkState()
         try:
             upd = receive_update(self.channel, kept=self._kept(), bulk_sink=self._apply_bulk_bucket, sink_checks=True)
@@ -300,25 +299,23 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         except Exception as e:
             self.last_error = str(e)
             raise
-        self._staged = upd
         self.last_timings = {"receive_s": time.perf_counter() - t0, "peak_buckets": float(upd.peak_buckets),
                              "bulk_apply_s": self._bulk.apply_s, "check_s": upd.check_s}
-        if upd.kind not in BULK_KINDS:
-            self._plan_delta(upd)
+        self._staged = (upd, self._plan_delta(upd) if upd.kind not in BULK_KINDS else None)
 
-    def _plan_delta(self, upd) -> None:
+    def _plan_delta(self, upd) -> tuple[UndoLog, dict] | None:
         """Everything of a delta's apply but its writes, while the engine still serves: positions,
         values in the parameters' dtype, the undo log's old values (weights are only read meanwhile).
         Finish then only writes, if the parameters are still the storages planned against. Names
-        without a view go through vLLM's loader at finish: such a delta is not planned."""
+        without a view go through vLLM's loader at finish: such a delta is not planned (None)."""
         if any(p.name not in self.views for p in upd.patches):
-            return
+            return None
         t0 = time.perf_counter()
         undo = UndoLog(deferred=True)
         with torch.no_grad():
             self._apply_delta(upd.patches, dict(self.model.named_parameters()), undo)
-        self._planned = (upd, undo, _fingerprint(self.model))
         self.last_timings["plan_s"] = time.perf_counter() - t0
+        return undo, _fingerprint(self.model)
 
     def _apply_bulk_bucket(self, entries: list[tuple[dict, Patch]]) -> None:
         """One bucket's dense ranges of a seed/full update, written through their loader views now
@@ -403,14 +400,15 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
 
     def discard_staged(self) -> None:
         """Drop a received, not yet applied delta and its prepared apply (nothing was written)."""
-        self._staged = self._planned = None
+        self._staged = None
 
     def finish_weight_update(self) -> None:
         self.require_authorized("finish")
         version = self._call_version
-        upd, self._staged = self._staged, None
-        if upd is None:
+        staged, self._staged = self._staged, None
+        if staged is None:
             return  # start/finish with nothing received (e.g. the sender aborted before sending)
+        upd, planned = staged
         if version is not None and upd.version != version:
             self.last_error = f"finish of v{version} but v{upd.version} is staged"
             raise DeltaSyncError(self.last_error + "; the staged update was discarded", kept=self._kept())
@@ -420,11 +418,10 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
             self._fingerprint = _fingerprint(self.model)
             return
         t0 = time.perf_counter()
-        planned, self._planned = self._planned, None
         try:
             with torch.no_grad():
-                if planned is not None and planned[0] is upd and planned[2] == _fingerprint(self.model):
-                    undo = planned[1]
+                if planned is not None and planned[1] == _fingerprint(self.model):
+                    undo = planned[0]
                     undo.write()
                 else:  # not planned, or the parameters moved since (e.g. reallocated): apply from scratch
                     undo = UndoLog()

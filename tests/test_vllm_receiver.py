@@ -232,10 +232,11 @@ def test_a_prepared_apply_is_dropped_when_parameters_moved_before_finish(engine,
     real_plan = type(worker)._plan_delta
 
     def plan_then_move(self, upd):
-        real_plan(self, upd)
-        assert self._planned is not None
+        plan = real_plan(self, upd)
+        assert plan is not None
         for p in self.model.parameters():
             p.data = p.data.clone()
+        return plan
     monkeypatch.setattr(type(worker), "_plan_delta", plan_then_move)
     evolve(state, 1)
     assert sync.update(state.items()).kind == "delta"
