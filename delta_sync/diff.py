@@ -128,9 +128,7 @@ class BitwiseDiff:
     def absorb(self, old: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """:meth:`changed` plus the bits of ``old`` at the same indices, with ``old`` (contiguous)
         overwritten by ``new`` wherever they differ."""
-        if old.shape != new.shape or old.dtype != new.dtype or not old.is_contiguous():
-            raise ValueError(f"absorb needs a contiguous old tensor of the new one's shape and dtype: "
-                             f"{tuple(old.shape)}/{old.dtype} vs {tuple(new.shape)}/{new.dtype}")
+        self._check("<absorbed>", old, new, absorb=True)
         return self._changed(old, new, absorb=True)
 
     def _changed(self, old: torch.Tensor, new: torch.Tensor, absorb: bool
@@ -149,7 +147,7 @@ class BitwiseDiff:
                     restore(o, idx, old_bits)
             raise
         out = [torch.cat(p) if len(p) > 1 else p[0] if p else torch.empty(0, dtype=dt, device=o.device)
-               for p, dt in zip(parts, (torch.int32, o.dtype, o.dtype))]
+               for p, dt in zip(parts[:3 if absorb else 2], (torch.int32, o.dtype, o.dtype))]
         return out[0], out[1], (out[2] if absorb else None)
 
     def _scan(self, o, n, nwords, lanes, parts, absorb) -> None:
@@ -202,8 +200,7 @@ class BitwiseDiff:
 
 def restore(snapshot: torch.Tensor, indices: torch.Tensor, old_bits: torch.Tensor) -> None:
     """Undo :meth:`BitwiseDiff.advance`: put the old bits back at ``indices`` (flat, int32)."""
-    if indices.numel():
-        int_view(snapshot).index_copy_(0, indices.to(torch.int64), old_bits)
+    native.put_back(snapshot, indices, old_bits)
 
 
 def word_aligned(flat: torch.Tensor) -> bool:

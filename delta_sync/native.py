@@ -140,7 +140,7 @@ def _scan(fn, width: int, old64: torch.Tensor, new64: torch.Tensor, first: int, 
             except BaseException:
                 if absorb:  # this range goes back to its old bits before the error leaves
                     for piece in [*out, (idx[:k], None, prev[:k])]:
-                        _put_back(old64, piece[0], piece[2])
+                        put_back(old64, piece[0], piece[2])
                 raise
         if done.value == 0:  # cannot happen with room for 8 words of lanes
             raise RuntimeError(f"diff kernel made no progress at word {w} (scratch {room})")
@@ -175,7 +175,7 @@ def changed_words(old64: torch.Tensor, new64: torch.Tensor, lanes: int, absorb: 
         if error is not None:
             if absorb:  # the ranges that did advance go back too: old64 is as it was
                 for piece in parts:
-                    _put_back(old64, piece[0], piece[2])
+                    put_back(old64, piece[0], piece[2])
             raise error
     return tuple([p[j] for p in parts] for j in range(3 if absorb else 2))
 
@@ -216,7 +216,7 @@ def changed_many(olds: list[torch.Tensor], news: list[torch.Tensor], lanes: int,
         if absorb:  # the groups that did advance go back too
             for (lo, _), res in zip(groups, results):
                 for i, piece in enumerate(res or []):
-                    _put_back(olds[lo + i], piece[0], piece[2])
+                    put_back(olds[lo + i], piece[0], piece[2])
         raise error
     return [piece for res in results for piece in res]
 
@@ -250,7 +250,7 @@ def _scan_many(fn, width: int, olds: list[torch.Tensor], news: list[torch.Tensor
             except BaseException:
                 if absorb:  # this call's advance, from the scratch; the calls before it below
                     for j, a, b in spans:
-                        _put_back(olds[lo + j], idx[a:b], prev[a:b])
+                        put_back(olds[lo + j], idx[a:b], prev[a:b])
                 raise
             for j, a, b in spans:
                 parts[j].append(tuple(g[a:b] for g in got))
@@ -261,11 +261,13 @@ def _scan_many(fn, width: int, olds: list[torch.Tensor], news: list[torch.Tensor
         if absorb:  # put this group back before the error leaves
             for j, pieces in enumerate(parts):
                 for piece in pieces:
-                    _put_back(olds[lo + j], piece[0], piece[2])
+                    put_back(olds[lo + j], piece[0], piece[2])
         raise
     return [p[0] if len(p) == 1 else tuple(torch.cat(c) for c in zip(*p)) for p in parts]
 
 
-def _put_back(old: torch.Tensor, idx: torch.Tensor, prev: torch.Tensor) -> None:
-    """The old bits ``prev`` back at flat element indices ``idx`` of ``old`` (any dtype of their width)."""
-    old.reshape(-1).view(prev.dtype).index_copy_(0, idx.to(torch.int64), prev)
+def put_back(old: torch.Tensor, idx: torch.Tensor, prev: torch.Tensor) -> None:
+    """Undo an absorbing scan: the old bits ``prev`` back at flat element indices ``idx`` of ``old``
+    (any dtype of their width, any device)."""
+    if idx.numel():
+        old.reshape(-1).view(prev.dtype).index_copy_(0, idx.to(torch.int64), prev)

@@ -347,13 +347,14 @@ class WeightSync:
                 out, failure, seen = [], None, {}
                 kept = f"engines and trainer snapshot at v{self.version}"
                 batch: list[tuple[int, str, torch.Tensor]] = []  # owned, not yet diffed (bounded)
-                held = [0]
+                held = 0
 
                 def diff_batch() -> None:
+                    nonlocal held
                     patches = self.store.prepare_many([(name, t) for _, name, t in batch])
                     out.extend(Ordered(seq, p) for (seq, _, _), p in zip(batch, patches))
                     batch.clear()
-                    held[0] = 0
+                    held = 0
 
                 for seq, name, t in self._tensors(named_tensors, elements, seen):
                     if failure is not None:
@@ -367,8 +368,8 @@ class WeightSync:
                         nbytes = t.numel() * t.element_size()
                         if self.store.owns(name, nbytes):
                             batch.append((seq, name, t))
-                            held[0] += nbytes
-                            if len(batch) >= DIFF_BATCH_TENSORS or held[0] >= DIFF_BATCH_BYTES:
+                            held += nbytes
+                            if len(batch) >= DIFF_BATCH_TENSORS or held >= DIFF_BATCH_BYTES:
                                 diff_batch()
                     except Exception as e:
                         failure = e

@@ -316,8 +316,7 @@ class MegatronShardDelta(BridgeExportSource):
         codes = torch.empty(world * len(mine), dtype=torch.int32)
         collectives.all_gather_into_tensor(codes, torch.tensor(mine, dtype=torch.int32), group)
         out: list[torch.Tensor | bool | None] = []
-        for j, (ids, own) in enumerate(zip(converted, owns)):
-            col = codes.view(world, -1)[:, j].tolist()
+        for ids, own, col in zip(converted, owns, codes.view(world, -1).t().tolist()):  # col: every rank's code
             if 1 not in col:
                 # the lowest rank converting it all from its own shard, or nobody
                 out.append(None if 2 not in col else col.index(2) == dist.get_rank(group))
