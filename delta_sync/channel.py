@@ -15,7 +15,10 @@ an in-process engine sits on a one-GPU machine.
 
 Bucket transfer: ``[header_len, index_count, n_value_buffers]`` (int64), header bytes followed by
 an HMAC of them under the token, the index buffer, then one value buffer per dtype in name order:
-3 + n_dtypes broadcasts per bucket. Sizes are bounded before anything is allocated.
+3 + n_dtypes broadcasts per bucket. Sizes are bounded before anything is allocated. A value buffer
+with ``seg`` entries travels as its segments instead (:func:`~delta_sync.bucket.value_segments`),
+issued together and awaited together: the sender's from their source tensors, the receiver's into
+the destinations it names for them (zero copy on both ends), or into its arena.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import torch
 from torch.distributed import PrefixStore, TCPStore
 
 from . import accelerator, collectives
-from .bucket import Arena, Bucket, parse_header
+from .bucket import Arena, Bucket, parse_header, value_segments
 from .errors import ChannelError
 from .patch import DTYPES
 
@@ -105,8 +108,13 @@ class Channel:
 
     # ---- primitives ------------------------------------------------------------------------
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        self.broadcast_all([tensor], src)
+        return tensor
+
+    def broadcast_all(self, tensors: list[torch.Tensor], src: int = 0) -> None:
+        """Broadcast each tensor in turn, all in flight at once (the backend overlaps them)."""
         try:
-            return collectives.pg_broadcast(self.pg, tensor, src)
+            collectives.pg_broadcast_all(self.pg, tensors, src)
         except collectives.DeviceMismatch:
             raise
         except Exception as e:
@@ -141,10 +149,15 @@ class Channel:
         self.broadcast(torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(self.device))
         self.broadcast(bucket.indices.to(self.device).contiguous())
         for k in names:
-            self.broadcast(bucket.values[k].to(self.device).contiguous())
+            self.broadcast_all([t.to(self.device).contiguous() for t in bucket.wire_parts(k)])
 
-    def recv_bucket(self, arena_for: Callable[[dict], Arena | None] | None = None) -> Bucket:
-        """The next bucket; its buffers are carved from ``arena_for(header)`` when that gives an arena."""
+    def recv_bucket(self, arena_for: Callable[[dict], Arena | None] | None = None,
+                    place: Callable[[dict], dict[int, torch.Tensor]] | None = None) -> Bucket:
+        """The next bucket; its buffers are carved from ``arena_for(header)`` when that gives an arena.
+
+        ``place(header)`` may name, per position of a ``seg`` entry, a contiguous tensor of that
+        entry's dtype and count on this channel's device to receive its values into (they are then
+        not in the bucket's value buffer: :attr:`Bucket.sources`)."""
         sizes = self.broadcast(torch.empty(3, dtype=torch.int64, device=self.device))
         hlen, nidx, nval = (int(x) for x in sizes.tolist())
         if not (_MAC_BYTES < hlen <= MAX_HEADER_BYTES and 0 <= nidx <= MAX_BUFFER_ELEMENTS
@@ -173,9 +186,20 @@ class Channel:
             bufs = arena.carve(wants)
         else:
             bufs = [torch.empty(n, dtype=dt, device=self.device) for dt, n in wants]
-        idx = self.broadcast(bufs[0])
-        values = {k: self.broadcast(b) for k, b in zip(names, bufs[1:])}
-        return Bucket(header, idx, values)
+        segs = {k: value_segments(header["entries"], k, b.numel()) for k, b in zip(names, bufs[1:])}
+        dests = place(header) if place is not None and any(i is not None for v in segs.values() for i, _, _ in v) \
+            else {}
+        for i, t in dests.items():
+            e = header["entries"][i]
+            if not (e.get("seg") and t.dtype == DTYPES[e["dtype"]] and t.numel() == int(e["count"])
+                    and t.is_contiguous() and t.device == self.device):
+                raise ChannelError(f"rank {self.rank}: the destination named for {e.get('name')!r} is "
+                                   f"{tuple(t.shape)} {t.dtype} on {t.device}, the entry is {e.get('count')} "
+                                   f"{e.get('dtype')} (a seg entry, contiguous, on {self.device})")
+        bucket = Bucket(header, self.broadcast(bufs[0]), dict(zip(names, bufs[1:])), dests)
+        for k in names:
+            self.broadcast_all(bucket.wire_parts(k))
+        return bucket
 
 
 LOCAL = "local"

@@ -133,16 +133,22 @@ def _host_only(op: str, group) -> None:
 
 
 # ---- raw process groups (the sync channel) --------------------------------------------------------
-def pg_broadcast(pg, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-    """Broadcast on a process group that is not registered with torch.distributed (the channel)."""
+def pg_broadcast_all(pg, tensors: list[torch.Tensor], src: int = 0) -> None:
+    """Broadcasts on a process group that is not registered with torch.distributed (the channel):
+    one per tensor, in order, all issued before the first is awaited (gloo runs them on its worker
+    threads, NCCL/HCCL queue them on one stream), so many mid-sized tensors keep the link as busy
+    as one large one."""
     from torch.distributed import BroadcastOptions
 
-    check("broadcast", pg, tensor)
-    opts = BroadcastOptions()
-    opts.rootRank = src
-    opts.rootTensor = 0
-    pg.broadcast([tensor], opts).wait()
-    return tensor
+    check("broadcast", pg, *tensors)
+    works = []
+    for t in tensors:
+        opts = BroadcastOptions()
+        opts.rootRank = src
+        opts.rootTensor = 0
+        works.append(pg.broadcast([t], opts))
+    for w in works:
+        w.wait()
 
 
 # ---- the trainer's pair of groups -----------------------------------------------------------------

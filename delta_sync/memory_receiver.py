@@ -7,6 +7,7 @@ exactly the model?" independently of any engine's loaders (engine tests run real
 
 from __future__ import annotations
 
+import threading
 from typing import Iterable
 
 import torch
@@ -14,15 +15,18 @@ import torch
 from .channel import Channel
 from .digest import digest_tensor
 from .errors import EngineError
-from .patch import apply_patch
+from .patch import DTYPES, apply_patch
 from .transfer import receive_update
 
 
 class MemoryReceiver:
     name = "memory-receiver"
 
-    def __init__(self):
+    def __init__(self, direct: bool = True):
         self.tensors: dict[str, torch.Tensor] = {}
+        #: receive large seed/full ranges straight into the tensors (else through the bucket arena)
+        self.direct = direct
+        self._lock = threading.Lock()
         self.version: int | None = None
         self.channel: Channel | None = None
         self._staged = None
@@ -47,7 +51,8 @@ class MemoryReceiver:
 
     def update(self, update_info: dict) -> None:
         try:
-            self._staged = receive_update(self.channel, bulk_sink=self._write_ranges)
+            self._staged = receive_update(self.channel, bulk_sink=self._write_ranges,
+                                          place=self._place if self.direct else None)
         except Exception as e:  # what an engine client reports for a failed update RPC
             raise EngineError(self.name, f"{type(e).__name__}: {e}", kind="update") from e
         self.peak_buckets = max(self.peak_buckets, self._staged.peak_buckets)
@@ -57,13 +62,26 @@ class MemoryReceiver:
         for entry, p in entries:
             self._write_range(entry, p)
 
+    def _place(self, header: dict) -> dict[int, torch.Tensor]:
+        """Where a bulk bucket's ``seg`` entries land: straight in the tensors they belong to."""
+        out = {i: self._range(e["name"], tuple(e["shape"]), DTYPES[e["dtype"]], int(e["start"]), int(e["count"]))
+               for i, e in enumerate(header["entries"]) if e.get("seg") and e.get("dtype") in DTYPES}
+        # a range that does not fit is left to the arena: the bucket's checks name what is wrong
+        return {i: t for i, t in out.items()
+                if t.device == self.channel.device and t.numel() == int(header["entries"][i]["count"])}
+
+    def _range(self, name: str, shape: tuple, dtype: torch.dtype, start: int, count: int) -> torch.Tensor:
+        with self._lock:  # the receive thread places ranges while the applying one writes others
+            self.version = None  # the old version is gone from the first write on
+            t = self.tensors.get(name)
+            if t is None or tuple(t.shape) != shape or t.dtype != dtype:
+                t = self.tensors[name] = torch.empty(shape, dtype=dtype)
+            return t.view(-1)[max(start, 0):start + count]
+
     def _write_range(self, entry: dict, p) -> None:
-        self.version = None
-        t = self.tensors.get(p.name)
-        if t is None or tuple(t.shape) != p.shape or t.dtype != p.dtype:
-            t = self.tensors[p.name] = torch.empty(p.shape, dtype=p.dtype)
-        start = int(entry["start"])
-        t.view(-1)[start:start + p.count].copy_(p.values)
+        dst = self._range(p.name, p.shape, p.dtype, int(entry["start"]), p.count)
+        if dst.data_ptr() != p.values.data_ptr():  # not received in place
+            dst.copy_(p.values)
 
     def finish(self, version: int) -> None:
         upd, self._staged = self._staged, None

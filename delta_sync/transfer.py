@@ -218,19 +218,24 @@ def send_abort(channel: Channel, version: int, reason: str) -> None:
     channel.send_bucket(_abort_bucket(version, reason))
 
 
-def _prefetch(channel: Channel, slots: _Slots, streamed: bool = True) -> Iterator[Bucket]:
+def _prefetch(channel: Channel, slots: _Slots, streamed: bool = True,
+              place: Callable[[dict], dict[int, torch.Tensor]] | None = None) -> Iterator[Bucket]:
     """Buckets of one version, each received on a thread while the previous one is in use.
 
     Bulk buckets of a ``streamed`` version are received into the slots' reusable arenas (their
-    consumer copies the values out before asking for the next bucket); other buckets get buffers
-    of their own, since they are assembled whole before they are applied."""
+    consumer copies the values out before asking for the next bucket), their ``seg`` entries into
+    the destinations ``place(header)`` names (on this thread, so ``place`` must not race the
+    consumer); other buckets get buffers of their own, since they are assembled whole before they
+    are applied."""
     q: queue.Queue = queue.Queue()
 
     def run():
         try:
             while True:
                 arena = slots.take()
-                b = channel.recv_bucket(lambda h: arena if streamed and h.get("kind") in BULK_KINDS else None)
+                b = channel.recv_bucket(lambda h: arena if streamed and h.get("kind") in BULK_KINDS else None,
+                                        lambda h: place(h) if streamed and place is not None
+                                        and h.get("kind") in BULK_KINDS else {})
                 q.put((b, arena))
                 if b.header.get("last") or b.header.get("kind") == "abort":
                     return
@@ -250,13 +255,15 @@ def _prefetch(channel: Channel, slots: _Slots, streamed: bool = True) -> Iterato
             return
 
 
-def receive_stream(channel: Channel, kept: str | None = None, check_bulk: bool = True, streamed: bool = True
+def receive_stream(channel: Channel, kept: str | None = None, check_bulk: bool = True, streamed: bool = True,
+                   place: Callable[[dict], dict[int, torch.Tensor]] | None = None
                    ) -> Iterator[tuple[dict, list[tuple[dict, Patch]]]]:
     """``(header, [(entry, patch), ...])`` per bucket of one version, checked (checksum, per-entry
     digests, bounds, tiling) before it is yielded; the next bucket is received meanwhile. Without
     ``check_bulk`` the dense entries of seed/full buckets are yielded with their digests unchecked
     (the consumer checks them, see :func:`receive_update`). Without ``streamed``, bulk buckets get
-    buffers of their own, as delta buckets do (the consumer keeps them all).
+    buffers of their own, as delta buckets do (the consumer keeps them all). ``place``: see
+:meth:`Channel.recv_bucket` (streamed bulk buckets only).
 
     A bad bucket raises after the rest of the version was drained, so the channel stays in step
     with the sender. Raises :class:`UpdateAborted` for an aborted update."""
@@ -264,7 +271,7 @@ def receive_stream(channel: Channel, kept: str | None = None, check_bulk: bool =
     first_error: Exception | None = None
     version = None
     expect_seq = 0
-    stream = _prefetch(channel, slots, streamed)
+    stream = _prefetch(channel, slots, streamed, place)
     try:
         for bucket in stream:
             h = bucket.header
@@ -295,7 +302,8 @@ def receive_stream(channel: Channel, kept: str | None = None, check_bulk: bool =
 
 def receive_update(channel: Channel, kept: str | None = None,
                    bulk_sink: Callable[[list[tuple[dict, Patch]]], None] | None = None,
-                   sink_checks: bool = False) -> ReceivedUpdate:
+                   sink_checks: bool = False,
+                   place: Callable[[dict], dict[int, torch.Tensor]] | None = None) -> ReceivedUpdate:
     """Receive one version.
 
     A delta (or any version without ``bulk_sink``) is assembled into one patch per tensor: the
@@ -305,13 +313,19 @@ def receive_update(channel: Channel, kept: str | None = None,
     drained unapplied and the sink's error is raised at the end. With ``sink_checks`` the sink gets
     dense entries unchecked and must run :func:`~delta_sync.bucket.check_dense_entry` on each, e.g.
     over the digest of the pass that applies it (the engine's case: a failed bulk update needs a
-    seed anyway, so checking after the write loses nothing and saves a pass over the bytes)."""
+    seed anyway, so checking after the write loses nothing and saves a pass over the bytes).
+
+    ``place(header)`` (with ``bulk_sink``): where the bulk bucket's ``seg`` entries are received,
+    by entry position, e.g. the parameter slices they belong in. Their patches then hold those
+    tensors, already written: the sink only checks them. Such a receiver is written by a bulk
+    update from its first bucket on (and drained buckets still land), so it needs a seed after any
+    failure, as a sink that writes does."""
     asm = TensorAssembler(kept)
     update: ReceivedUpdate | None = None
     sink_error: Exception | None = None
     # without a sink a seed is assembled whole like a delta: its buckets must not share arenas
     for h, entries in receive_stream(channel, kept, check_bulk=not (sink_checks and bulk_sink is not None),
-                                     streamed=bulk_sink is not None):
+                                     streamed=bulk_sink is not None, place=place if bulk_sink else None):
         if update is None:
             update = ReceivedUpdate(int(h["version"]), h["kind"])
         elif h["kind"] != update.kind and sink_error is None:  # drained below, raised at the end

@@ -433,9 +433,24 @@ def apply_dense_range_scanned(view: LoaderView, params: dict[str, torch.Tensor],
         hit = _run_slices(seg, flat_param(params[seg.param]), src, start)
         if hit is not None:
             dst, part, lo = hit
-            d, b = scan_range(part, lo, copy_to=dst)
+            in_place = dst.data_ptr() == part.data_ptr()  # received there (dense_range_target)
+            d, b = scan_range(part, lo, copy_to=None if in_place else dst)
             total, bad = total + d, bad + b
     return total, bad
+
+
+def dense_range_target(view: LoaderView, params: dict[str, torch.Tensor], start: int, count: int
+                       ) -> torch.Tensor | None:
+    """The parameter slice that checkpoint elements ``[start, start + count)`` are written to, when
+    they lie in one contiguous segment of a view that holds the whole tensor (a bulk range can
+    then be received there directly); else None."""
+    if sum(seg.numel for seg in view.segments) != math.prod(view.shape):
+        return None
+    for seg in view.segments:
+        if seg.contiguous and seg.src_offset <= start and start + count <= seg.src_offset + seg.numel:
+            flat = flat_param(params[seg.param])
+            return flat.narrow(0, seg.dst_offset + start - seg.src_offset, count)
+    return None
 
 
 def _run_slices(seg: Segment, flat: torch.Tensor, src: torch.Tensor, start: int

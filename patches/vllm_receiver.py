@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -43,11 +44,11 @@ from delta_sync.channel import Channel
 from delta_sync.bucket import check_dense_entry
 from delta_sync.digest import digest_tensor, scan_range
 from delta_sync.errors import DeltaSyncError, EngineClaimed, LayoutNotSupported, NeedsSeed, PatchValidationError
-from delta_sync.patch import Patch, apply_patch
+from delta_sync.patch import DTYPES, Patch, apply_patch
 from delta_sync.transfer import BULK_KINDS, ReceivedUpdate, receive_update
 
 from .loader_views import (LoaderView, UndoLog, apply_dense, apply_dense_range, apply_dense_range_scanned,
-                           apply_sparse_many, digest_view,
+                           apply_sparse_many, dense_range_target, digest_view,
                            probe_views)
 
 from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
@@ -120,6 +121,7 @@ class _BulkState:
         self.numel: dict[str, int] = {}
         self.pending: dict[str, list[torch.Tensor]] = {}  # fallback names: ranges until complete
         self.apply_s = 0.0
+        self.placed = 0  # ranges received straight into the parameters
         self._params = None
 
     def params(self, model) -> dict[str, torch.Tensor]:
@@ -183,6 +185,8 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         self.claim_s = float(os.environ.get(CLAIM_ENV, DEFAULT_CLAIM_S))
         self._authorized = False
         self._call_version: int | None = None
+        #: loader probes run on the receive thread (for in-place receives) and on the applying one
+        self._probe_lock = threading.Lock()
 
     # ---- trust ---------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -281,7 +285,8 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         self._staged = None
         self._bulk = _BulkState()
         try:
-            upd = receive_update(self.channel, kept=self._kept(), bulk_sink=self._apply_bulk_bucket, sink_checks=True)
+            upd = receive_update(self.channel, kept=self._kept(), bulk_sink=self._apply_bulk_bucket, sink_checks=True,
+                                 place=self._place_bulk if self._in_place() else None)
             if update_info.version is not None and upd.version != update_info.version:
                 raise DeltaSyncError(f"received version {upd.version}, the sender announced {update_info.version}",
                                      kept=self._kept())
@@ -300,7 +305,8 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
             self.last_error = str(e)
             raise
         self.last_timings = {"receive_s": time.perf_counter() - t0, "peak_buckets": float(upd.peak_buckets),
-                             "bulk_apply_s": self._bulk.apply_s, "check_s": upd.check_s}
+                             "bulk_apply_s": self._bulk.apply_s, "placed_ranges": float(self._bulk.placed),
+                             "check_s": upd.check_s}
         self._staged = (upd, self._plan_delta(upd) if upd.kind not in BULK_KINDS else None)
 
     def _plan_delta(self, upd) -> tuple[UndoLog, dict] | None:
@@ -317,20 +323,58 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         self.last_timings["plan_s"] = time.perf_counter() - t0
         return undo, _fingerprint(self.model)
 
-    def _apply_bulk_bucket(self, entries: list[tuple[dict, Patch]]) -> None:
-        """One bucket's dense ranges of a seed/full update, written through their loader views now
-        (names seen for the first time are probed together, one loader call). Each range's digest
-        and finiteness are checked in the pass that writes it where the view allows (TP=1), else
-        before writing: a mismatch fails the update, which leaves this engine needing a seed."""
+    def _in_place(self) -> bool:
+        """Can large bulk ranges be received straight into the parameters? Where a worker holds
+        whole tensors (TP=1) and the loader's layout is the parameters' own (not on Ascend, whose
+        MoE weights are transposed around each loader call)."""
+        return self._whole() and self.device.type != "npu"
+
+    def _begin_bulk_write(self) -> None:
         state = self._bulk
         if not state.writing:
             state.writing = True
             self.version, self.needs_seed = None, True  # the old version is being overwritten
             self.partial = True
+
+    def _place_bulk(self, header: dict) -> dict[int, torch.Tensor]:
+        """Where a bulk bucket's ``seg`` entries are received (on the receive thread): the
+        parameter slice of each range that lies in one contiguous segment of its loader view, in
+        the range's dtype and known shape. Other entries arrive in the bucket's arena and are
+        written by :meth:`_apply_bulk_bucket`, which also checks every range's digest after the fact."""
+        dense = [(i, e) for i, e in enumerate(header["entries"])
+                 if e.get("encoding") == "dense" and e.get("dtype") in DTYPES]
+        segs = [(i, e) for i, e in dense if e.get("seg")]
+        if not segs:
+            return {}
+        # the whole bucket's new names in one loader call: the applying thread then probes nothing
+        self._probe([(e["name"], tuple(int(d) for d in e["shape"]), DTYPES[e["dtype"]]) for _, e in dense])
+        params = self._bulk.params(self.model)
+        out = {}
+        for i, e in segs:
+            shape, dtype = tuple(int(d) for d in e["shape"]), DTYPES[e["dtype"]]
+            view = self.views.get(e["name"])
+            if view is None or self.shapes.get(e["name"], (shape, dtype)) != (shape, dtype):
+                continue  # the applying thread names what is wrong
+            dst = dense_range_target(view, params, int(e["start"]), int(e["count"]))
+            if dst is not None and dst.dtype == dtype and dst.device == self.channel.device:
+                out[i] = dst
+        if out:
+            self._begin_bulk_write()
+            self._bulk.placed += len(out)
+        return out
+
+    def _apply_bulk_bucket(self, entries: list[tuple[dict, Patch]]) -> None:
+        """One bucket's dense ranges of a seed/full update, written through their loader views now
+        (names seen for the first time are probed together, one loader call). Each range's digest
+        and finiteness are checked in the pass that writes it where the view allows (TP=1), else
+        before writing: a mismatch fails the update, which leaves this engine needing a seed.
+        Ranges received in place (:meth:`_place_bulk`) are only digested."""
+        self._begin_bulk_write()
+        state = self._bulk
         t0 = time.perf_counter()
         entry, p = entries[0] if entries else ({"start": 0}, None)
         try:
-            self._probe([p for _, p in entries])
+            self._probe([(p.name, p.shape, p.dtype) for _, p in entries])
             for entry, p in entries:
                 self._write_bulk_range(entry, p)
         except DeltaSyncError:
@@ -342,16 +386,17 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         finally:
             state.apply_s += time.perf_counter() - t0
 
-    def _probe(self, patches: list[Patch]) -> None:
+    def _probe(self, names_shapes: list[tuple[str, tuple[int, ...], torch.dtype]]) -> None:
         """Loader views of the names not seen before, found in one probe of vLLM's loader."""
-        new = {p.name: (p.name, p.shape, p.dtype) for p in patches
-               if p.name not in self.views and p.name not in self.fallback}
-        if not new:
-            return
-        with self._loader_layout():
-            views, unsupported = probe_views(self.model, list(new.values()), whole=self._whole())
-        self.views.update(views)
-        self.fallback.update(unsupported)
+        with self._probe_lock:
+            new = {n: (n, shape, dtype) for n, shape, dtype in names_shapes
+                   if n not in self.views and n not in self.fallback}
+            if not new:
+                return
+            with self._loader_layout():
+                views, unsupported = probe_views(self.model, list(new.values()), whole=self._whole())
+            self.views.update(views)
+            self.fallback.update(unsupported)
         for name, why in unsupported.items():
             log.warning("delta-sync: %s has no loader view (%s); it uses vLLM's loader", name, why)
 

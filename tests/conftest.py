@@ -32,3 +32,14 @@ def dense_server(_session_dense_server):
     trainer, whose first update is a seed, so nothing leaks between tests. A test may kill and
     restart it (``start``); the next test gets it back running (started on first use)."""
     return _session_dense_server.ensure()
+
+
+@pytest.fixture(autouse=True)
+def _test_tensors_travel_in_place(monkeypatch):
+    """Test tensors weigh KiBs, production ones MiBs: lower the zero-copy threshold so that in-process
+    senders send the larger test tensors from their source, straight into the receivers' tensors (the
+    path every large tensor takes), while tensors under 4 KiB stay packed (the path of norms and
+    biases). Trainers in processes of their own keep the default: everything packed there."""
+    from delta_sync import bucket
+
+    monkeypatch.setattr(bucket, "DIRECT_MIN_BYTES", 4 << 10)

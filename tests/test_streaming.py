@@ -214,3 +214,94 @@ def test_switching_the_source_forces_a_seed_and_stays_exact():
         assert sync.update(state.items()).kind == "delta" and receiver.mismatched(state.items()) == []
     finally:
         sync.close()
+
+
+def _shares_memory(part: torch.Tensor, whole: torch.Tensor) -> bool:
+    """Is ``part`` a view into ``whole``'s bytes (not a copy of them)?"""
+    lo = whole.data_ptr()
+    hi = lo + whole.numel() * whole.element_size()
+    return lo <= part.data_ptr() and part.data_ptr() + part.numel() * part.element_size() <= hi
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["received-in-place", "received-in-arena"])
+def test_large_ranges_travel_from_the_source_without_a_copy(monkeypatch, direct):
+    """A full-mode seed sends every range of at least DIRECT_MIN_BYTES from the trainer's own tensor
+    (digested, never copied into a bucket) and a receiver that names destinations gets it there
+    (nothing lands in its bucket arena); small tensors still travel packed. A receiver that names no
+    destination receives the same broadcasts into its arena. Exact either way, deltas after it too."""
+    from delta_sync import bucket as bucket_mod
+    from delta_sync.channel import Channel
+
+    monkeypatch.setattr(bucket_mod, "DIRECT_MIN_BYTES", 16 << 10)
+    g = torch.Generator().manual_seed(3)
+    state = {"mid": torch.randn(128, 80, generator=g).to(torch.bfloat16),  # 20 KB: one broadcast
+             "small.a": torch.randn(8, 8, generator=g).to(torch.bfloat16),  # 128 B: packed
+             # 60 KB over three buckets: 3968 B (packed: the room left), 2 x 24 KiB, 6880 B (packed)
+             "big": torch.randn(300, 100, generator=g).to(torch.bfloat16),
+             "small.b": torch.randn(3, 5, generator=g).to(torch.bfloat16)}
+    sent, placed = [], []
+    plain_send, plain_recv = Channel.send_bucket, Channel.recv_bucket
+
+    def send(self, b):
+        for i, src in b.sources.items():
+            e = b.header["entries"][i]
+            sent.append((e["name"], _shares_memory(src, state[e["name"]])))
+        plain_send(self, b)
+
+    def recv(self, arena_for=None, place=None):
+        b = plain_recv(self, arena_for, place)
+        placed.extend((b.header["entries"][i]["name"], dst) for i, dst in b.sources.items())
+        return b
+
+    monkeypatch.setattr(Channel, "send_bucket", send)
+    monkeypatch.setattr(Channel, "recv_bucket", recv)
+    receiver = MemoryReceiver(direct=direct)
+    sync = WeightSync([receiver], mode="full", bucket_bytes=24 << 10, timeout_s=60)
+    try:
+        rep = sync.update(state.items())
+        assert rep.kind == "seed" and rep.verified and receiver.mismatched(state.items()) == []
+        # "mid" whole and two pieces of "big": sent from the trainer's tensors
+        assert sorted(sent) == [("big", True), ("big", True), ("mid", True)]
+        if direct:  # and written straight into the receiver's tensors
+            assert len(placed) == len(sent)
+            assert all(_shares_memory(dst, receiver.tensors[name]) for name, dst in placed)
+        else:
+            assert placed == []
+        for t in state.values():
+            t.view(-1)[::5] = (t.view(-1)[::5].float() * 1.5 + 0.25).to(t.dtype)
+        rep = sync.update(state.items())
+        assert rep.kind == "full" and rep.verified and receiver.mismatched(state.items()) == []
+    finally:
+        sync.close()
+
+
+def test_a_range_damaged_in_flight_is_refused_and_reseeded(monkeypatch):
+    """A range received in place is checked against the sender's digest after it landed: a flipped
+    bit fails the update, the receiver has no version, and the next update is a seed that repairs it."""
+    from delta_sync.channel import Channel
+
+    state = _many_tensors(6)
+    receiver = MemoryReceiver()
+    sync = WeightSync([receiver], mode="full", bucket_bytes=16 << 10, timeout_s=60)
+    plain_send = Channel.send_bucket
+    damaged = []
+
+    def send(self, b):
+        if b.sources and not damaged and b.header["seq"] == 1:  # the second bucket of the update
+            i = next(iter(b.sources))
+            b.sources[i] = b.sources[i].clone()  # what leaves differs from what was digested
+            b.sources[i].view(torch.int16)[7] ^= 0x0100
+            damaged.append(b.header["entries"][i]["name"])
+        plain_send(self, b)
+
+    try:
+        sync.update(state.items())
+        monkeypatch.setattr(Channel, "send_bucket", send)
+        with pytest.raises(EngineError, match="digest"):
+            sync.update(state.items())
+        assert damaged and receiver.version is None and sync.needs_seed
+        monkeypatch.setattr(Channel, "send_bucket", plain_send)
+        rep = sync.update(state.items())
+        assert rep.kind == "seed" and receiver.mismatched(state.items()) == []
+    finally:
+        sync.close()

@@ -58,6 +58,9 @@ def test_seed_and_deltas_equal_fresh_engine(engine, tmp_path):
     sync = WeightSync([llm], mode="delta", verify_every=1)
     seed = sync.update(state.items())
     assert seed.kind == "seed" and seed.verified and seed.changed_fraction == 1.0
+    # the larger tensors (>= 4 KiB in the suite) were received straight into the parameters
+    big = sum(t.numel() * t.element_size() >= 4 << 10 for t in state.values())
+    assert _worker_engine(llm).last_timings["placed_ranges"] >= big > 0
     reports = []
     for v in range(1, VERSIONS + 1):
         evolve(state, v)
