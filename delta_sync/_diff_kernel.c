@@ -110,7 +110,8 @@ DEFINE_DIFF_MANY(32, uint32_t)
  *
  * Exact integers throughout: within a 256-word block |sum j * w_j| < 2**31 (int32 lanes, 16
  * steps of pair sums < 2**24); blocks fold into int64 sums over a 2**16-word super-block
- * (|sum| < 2**47), and super-blocks are reduced modulo each p.
+ * (|sum| < 2**47; with AVX2 as four int64 vector lanes, reduced once per super-block, not per
+ * block), and super-blocks are reduced modulo each p.
  */
 #define DIGEST_BLOCK 256
 #define DIGEST_SUPER 65536
@@ -131,57 +132,67 @@ int64_t digest_words(const int16_t *w, int64_t n, int64_t k0, int lanes, const i
         const int16_t *x = w + s;
         int16_t *y = dst ? dst + s : 0;
         int64_t t_sum = 0, u_sum = 0;  /* sum w, sum (j - s) * w over this super-block */
-        for (int64_t b = 0; b < m; b += DIGEST_BLOCK) {
-            int64_t e = m - b < DIGEST_BLOCK ? m - b : DIGEST_BLOCK;
-            const int16_t *xb = x + b;
-            int64_t t = 0, u = 0;
 #ifdef __AVX2__
-            if (e == DIGEST_BLOCK && (!exp_mask || stride == 1)) {
-                __m256i tot = _mm256_setzero_si256(), pos = _mm256_setzero_si256(), nbad = _mm256_setzero_si256();
-                const __m256i ones = _mm256_set1_epi16(1), mask = _mm256_set1_epi16(exp_mask);
+        /* whole blocks fold into int64 vector sums, reduced once per super-block:
+         * lane-wise, T += tot and U += pos + b * tot (a lane's share of b * t + u) */
+        __m256i vt = _mm256_setzero_si256(), vu = _mm256_setzero_si256(), vbad = _mm256_setzero_si256();
+        int64_t vec_end = (!exp_mask || stride == 1) ? m - m % DIGEST_BLOCK : 0;
+        {
+            const __m256i ones = _mm256_set1_epi16(1), mask = _mm256_set1_epi16(exp_mask);
+            for (int64_t b = 0; b < vec_end; b += DIGEST_BLOCK) {
+                const int16_t *xb = x + b;
+                __m256i tot = _mm256_setzero_si256(), pos = _mm256_setzero_si256();
                 for (int64_t j = 0; j < DIGEST_BLOCK; j += 16) {
                     __m256i v = _mm256_loadu_si256((const __m256i *)(xb + j));
                     if (y) _mm256_storeu_si256((__m256i *)(y + b + j), v);
                     tot = _mm256_add_epi32(tot, _mm256_madd_epi16(v, ones));
                     pos = _mm256_add_epi32(pos, _mm256_madd_epi16(v, _mm256_load_si256((const __m256i *)(jtab + j))));
-                    if (exp_mask)  /* -1 per matching word */
-                        nbad = _mm256_add_epi16(nbad, _mm256_cmpeq_epi16(_mm256_and_si256(v, mask), mask));
+                    if (exp_mask)  /* -1 per matching word; at most 4096 per slot per super-block */
+                        vbad = _mm256_add_epi16(vbad, _mm256_cmpeq_epi16(_mm256_and_si256(v, mask), mask));
                 }
-                int32_t buf[8];
-                _mm256_storeu_si256((__m256i *)buf, tot);
-                for (int k = 0; k < 8; ++k) t += buf[k];
-                _mm256_storeu_si256((__m256i *)buf, pos);
-                for (int k = 0; k < 8; ++k) u += buf[k];
-                if (exp_mask) {  /* 16 steps of at most -1 per 16-bit slot: no overflow */
-                    int16_t c16[16];
-                    _mm256_storeu_si256((__m256i *)c16, nbad);
-                    for (int k = 0; k < 16; ++k) bad -= c16[k];
-                }
-            } else
+                __m256i tlo = _mm256_cvtepi32_epi64(_mm256_castsi256_si128(tot));
+                __m256i thi = _mm256_cvtepi32_epi64(_mm256_extracti128_si256(tot, 1));
+                __m256i plo = _mm256_cvtepi32_epi64(_mm256_castsi256_si128(pos));
+                __m256i phi = _mm256_cvtepi32_epi64(_mm256_extracti128_si256(pos, 1));
+                __m256i t4 = _mm256_add_epi64(tlo, thi);
+                const __m256i bb = _mm256_set1_epi64x(b);
+                vt = _mm256_add_epi64(vt, t4);
+                vu = _mm256_add_epi64(vu, _mm256_add_epi64(_mm256_add_epi64(plo, phi), _mm256_mul_epi32(t4, bb)));
+            }
+        }
+        {
+            int64_t buf[4];
+            _mm256_storeu_si256((__m256i *)buf, vt);
+            t_sum += buf[0] + buf[1] + buf[2] + buf[3];
+            _mm256_storeu_si256((__m256i *)buf, vu);
+            u_sum += buf[0] + buf[1] + buf[2] + buf[3];
+            int16_t c16[16];
+            _mm256_storeu_si256((__m256i *)c16, vbad);
+            for (int k = 0; k < 16; ++k) bad -= c16[k];
+        }
+#else
+        int64_t vec_end = 0;
 #endif
-            {
-                int32_t t32 = 0, u32 = 0;
-                for (int64_t j = 0; j < e; ++j) {
-                    int32_t v = xb[j];
-                    t32 += v;
-                    u32 += v * (int32_t)j;
-                }
-                if (y) for (int64_t j = 0; j < e; ++j) y[b + j] = xb[j];
-                t = t32;
-                u = u32;
-                if (exp_mask) {
-                    int64_t cnt = 0;
-                    if (stride == 1) {
-                        for (int64_t j = 0; j < e; ++j) cnt += (xb[j] & exp_mask) == exp_mask;
-                    } else {
-                        for (int64_t j = 0; j < e; ++j)
-                            cnt += ((((s + b + j) - phase) % stride) == 0) & ((xb[j] & exp_mask) == exp_mask);
-                    }
-                    bad += cnt;
+        for (int64_t b = vec_end; b < m; b += DIGEST_BLOCK) {  /* the tail, or no AVX2 */
+            int64_t e = m - b < DIGEST_BLOCK ? m - b : DIGEST_BLOCK;
+            const int16_t *xb = x + b;
+            int32_t t = 0, u = 0;
+            for (int64_t j = 0; j < e; ++j) {
+                int32_t v = xb[j];
+                t += v;
+                u += v * (int32_t)j;
+            }
+            if (y) for (int64_t j = 0; j < e; ++j) y[b + j] = xb[j];
+            if (exp_mask) {
+                if (stride == 1) {
+                    for (int64_t j = 0; j < e; ++j) bad += (xb[j] & exp_mask) == exp_mask;
+                } else {
+                    for (int64_t j = 0; j < e; ++j)
+                        bad += ((((s + b + j) - phase) % stride) == 0) & ((xb[j] & exp_mask) == exp_mask);
                 }
             }
             t_sum += t;
-            u_sum += b * t + u;
+            u_sum += b * (int64_t)t + u;
         }
         for (int l = 0; l < lanes; ++l) {
             s0[l] = mod_p(s0[l] + mod_p(t_sum, p[l]), p[l]);

@@ -440,6 +440,12 @@ def test_host_kernel_equals_the_device_formula(dtype, monkeypatch):
             assert list(got2) == want and bad2 == bad
             assert torch.equal(out.view(torch.int16 if dtype != torch.float32 else torch.int32),
                                x.view(torch.int16 if dtype != torch.float32 else torch.int32))
+    # extreme words over more than one 65536-word super-block: no intermediate sum overflows
+    for fill in (-32768, 32767):
+        words = torch.full((3 * 65536 + 17,), fill, dtype=torch.int16)
+        ref = dg.lane_sums(words, 5, 4, 0, 1).tolist()
+        got, _ = dg._scan_words(words, 5, 4, 0, 1)
+        assert [v % p for v, p in zip(got, dg.PRIMES)] == [r % p for r, p in zip(ref[:4], dg.PRIMES)]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
