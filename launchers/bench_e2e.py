@@ -434,27 +434,35 @@ def _adam_step(state: dict[str, torch.Tensor], lr: float, g: torch.Generator, ch
 
 
 def _digest_marginal(state: dict[str, torch.Tensor], reps: int = 2) -> dict:
-    """What the sender's digests add to packing, same run: every tensor copied into a buffer, once
-    plainly and once through the fused copy + digest + Inf/NaN pass the packer runs (best of
-    ``reps``). The engine's share is its own ``check_s``."""
+    """What verification adds to one side of a seed, same run (best of ``reps``). A range that travels
+    packed is copied anyway: its share is what the fused copy + digest + Inf/NaN pass costs over a
+    plain copy into a buffer. A range that travels on its own, from the trainer's tensor into the
+    engine's parameters (at least ``DIRECT_MIN_BYTES``), is read by nothing else: its share is the
+    whole digest pass. The engine's share beyond this is its own ``check_s``."""
+    from delta_sync import bucket
     from delta_sync.digest import scan_range
 
     tensors = [t.reshape(-1) for t in state.values() if t.dtype == torch.bfloat16]
-    buf = torch.empty(max(t.numel() for t in tensors), dtype=torch.bfloat16)
+    alone = [t for t in tensors if t.numel() * t.element_size() >= bucket.DIRECT_MIN_BYTES]
+    packed = [t for t in tensors if t.numel() * t.element_size() < bucket.DIRECT_MIN_BYTES]
+    buf = torch.empty(max((t.numel() for t in packed), default=1), dtype=torch.bfloat16)
     buf.fill_(0)
-    times = {"copy": [], "fused": []}
+    times = {"copy": [], "fused": [], "scan": []}
     for _ in range(reps):
         for how in times:
             t0 = time.perf_counter()
-            for t in tensors:
-                out = buf[:t.numel()]
+            for t in (alone if how == "scan" else packed):
                 if how == "copy":
-                    out.copy_(t)
+                    buf[:t.numel()].copy_(t)
+                elif how == "fused":
+                    scan_range(t, 0, copy_to=buf[:t.numel()])
                 else:
-                    scan_range(t, 0, copy_to=out)
+                    scan_range(t, 0)
             times[how].append(time.perf_counter() - t0)
-    copy_s, fused_s = min(times["copy"]), min(times["fused"])
-    return {"copy_s": round(copy_s, 4), "fused_s": round(fused_s, 4), "marginal_s": round(max(0.0, fused_s - copy_s), 4)}
+    copy_s, fused_s, scan_s = min(times["copy"]), min(times["fused"]), min(times["scan"])
+    return {"copy_s": round(copy_s, 4), "fused_s": round(fused_s, 4), "scan_alone_s": round(scan_s, 4),
+            "alone_bytes": sum(t.numel() * t.element_size() for t in alone),
+            "marginal_s": round(max(0.0, fused_s - copy_s) + scan_s, 4)}
 
 
 def _diff_alone(sync, state: dict[str, torch.Tensor], g: torch.Generator, reps: int = 3) -> float:
@@ -719,9 +727,10 @@ def _pass_summary(rows: list[dict], wire_s: float, digest_marginal_s: float = 0.
         "delta_over_wire": _ratio(head and head["total_s"], wire_s),
         "delta_pause_over_wire": _ratio(head and head["pause_window_s"], wire_s),
         "adam_over_wire": _ratio(adam and adam["total_s"], wire_s),
-        # verification's cost: what digesting adds to the two copies it rides on (the sender's
-        # packing, the engine's apply at TP=1: the same fused kernel, its cost over a plain copy
-        # measured beside the sync, same run) plus the engine's own bucket checks (check_s)
+        # verification's cost: per side, the digest passes of the ranges that travel on their own
+        # (nothing else reads them) plus what digesting adds to the copies of packed ranges (the
+        # same fused kernel over a plain copy), measured beside the sync, same run; plus the
+        # engine's own bucket checks (check_s)
         "verify_over_seed": _ratio((seed or {}).get("engine_check_s", 0.0) + 2 * digest_marginal_s,
                                    seed and seed["total_s"]),
         # the default drift sweep's share of a delta: the trainer's digests of the next window and
