@@ -83,10 +83,14 @@ class BitwiseDiff:
         the error is raised."""
         out: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = [None] * len(pairs)
         batch: dict[int, list[int]] = {}  # element width -> pairs scanned together
-        big = native.MIN_WORDS_PER_THREAD * max(1, torch.get_num_threads())
+        whole = [self._batchable(old, new) for old, new in pairs]
+        # a batch is split over the threads by whole tensors: one larger than a thread's share of
+        # it is split by words instead, on its own (else one thread would scan it while the rest wait)
+        share = sum(old.numel() * old.element_size() for (old, _), ok in zip(pairs, whole) if ok)
+        big = max(native.MIN_WORDS_PER_THREAD * 8, share // max(1, torch.get_num_threads()))
         try:
             for i, (old, new) in enumerate(pairs):
-                if self._batchable(old, new, big):
+                if whole[i] and old.numel() * old.element_size() <= big:
                     batch.setdefault(old.element_size(), []).append(i)
                 else:
                     out[i] = self.absorb(old, new)
@@ -102,14 +106,13 @@ class BitwiseDiff:
             raise
         return out
 
-    def _batchable(self, snap: torch.Tensor, new: torch.Tensor, big: int) -> bool:
-        """A host tensor the kernel scans whole in 64-bit words, too small to split across threads."""
+    def _batchable(self, snap: torch.Tensor, new: torch.Tensor) -> bool:
+        """A host tensor the kernel scans whole in 64-bit words."""
         if not (self.use_native and snap.shape == new.shape and snap.dtype == new.dtype and native.supports(snap)
                 and new.device.type == "cpu" and snap.is_contiguous() and new.is_contiguous()):
             return False
         lanes = 8 // snap.element_size()
-        return (snap.numel() % lanes == 0 and snap.numel() // lanes < big
-                and snap.data_ptr() % 8 == 0 and new.data_ptr() % 8 == 0)
+        return snap.numel() % lanes == 0 and snap.data_ptr() % 8 == 0 and new.data_ptr() % 8 == 0
 
     @staticmethod
     def _check(name: str, old: torch.Tensor, new: torch.Tensor, absorb: bool) -> None:

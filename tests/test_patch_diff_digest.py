@@ -158,8 +158,8 @@ def test_a_diff_that_fails_midway_leaves_the_snapshot_as_it_was(monkeypatch, use
 
 def _mixed_tensors(g):
     """Snapshots and new values the batch kernel takes (small, aligned, whole words: 10 of them, in 3
-    dtypes) and ones it leaves to the one-by-one path (unaligned, a ragged tail, one big enough to
-    split over threads). With MIN_WORDS_PER_THREAD = 2048."""
+    dtypes) and ones it leaves to the one-by-one path (unaligned, a ragged tail, and on several
+    threads one larger than a thread's share of the batch). With MIN_WORDS_PER_THREAD = 2048."""
     olds, news = [], []
     spec = [(torch.bfloat16, 4096, 0, 0.05)] * 6 + [
         (torch.float32, 998, 0, 0.05), (torch.bfloat16, 0, 0, 0.05), (torch.float16, 64, 0, 0.9),
@@ -188,7 +188,9 @@ def test_advance_many_equals_one_by_one(monkeypatch, threads):
     real = native.changed_many
     monkeypatch.setattr(native, "changed_many", lambda *a, **k: calls.append(len(a[0])) or real(*a, **k))
     got = BitwiseDiff().advance_many([(f"t{i}", o, n) for i, (o, n) in enumerate(zip(olds, news))])
-    assert calls == [8, 2]  # a 16-bit (bf16 + fp16) and a 32-bit batch; unaligned/ragged/big one by one
+    # a 16-bit (bf16 + fp16) and a 32-bit batch; unaligned and ragged ones one by one, and on several
+    # threads the big one too (64 KiB, more than a thread's share of its batch: split by words)
+    assert calls == ([9, 2] if threads == 1 else [8, 2])
     ref = BitwiseDiff(use_native=False)
     for i, ((patch, old_bits), b, n, o) in enumerate(zip(got, before, news, olds)):
         want = ref.diff(f"t{i}", b, n)
