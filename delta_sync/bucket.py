@@ -37,7 +37,7 @@ import torch
 
 import time
 
-from .digest import checksum_bytes, nonfinite_count, scan_range
+from .digest import checksum_bytes, nonfinite_count, scan_many, scan_range
 from .errors import ChecksumMismatch, PatchValidationError
 from .patch import DTYPES, Patch, dtype_name, first_true
 
@@ -146,23 +146,28 @@ class BucketPacker:
         return (self.direct_min_bytes is not None and take * p.values.element_size() >= self.direct_min_bytes
                 and (self.keep is not None or (p.values.device == device and p.values.is_contiguous())))
 
-    def _scan_dense(self, p: Patch, done: int, take: int, out: torch.Tensor | None) -> str:
-        """Copy ``p``'s values ``[done, done+take)`` into ``out`` (None: only read them) while
-        digesting them and checking them for Inf/NaN (one pass over the source)."""
+    def _scan_dense(self, ranges: list[tuple[dict, Patch, int, int, torch.Tensor | None]]) -> None:
+        """Per ``(entry, patch, done, take, out)``: copy the patch's values ``[done, done+take)``
+        into ``out`` (None: only read them) while digesting them and checking them for Inf/NaN (one
+        pass over the source, all of a bucket's ranges spread over the threads together); the
+        digest goes into the entry. Raises for the first range, in order, that holds Inf/NaN."""
         t0 = time.perf_counter()
-        src = p.values[done:done + take]
-        if out is None:
-            d, bad = scan_range(src, done)
-        elif src.device == out.device:
-            d, bad = scan_range(src, done, copy_to=out)
-        else:  # the wire's device differs from the tensor's: move, then scan there
-            out.copy_(src)
-            d, bad = scan_range(out, done)
+        items = []
+        for _, p, done, take, out in ranges:
+            src = p.values[done:done + take]
+            if out is not None and src.device != out.device:  # the wire's device differs: move, then scan
+                out.copy_(src)
+                items.append((out, done, None))
+            else:
+                items.append((src, done, out))
+        scanned = scan_many(items)
         self.digest_s += time.perf_counter() - t0
-        if bad:
-            where = done + first_true(~torch.isfinite(src))
-            raise PatchValidationError(p.name, f"non-finite value at flat index {where}", index=where, kept=self.kept)
-        return d.hex()
+        for (entry, p, done, take, _), (d, bad) in zip(ranges, scanned):
+            if bad:
+                where = done + first_true(~torch.isfinite(p.values[done:done + take]))
+                raise PatchValidationError(p.name, f"non-finite value at flat index {where}", index=where,
+                                           kept=self.kept)
+            entry["digest"] = d.hex()
 
     def pack(self, patches: Iterable[Patch], close: bool = True) -> Iterator[Bucket]:
         """Yield buckets; with ``close`` the last one has ``header['last'] = True`` (possibly with no
@@ -186,6 +191,7 @@ class BucketPacker:
                 idx, vals = bufs[0], dict(zip(names, bufs[1:]))
             sources: dict[int, torch.Tensor] = {}
             if any(p.dense for _, p, _, _ in parts):  # bulk buckets: one fused pass per range
+                dense = []
                 for i, (entry, p, done, take) in enumerate(parts):
                     out = vals[entry["dtype"]].narrow(0, entry["value_offset"], take)
                     if p.dense and self._direct(p, take, out.device):
@@ -193,13 +199,14 @@ class BucketPacker:
                         # source itself (digested, not copied), or from the copy a snapshot keeps
                         entry["seg"] = True
                         kept_copy = self.keep is not None
-                        entry["digest"] = self._scan_dense(p, done, take, out if kept_copy else None)
+                        dense.append((entry, p, done, take, out if kept_copy else None))
                         sources[i] = out if kept_copy else p.values.narrow(0, done, take)
                     elif p.dense:
-                        entry["digest"] = self._scan_dense(p, done, take, out)
+                        dense.append((entry, p, done, take, out))
                     else:
                         idx.narrow(0, entry["index_offset"], take).copy_(p.indices[done:done + take])
                         out.copy_(p.values[done:done + take])
+                self._scan_dense(dense)
             elif parts:  # a delta's sparse parts: one cat per buffer, not a copy per tensor
                 dev = idx.device
                 torch.cat([p.indices[d:d + t].to(dev) for _, p, d, t in parts], out=idx)

@@ -106,12 +106,13 @@ def _native_range(words: torch.Tensor, word0: int, lanes: int, exp_mask: int, st
 
 
 def _scan_words(words: torch.Tensor, word0: int, lanes: int, exp_mask: int, stride: int,
-                dst: torch.Tensor | None = None) -> tuple[list[int], int]:
+                dst: torch.Tensor | None = None, threads: int | None = None) -> tuple[list[int], int]:
     """Lane sums and non-finite count of int16 ``words`` at word positions ``word0, ...``; with
-    ``dst`` (int16, as many words, same device) the words are copied there in the same pass."""
-    if native.supports_words(words) and (dst is None or (dst.device.type == "cpu" and dst.is_contiguous())):
+    ``dst`` (int16, as many words, same device) the words are copied there in the same pass.
+    Host words are split over up to ``threads`` threads (None: torch's count)."""
+    if _native_ok(words, dst):
         n = words.numel()
-        threads = max(1, min(torch.get_num_threads(), n // _MIN_WORDS_PER_THREAD))
+        threads = max(1, min(threads or torch.get_num_threads(), n // _MIN_WORDS_PER_THREAD))
         if threads == 1:
             return _native_range(words, word0, lanes, exp_mask, stride, dst)
         step = -(-n // threads)
@@ -126,6 +127,10 @@ def _scan_words(words: torch.Tensor, word0: int, lanes: int, exp_mask: int, stri
     sums = lane_sums(words, word0, lanes, exp_mask, stride)
     values = sums.tolist()  # the one host sync of a device digest
     return values[:lanes], values[lanes]
+
+
+def _native_ok(words: torch.Tensor, dst: torch.Tensor | None) -> bool:
+    return native.supports_words(words) and (dst is None or (dst.device.type == "cpu" and dst.is_contiguous()))
 
 
 def lane_sums(words: torch.Tensor, word0: int, lanes: int = len(_LANES), exp_mask: int = 0,
@@ -154,12 +159,14 @@ def lane_sums(words: torch.Tensor, word0: int, lanes: int = len(_LANES), exp_mas
     return torch.cat([acc, bad.view(1)])
 
 
-def scan_range(values: torch.Tensor, start: int = 0, copy_to: torch.Tensor | None = None) -> tuple[Digest, int]:
+def scan_range(values: torch.Tensor, start: int = 0, copy_to: torch.Tensor | None = None,
+               threads: int | None = None) -> tuple[Digest, int]:
     """Digest of ``values`` standing at flat indices ``start, ...`` and its count of Inf/NaN elements.
 
     One pass over the bytes: what a receiver (and the packing sender) runs on every bulk value.
     With ``copy_to`` (a contiguous tensor of as many elements and the same element size) the
-    values are also copied there in that pass: the packer fills a bucket this way."""
+    values are also copied there in that pass: the packer fills a bucket this way. Host values
+    are split over up to ``threads`` threads (None: torch's count)."""
     w = _words_per_element(values)
     mask = _EXP_MASK.get(values.dtype, 0)
     dst = None
@@ -168,8 +175,47 @@ def scan_range(values: torch.Tensor, start: int = 0, copy_to: torch.Tensor | Non
             raise ValueError(f"copy_to holds {copy_to.numel()} x {copy_to.element_size()} B, values "
                              f"{values.numel()} x {values.element_size()} B")
         dst = copy_to.reshape(-1).view(torch.int16)
-    lanes, bad = _scan_words(_words(values), start * w, len(_LANES), mask, w, dst)
+    lanes, bad = _scan_words(_words(values), start * w, len(_LANES), mask, w, dst, threads)
     return Digest(*lanes), bad
+
+
+def scan_many(items: list[tuple[torch.Tensor, int, torch.Tensor | None]]) -> list[tuple[Digest, int]]:
+    """:func:`scan_range` of many ``(values, start, copy_to)`` ranges, in order.
+
+    Host ranges are spread over the threads by whole ranges, each scanned on one thread, instead of
+    each range being split over all of them: a model's hundreds of few-MB tensors would otherwise
+    pay a thread handoff per range and thread (here 1.2 GB in 200 tensors: 0.15 s split one by one,
+    0.09 s as one array). A range larger than a thread's share still splits by words, on its own.
+    Every range is done before an error is raised."""
+    threads = max(1, torch.get_num_threads())
+    sizes = [v.numel() * v.element_size() for v, _, _ in items]
+    whole = [threads > 1 and _native_ok(v, dst) for v, _, dst in items]
+    share = sum(n for n, ok in zip(sizes, whole) if ok) // threads
+    pooled = [i for i, ok in enumerate(whole) if ok and sizes[i] <= share]
+    alone = sorted(set(range(len(items))) - set(pooled))
+    groups: list[list[int]] = [[]]
+    acc = 0
+    for i in pooled:  # contiguous groups of about a thread's share each
+        if acc >= share * len(groups) and len(groups) < threads:
+            groups.append([])
+        groups[-1].append(i)
+        acc += sizes[i]
+    out: list[tuple[Digest, int] | None] = [None] * len(items)
+
+    def run(indices: list[int], threads_each: int | None) -> None:
+        for i in indices:
+            out[i] = scan_range(*items[i], threads=threads_each)
+
+    futures = [native._pool(threads).submit(run, g, 1) for g in groups[1:]]
+    error = None
+    for step in [lambda: run(groups[0], 1), *(f.result for f in futures), lambda: run(alone, None)]:
+        try:
+            step()
+        except BaseException as e:  # every range finishes before the first error leaves
+            error = error or e
+    if error is not None:
+        raise error
+    return out  # type: ignore[return-value]
 
 
 def nonfinite_count(values: torch.Tensor) -> int:

@@ -433,8 +433,7 @@ def apply_dense_range_scanned(view: LoaderView, params: dict[str, torch.Tensor],
         hit = _run_slices(seg, flat_param(params[seg.param]), src, start)
         if hit is not None:
             dst, part, lo = hit
-            in_place = dst.data_ptr() == part.data_ptr()  # received there (dense_range_target)
-            d, b = scan_range(part, lo, copy_to=None if in_place else dst)
+            d, b = scan_range(part, lo, copy_to=dst)
             total, bad = total + d, bad + b
     return total, bad
 

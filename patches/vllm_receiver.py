@@ -42,7 +42,7 @@ from delta_sync import accelerator
 from delta_sync.auth import AuthError, Verifier, load_secret
 from delta_sync.channel import Channel
 from delta_sync.bucket import check_dense_entry
-from delta_sync.digest import digest_tensor, scan_range
+from delta_sync.digest import digest_tensor, scan_many, scan_range
 from delta_sync.errors import DeltaSyncError, EngineClaimed, LayoutNotSupported, NeedsSeed, PatchValidationError
 from delta_sync.patch import DTYPES, Patch, apply_patch
 from delta_sync.transfer import BULK_KINDS, ReceivedUpdate, receive_update
@@ -358,6 +358,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
             dst = dense_range_target(view, params, int(e["start"]), int(e["count"]))
             if dst is not None and dst.dtype == dtype and dst.device == self.channel.device:
                 out[i] = dst
+                e["_placed"] = True  # already written: the applying thread only digests it
         if out:
             self._begin_bulk_write()
             self._bulk.placed += len(out)
@@ -375,8 +376,13 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         entry, p = entries[0] if entries else ({"start": 0}, None)
         try:
             self._probe([(p.name, p.shape, p.dtype) for _, p in entries])
+            placed: list[tuple[dict, Patch]] = []
             for entry, p in entries:
-                self._write_bulk_range(entry, p)
+                self._write_bulk_range(entry, p, placed)
+            # ranges received in place: their digests, spread over the threads together
+            scans = scan_many([(p.values, int(entry["start"]), None) for entry, p in placed])
+            for (entry, p), scanned in zip(placed, scans):
+                check_dense_entry(entry, *scanned, p.values, "needs_seed")
         except DeltaSyncError:
             raise
         except Exception as e:
@@ -400,7 +406,9 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         for name, why in unsupported.items():
             log.warning("delta-sync: %s has no loader view (%s); it uses vLLM's loader", name, why)
 
-    def _write_bulk_range(self, entry: dict, p: Patch) -> None:
+    def _write_bulk_range(self, entry: dict, p: Patch, placed: list[tuple[dict, Patch]]) -> None:
+        """Check one range and write it through its view (digested in that pass or before it); a
+        range received in place joins ``placed``, whose digests the caller checks together."""
         state = self._bulk
         known = self.shapes.get(p.name)
         if known is not None and known != (p.shape, p.dtype):
@@ -416,6 +424,9 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         start = int(entry["start"])
         state.advance(p.name, start, p.count, p.numel)
         self.shapes[p.name] = (p.shape, p.dtype)
+        if entry.get("_placed"):
+            placed.append((entry, p))
+            return
         with torch.no_grad():
             scanned = apply_dense_range_scanned(view, params, p.values, start) \
                 if view is not None and self._whole() else None

@@ -465,3 +465,33 @@ def test_nonfinite_count_host_kernel_and_device_formula_agree(dtype, monkeypatch
     assert dg.nonfinite_count(v) == want
     monkeypatch.setattr(dg.native, "supports_words", lambda t: False)
     assert dg.nonfinite_count(v) == want and dg.nonfinite_count(v[:0]) == 0
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_scan_many_equals_scan_range_per_range(monkeypatch, threads):
+    """Ranges digested together (spread over threads by whole ranges; one larger than a thread's
+    share split by words on its own) give each range's own digest, count and copy; a bad range
+    raises only after the others are done."""
+    import delta_sync.digest as dg
+    monkeypatch.setattr(dg, "_MIN_WORDS_PER_THREAD", 1 << 10)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    g = torch.Generator().manual_seed(threads)
+    sizes = [5, 4096, 300, 70_000, 1, 9000, 12_345]  # 70_000: more than a third of the total
+    items = []
+    for k, n in enumerate(sizes):
+        x = torch.randn(n, generator=g).to(torch.bfloat16 if k % 3 else torch.float32)
+        if n > 100:
+            x[n // 2] = float("nan")
+        items.append((x, 11 * k, torch.zeros_like(x) if k % 2 else None))
+    want = [dg.scan_range(v, s) for v, s, _ in items]
+    assert dg.scan_many(items) == want and all(w[1] == (1 if v.numel() > 100 else 0) for w, (v, _, _) in zip(want, items))
+    for v, _, out in items:
+        if out is not None:
+            assert torch.equal(int_view(out), int_view(v))  # bit for bit, NaN included
+    bad = list(items) + [(torch.zeros(4, dtype=torch.bfloat16), 0, torch.zeros(3, dtype=torch.bfloat16))]
+    for _, _, out in items:
+        if out is not None:
+            out.zero_()
+    with pytest.raises(ValueError, match="copy_to holds 3"):
+        dg.scan_many(bad)
+    assert all(torch.equal(int_view(out), int_view(v)) for v, _, out in items if out is not None)  # others done
