@@ -263,7 +263,7 @@ def receive_stream(channel: Channel, kept: str | None = None, check_bulk: bool =
     ``check_bulk`` the dense entries of seed/full buckets are yielded with their digests unchecked
     (the consumer checks them, see :func:`receive_update`). Without ``streamed``, bulk buckets get
     buffers of their own, as delta buckets do (the consumer keeps them all). ``place``: see
-:meth:`Channel.recv_bucket` (streamed bulk buckets only).
+    :meth:`Channel.recv_bucket` (streamed bulk buckets only).
 
     A bad bucket raises after the rest of the version was drained, so the channel stays in step
     with the sender. Raises :class:`UpdateAborted` for an aborted update."""
