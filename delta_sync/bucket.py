@@ -56,13 +56,6 @@ class Bucket:
     #: ``values`` (the sender's source; the receiver's direct destination)
     sources: dict[int, torch.Tensor] = field(default_factory=dict)
 
-    def entry_values(self, i: int) -> torch.Tensor:
-        """The values of entry ``i``, wherever they are held."""
-        if i in self.sources:
-            return self.sources[i]
-        e = self.header["entries"][i]
-        return self.values[e["dtype"]].narrow(0, int(e["value_offset"]), int(e["count"]))
-
     def wire_parts(self, dname: str) -> list[torch.Tensor]:
         """What travels for the ``dname`` value buffer, in order: the whole buffer, or its packed
         runs and ``seg`` entries one broadcast each (see :func:`value_segments`)."""

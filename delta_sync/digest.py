@@ -117,10 +117,11 @@ def _scan_words(words: torch.Tensor, word0: int, lanes: int, exp_mask: int, stri
             return _native_range(words, word0, lanes, exp_mask, stride, dst)
         step = -(-n // threads)
         step += (-step) % max(stride, 1)  # every part starts on an element boundary
-        futs = [native._pool(threads).submit(_native_range, words[s:s + step], word0 + s, lanes, exp_mask, stride,
-                                             None if dst is None else dst[s:s + step])
-                for s in range(0, n, step)]
-        parts = [f.result() for f in futs]
+        parts, error = native.run_spread([
+            functools.partial(_native_range, words[s:s + step], word0 + s, lanes, exp_mask, stride,
+                              None if dst is None else dst[s:s + step]) for s in range(0, n, step)])
+        if error is not None:
+            raise error
         return [sum(x[0][lane] for x in parts) % _LANES[lane][0] for lane in range(lanes)], sum(x[1] for x in parts)
     if dst is not None:
         dst.copy_(words)
@@ -193,26 +194,18 @@ def scan_many(items: list[tuple[torch.Tensor, int, torch.Tensor | None]]) -> lis
     share = sum(n for n, ok in zip(sizes, whole) if ok) // threads
     pooled = [i for i, ok in enumerate(whole) if ok and sizes[i] <= share]
     alone = sorted(set(range(len(items))) - set(pooled))
-    groups: list[list[int]] = [[]]
-    acc = 0
-    for i in pooled:  # contiguous groups of about a thread's share each
-        if acc >= share * len(groups) and len(groups) < threads:
-            groups.append([])
-        groups[-1].append(i)
-        acc += sizes[i]
     out: list[tuple[Digest, int] | None] = [None] * len(items)
 
     def run(indices: list[int], threads_each: int | None) -> None:
         for i in indices:
             out[i] = scan_range(*items[i], threads=threads_each)
 
-    futures = [native._pool(threads).submit(run, g, 1) for g in groups[1:]]
-    error = None
-    for step in [lambda: run(groups[0], 1), *(f.result for f in futures), lambda: run(alone, None)]:
-        try:
-            step()
-        except BaseException as e:  # every range finishes before the first error leaves
-            error = error or e
+    groups = [pooled[lo:hi] for lo, hi in native.contiguous_groups([sizes[i] for i in pooled], threads)]
+    _, error = native.run_spread([functools.partial(run, g, 1) for g in groups])  # every range finishes first
+    try:
+        run(alone, None)
+    except BaseException as e:
+        error = error or e
     if error is not None:
         raise error
     return out  # type: ignore[return-value]

@@ -111,6 +111,34 @@ def _pool(workers: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(workers, thread_name_prefix="delta_sync-diff")
 
 
+def run_spread(calls: list) -> tuple[list, BaseException | None]:
+    """Run the zero-argument ``calls`` at once: the first on the calling thread, the others on the
+    pool. Every call finishes before this returns (so none still writes when an error leaves):
+    their results in order (None where one raised) and the first error, or None."""
+    futures = [_pool(len(calls)).submit(c) for c in calls[1:]]
+    results: list = [None] * len(calls)
+    error = None
+    for k, step in enumerate([*calls[:1], *(f.result for f in futures)]):
+        try:
+            results[k] = step()
+        except BaseException as e:
+            error = error or e
+    return results, error
+
+
+def contiguous_groups(sizes: list[int], parts: int) -> list[tuple[int, int]]:
+    """Split ``range(len(sizes))`` into at most ``parts`` non-empty ``(lo, hi)`` ranges, in order,
+    of about equal total size: how whole tensors are shared out between threads."""
+    n = len(sizes)
+    bounds, acc, share = [0], 0, -(-sum(sizes) // max(1, parts))
+    for i, size in enumerate(sizes):
+        acc += size
+        if acc >= share * len(bounds) and len(bounds) < parts and i + 1 < n:
+            bounds.append(i + 1)
+    bounds.append(n)
+    return [(lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
+
+
 def supports_words(t: torch.Tensor) -> bool:
     """Host tensor whose bytes the word kernels (digest) can read."""
     return t.device.type == "cpu" and kernel() is not None
@@ -164,14 +192,9 @@ def changed_words(old64: torch.Tensor, new64: torch.Tensor, lanes: int, absorb: 
         parts = _scan(fn, width, old64, new64, 0, nwords, lanes, absorb)
     else:
         step = -(-nwords // threads)
-        futures = [_pool(threads).submit(_scan, fn, width, old64, new64, s, min(s + step, nwords),
-                                         lanes, absorb) for s in range(0, nwords, step)]
-        parts, error = [], None
-        for f in futures:  # every range finishes (or restores itself) before an error leaves
-            try:
-                parts.extend(f.result())
-            except BaseException as e:
-                error = error or e
+        results, error = run_spread([functools.partial(_scan, fn, width, old64, new64, s, min(s + step, nwords),
+                                                       lanes, absorb) for s in range(0, nwords, step)])
+        parts = [piece for res in results if res for piece in res]  # each failed range restored itself
         if error is not None:
             if absorb:  # the ranges that did advance go back too: old64 is as it was
                 for piece in parts:
@@ -195,23 +218,11 @@ def changed_many(olds: list[torch.Tensor], news: list[torch.Tensor], lanes: int,
         return []
     words = [t.numel() // lanes for t in olds]
     threads = max(1, min(torch.get_num_threads(), n, sum(words) // MIN_WORDS_PER_THREAD))
-    bounds, acc, share = [0], 0, -(-sum(words) // threads)
-    for i, w in enumerate(words):  # contiguous groups of about ``share`` words
-        acc += w
-        if acc >= share * len(bounds) and len(bounds) < threads and i + 1 < n:
-            bounds.append(i + 1)
-    bounds.append(n)
-    groups = [(lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
+    groups = contiguous_groups(words, threads)
     run = functools.partial(_scan_many, getattr(kernel(), f"diff_many_{width}"), width, olds, news, lanes,
                             absorb)
-    futures = [_pool(len(groups)).submit(run, lo, hi) for lo, hi in groups[1:]]
-    results: list[list | None] = [None] * len(groups)
-    error = None
-    for g, fut in enumerate([None, *futures]):  # every group finishes (or restores itself) first
-        try:
-            results[g] = run(*groups[0]) if fut is None else fut.result()
-        except BaseException as e:
-            error = error or e
+    # every group finishes (or restores itself) before an error leaves
+    results, error = run_spread([functools.partial(run, lo, hi) for lo, hi in groups])
     if error is not None:
         if absorb:  # the groups that did advance go back too
             for (lo, _), res in zip(groups, results):
