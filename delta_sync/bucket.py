@@ -37,7 +37,7 @@ import torch
 
 import time
 
-from .digest import checksum_bytes, nonfinite_count, scan_many, scan_range
+from .digest import checksum_bytes, nonfinite_count, scan_many
 from .errors import ChecksumMismatch, PatchValidationError
 from .patch import DTYPES, Patch, dtype_name, first_true
 
@@ -364,15 +364,16 @@ def entry_patches(bucket: Bucket, kept: str | None = None, check_dense: bool = T
             if not isinstance(e.get("digest"), str):
                 raise PatchValidationError(name, "dense entry without a digest", kept=kept)
             e["_where"] = f"bucket {h['seq']} of version {h['version']}"  # for a later check's message
-            if check_dense:
-                got, bad = scan_range(vals, start)
-                check_dense_entry(e, got, bad, vals, kept)
             p = Patch(name, shape, DTYPES[e["dtype"]], None, vals)
         out.append((e, p))
     if used_idx != bucket.indices.numel() or any(used[k] != v.numel() for k, v in bucket.values.items()):
         raise PatchValidationError("<bucket>", f"bucket {h['seq']}: entries cover {used_idx} of "
                                    f"{bucket.indices.numel()} indices and {used} of the value buffers "
                                    f"{ {k: v.numel() for k, v in bucket.values.items()} }", kept=kept)
+    if check_dense:  # the bucket's dense ranges digested together (one device sync), checked in order
+        dense = [(e, p) for e, p in out if p.indices is None]
+        for (e, p), (got, bad) in zip(dense, scan_many([(p.values, int(e["start"]), None) for e, p in dense])):
+            check_dense_entry(e, got, bad, p.values, kept)
     check_sparse_entries(h["entries"], bucket.indices, bucket.values, kept)
     return out
 

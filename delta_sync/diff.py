@@ -24,6 +24,8 @@ C compiler is present; the torch-op path is the portable reference and the fallb
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from . import native
@@ -83,6 +85,7 @@ class BitwiseDiff:
         the error is raised."""
         out: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = [None] * len(pairs)
         batch: dict[int, list[int]] = {}  # element width -> pairs scanned together
+        flat: dict[tuple, list[int]] = {}  # (width, device) -> torch-path pairs scanned together
         whole = [self._batchable(old, new) for old, new in pairs]
         # a batch is split over the threads by whole tensors: one larger than a thread's share of
         # it is split by words instead, on its own (else one thread would scan it while the rest wait)
@@ -92,8 +95,14 @@ class BitwiseDiff:
             for i, (old, new) in enumerate(pairs):
                 if whole[i] and old.numel() * old.element_size() <= big:
                     batch.setdefault(old.element_size(), []).append(i)
+                elif not whole[i] and self._flat(old, new):
+                    flat.setdefault((old.element_size(), old.device), []).append(i)
                 else:
                     out[i] = self.absorb(old, new)
+            for members in flat.values():
+                for lo, hi in native.capped_groups([pairs[i][0].numel() * pairs[i][0].element_size() // 8
+                                                    for i in members], self.chunk_words):
+                    self._absorb_flat(pairs, members[lo:hi], out)
             for width, members in batch.items():
                 found = native.changed_many([pairs[i][0] for i in members], [pairs[i][1] for i in members],
                                             8 // width, absorb=True)
@@ -113,6 +122,65 @@ class BitwiseDiff:
             return False
         lanes = 8 // snap.element_size()
         return snap.numel() % lanes == 0 and snap.data_ptr() % 8 == 0 and new.data_ptr() % 8 == 0
+
+    def _flat(self, snap: torch.Tensor, new: torch.Tensor) -> bool:
+        """A torch-path pair (device tensors) that :meth:`_absorb_flat` can scan with others: whole
+        64-bit words, at most one chunk."""
+        if not (snap.shape == new.shape and snap.dtype == new.dtype and snap.device == new.device
+                and snap.is_contiguous() and new.is_contiguous() and snap.element_size() in _INT_VIEW):
+            return False
+        lanes = 8 // snap.element_size()
+        return (snap.numel() % lanes == 0 and word_aligned(snap.view(-1)) and word_aligned(new.view(-1))
+                and snap.numel() // lanes <= self.chunk_words)
+
+    def _absorb_flat(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], members: list[int],
+                     out: list) -> None:
+        """:meth:`absorb` of ``pairs[i]`` for ``i`` in ``members`` (same width and device, at most
+        ``chunk_words`` words together) as one scan: on a device every ``nonzero`` and ``tolist``
+        waits for the device, and a model's hundreds of tensors would each pay the three syncs of
+        the chunked scan. Here the whole batch pays five (two levels of ``nonzero``, the changed
+        words per tensor, the changed lanes, the cut per tensor) and each tensor one kernel
+        launch (the snapshot's advance). ``out[i]`` is set as each snapshot advances (the caller's
+        rollback reads it)."""
+        old0 = pairs[members[0]][0]
+        dev, width = old0.device, old0.element_size()
+        lanes, lane_dtype = 8 // width, _INT_VIEW[width]
+        shift = lanes.bit_length() - 1
+        o64 = [int_view(pairs[i][0]).view(torch.int64) for i in members]
+        n64 = [int_view(pairs[i][1]).view(torch.int64) for i in members]
+        offs = [0]
+        for w in o64:
+            offs.append(offs[-1] + w.numel())
+        total = offs[-1]
+        # both sides gathered into one buffer each: two copies of the batch cost less on a device
+        # than a compare and two gathers per tensor (launches, not bytes, bound small tensors there)
+        old_all, new_all = torch.cat(o64), torch.cat(n64)
+        mask = self._scratch(-(-total // 8) * 8, dev)
+        if mask.numel() > total:
+            mask.narrow(0, total, mask.numel() - total).zero_()
+        torch.ne(old_all, new_all, out=mask.narrow(0, 0, total))
+        flags = mask.view(torch.int64)  # level 1: 8 word-flags per int64
+        hot = flags.nonzero().squeeze(1)
+        sub = flags.take(hot).view(torch.bool).nonzero().squeeze(1)
+        words = hot.take(sub >> 3) * 8 + (sub & 7)  # changed words, batch positions, increasing
+        starts = torch.tensor(offs[:-1], dtype=torch.int64, device=dev)
+        member = torch.searchsorted(starts, words, right=True) - 1
+        counts = torch.bincount(member, minlength=len(members)).tolist()
+        local = words - starts.take(member)
+        new_w, old_w = new_all.take(words), old_all.take(words)
+        del old_all, new_all
+        hit = torch.bitwise_xor(old_w, new_w).view(lane_dtype).nonzero().squeeze(1)  # level 2: lanes
+        hit_word = hit >> shift
+        elem = (local.take(hit_word) * lanes + (hit & (lanes - 1))).to(torch.int32)
+        new_v, old_v = new_w.view(lane_dtype).take(hit), old_w.view(lane_dtype).take(hit)
+        ends = list(itertools.accumulate(counts))
+        cuts = torch.searchsorted(hit_word, torch.tensor(ends, dtype=torch.int64, device=dev)).tolist()
+        lo = at = 0
+        for k, (i, hi) in enumerate(zip(members, cuts)):
+            if counts[k]:
+                o64[k].index_copy_(0, local.narrow(0, at, counts[k]), new_w.narrow(0, at, counts[k]))
+            out[i] = (elem.narrow(0, lo, hi - lo), new_v.narrow(0, lo, hi - lo), old_v.narrow(0, lo, hi - lo))
+            lo, at = hi, at + counts[k]
 
     @staticmethod
     def _check(name: str, old: torch.Tensor, new: torch.Tensor, absorb: bool) -> None:

@@ -34,22 +34,19 @@ from . import native
 _LANES = ((32749, 7919, 101), (32719, 20011, 7), (32717, 12347, 3571), (32713, 28657, 1597))
 #: each lane's modulus (lane sums from several parts add up modulo these)
 PRIMES = tuple(p for p, _, _ in _LANES)
-#: words digested per step: bounds temporaries to a few MiB whatever the tensor size.
+#: elements per step of :func:`element_sums`: bounds its temporaries to a few MiB.
 CHUNK = 1 << 18
+#: words per row of the device formula: a word's offset in its row times the word stays below
+#: ``2**15 * 2**15``, so the products fit int32 (no int64 temporaries).
+ROW = 1 << 15
+#: words per step of the device formula (64 MiB of int32 temporaries per pass; rows of a step are
+#: folded with a handful of small ops, so a model of hundreds of tensors is a few hundred steps).
+DEVICE_CHUNK_WORDS = 1 << 24
 #: words per thread below which a range is digested on the calling thread.
 _MIN_WORDS_PER_THREAD = 1 << 20
 #: exponent bits that mark Inf/NaN in the word holding them, per element width.
 _EXP_MASK = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00, torch.float32: 0x7F80}
-_tables: dict[torch.device, torch.Tensor] = {}
-
-
-def _weight_table(device: torch.device) -> torch.Tensor:
-    """int32 (lanes, CHUNK): (a*j + c) mod P; the weights of a range starting at s are these + a*s."""
-    if device not in _tables:
-        j = torch.arange(CHUNK, dtype=torch.int64)
-        rows = [(j * a + c) % p for p, a, c in _LANES]
-        _tables[device] = torch.stack(rows).to(torch.int32).to(device)
-    return _tables[device]
+_consts_cache: dict[tuple, "_Consts"] = {}
 
 
 @functools.cache
@@ -139,25 +136,100 @@ def lane_sums(words: torch.Tensor, word0: int, lanes: int = len(_LANES), exp_mas
     """int64 ``[lane residues..., non-finite count]`` of int16 ``words`` on their own device.
 
     Torch ops only, no host round trip: what device tensors run (and what the fake-device tests
-    check for host/device mixing)."""
-    table = _weight_table(words.device).narrow(0, 0, lanes)
-    primes = torch.tensor([p for p, _, _ in _LANES[:lanes]], dtype=torch.int64, device=words.device)
-    mults = torch.tensor([a for _, a, _ in _LANES[:lanes]], dtype=torch.int64, device=words.device)
-    acc = torch.zeros(lanes, dtype=torch.int64, device=words.device)
-    bad = torch.zeros((), dtype=torch.int64, device=words.device)
-    total_words = words.numel()
-    for e in range(0, total_words, CHUNK):  # CHUNK words at a time: bounded temporaries
-        n = min(CHUNK, total_words - e)
-        part = words.narrow(0, e, n).to(torch.int32)  # narrow, not [a:b]: indexing syncs with the device
-        total = part.sum(dtype=torch.int64)
-        weighted = (part.unsqueeze(0) * table.narrow(1, 0, n)).sum(dim=1, dtype=torch.int64)
-        # sum_j s_j*((a*(k0+j)+c) mod P) == sum_j s_j*W_j + (a*k0 mod P)*sum_j s_j   (mod P)
-        offset = (mults * ((word0 + e) % primes)) % primes
-        acc = (acc + weighted % primes + (total % primes) * offset) % primes
+    check for host/device mixing). A lane is ``a*S1 + c*S0 mod P`` (module docstring). The words
+    are cut in rows of :data:`ROW` (:func:`_fold_rows`), a chunk of :data:`DEVICE_CHUNK_WORDS`
+    at a time: about fifteen kernel launches per chunk, whatever its size."""
+    k = _consts(words.device, lanes)
+    s0 = s1 = bad = None
+    total = words.numel()
+    for e in range(0, total, DEVICE_CHUNK_WORDS):
+        n = min(DEVICE_CHUNK_WORDS, total - e)
+        part = words.narrow(0, e, n)  # narrow, not [a:b]: indexing syncs with the device
+        rows = -(-n // ROW)
+        x = part.to(torch.int32)
+        if n % ROW:  # a short last row, zero-padded (only a tensor's or a range's end)
+            x = torch.cat([x, x.new_zeros(rows * ROW - n)])
+        c0, c1 = _fold_rows(k, x.view(rows, ROW), k.row_starts.narrow(0, 0, rows) + (word0 + e))
+        s0, s1 = (c0, c1) if s0 is None else (s0 + c0, s1 + c1)
         if exp_mask:
             high = part if stride == 1 else part.view(-1, stride).select(1, stride - 1)
-            bad = bad + ((high & exp_mask) == exp_mask).sum()
-    return torch.cat([acc, bad.view(1)])
+            hits = ((high & exp_mask) == exp_mask).sum()
+            bad = hits if bad is None else bad + hits
+    if s0 is None:
+        s0 = s1 = torch.zeros(lanes, 1, dtype=torch.int64, device=words.device)
+    if bad is None:
+        bad = torch.zeros((), dtype=torch.int64, device=words.device)
+    return torch.cat([((k.a * s1 + k.c * s0) % k.p).squeeze(1), bad.view(1)])
+
+
+class _Consts:
+    """Per device and lane count: the lanes' (P, a, c) as (lanes, 1) columns, the row offsets
+    ``0..ROW-1`` (int32) and each row's first word ``r * ROW`` (int64), made once."""
+
+    def __init__(self, device: torch.device, lanes: int):
+        def col(k):
+            return torch.tensor([lane[k] for lane in _LANES[:lanes]], dtype=torch.int64).view(-1, 1).to(device)
+        self.p, self.a, self.c = col(0), col(1), col(2)
+        self.j = torch.arange(ROW, dtype=torch.int32, device=device)
+        self.row_starts = torch.arange(0, DEVICE_CHUNK_WORDS + ROW, ROW, dtype=torch.int64, device=device)
+
+
+def _consts(device: torch.device, lanes: int) -> _Consts:
+    key = (device, lanes, ROW, DEVICE_CHUNK_WORDS)
+    if key not in _consts_cache:
+        _consts_cache[key] = _Consts(device, lanes)
+    return _consts_cache[key]
+
+
+def _fold_rows(k: _Consts, x: torch.Tensor, first: torch.Tensor, owner: torch.Tensor | None = None,
+               items: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(S0, S1) mod P``, (lanes, items) int64, of int32 rows ``x`` (rows, width <= ROW) whose
+    first words stand at positions ``first`` (int64, per row) and belong to item ``owner`` (per
+    row; None: all to one). Per row ``S0_r = sum s_j`` and ``T_r = sum j*s_j`` (int32 products
+    below ``2**30``, int64 sums); then ``S1 = sum_r first_r*S0_r + T_r``, folded modulo each prime."""
+    r0 = x.sum(dim=1, dtype=torch.int64)
+    t = (x * k.j.narrow(0, 0, x.shape[1])).sum(dim=1, dtype=torch.int64)
+    r0p = r0.unsqueeze(0) % k.p  # (lanes, rows), each < 2**15
+    c1 = (first.unsqueeze(0) % k.p) * r0p + t.unsqueeze(0) % k.p  # < 2**31: rows sum in int64
+    if owner is None:
+        return r0p.sum(dim=1, keepdim=True) % k.p, c1.sum(dim=1, keepdim=True) % k.p
+    s0 = torch.zeros(r0p.shape[0], items, dtype=torch.int64, device=x.device).index_add_(1, owner, r0p)
+    s1 = torch.zeros_like(s0).index_add_(1, owner, c1)
+    return s0 % k.p, s1 % k.p
+
+
+#: words per row when many small ranges are digested together (each padded to whole rows)
+SMALL_ROW = 256
+#: ranges of at most this many words are digested together on a device (:func:`_lane_sums_many`)
+DEVICE_SMALL_WORDS = 1 << 20
+
+
+def _lane_sums_many(parts: list[tuple[torch.Tensor, int]], lanes: int, exp_mask: int, stride: int
+                    ) -> torch.Tensor:
+    """:func:`lane_sums` of many small ``(words, word0)`` ranges on one device, (ranges, lanes+1):
+    each range is copied into whole rows of :data:`SMALL_ROW` words of one buffer, and the buffer
+    is folded at once. A few launches per range (its copy) and ~20 per batch, instead of ~20 per
+    range; the rows' positions and owners cross from the host in one copy."""
+    dev = parts[0][0].device
+    k = _consts(dev, lanes)
+    rows = [-(-w.numel() // SMALL_ROW) for w, _ in parts]
+    total = sum(rows)
+    buf = torch.zeros(total * SMALL_ROW, dtype=torch.int16, device=dev)
+    meta = torch.empty(2, total, dtype=torch.int64)  # host: first word position, owner
+    at = 0
+    for i, ((w, word0), r) in enumerate(zip(parts, rows)):
+        buf.narrow(0, at * SMALL_ROW, w.numel()).copy_(w)
+        meta[0, at:at + r] = torch.arange(r, dtype=torch.int64) * SMALL_ROW + word0
+        meta[1, at:at + r] = i
+        at += r
+    first, owner = meta.to(dev).unbind(0)
+    words = buf.view(total, SMALL_ROW)
+    s0, s1 = _fold_rows(k, words.to(torch.int32), first, owner, len(parts))
+    bad = torch.zeros(len(parts), dtype=torch.int64, device=dev)
+    if exp_mask:
+        high = words if stride == 1 else words.view(total, -1, stride).select(2, stride - 1)
+        bad.index_add_(0, owner, ((high & exp_mask) == exp_mask).sum(dim=1))
+    return torch.cat([((k.a * s1 + k.c * s0) % k.p).t(), bad.unsqueeze(1)], dim=1)
 
 
 def scan_range(values: torch.Tensor, start: int = 0, copy_to: torch.Tensor | None = None,
@@ -169,15 +241,19 @@ def scan_range(values: torch.Tensor, start: int = 0, copy_to: torch.Tensor | Non
     values are also copied there in that pass: the packer fills a bucket this way. Host values
     are split over up to ``threads`` threads (None: torch's count)."""
     w = _words_per_element(values)
-    mask = _EXP_MASK.get(values.dtype, 0)
-    dst = None
-    if copy_to is not None:
-        if copy_to.numel() != values.numel() or copy_to.element_size() != values.element_size():
-            raise ValueError(f"copy_to holds {copy_to.numel()} x {copy_to.element_size()} B, values "
-                             f"{values.numel()} x {values.element_size()} B")
-        dst = copy_to.reshape(-1).view(torch.int16)
-    lanes, bad = _scan_words(_words(values), start * w, len(_LANES), mask, w, dst, threads)
+    lanes, bad = _scan_words(_words(values), start * w, len(_LANES), _EXP_MASK.get(values.dtype, 0), w,
+                             _copy_target(values, copy_to), threads)
     return Digest(*lanes), bad
+
+
+def _copy_target(values: torch.Tensor, copy_to: torch.Tensor | None) -> torch.Tensor | None:
+    """``copy_to`` as int16 words, checked against ``values``."""
+    if copy_to is None:
+        return None
+    if copy_to.numel() != values.numel() or copy_to.element_size() != values.element_size():
+        raise ValueError(f"copy_to holds {copy_to.numel()} x {copy_to.element_size()} B, values "
+                         f"{values.numel()} x {values.element_size()} B")
+    return copy_to.reshape(-1).view(torch.int16)
 
 
 def scan_many(items: list[tuple[torch.Tensor, int, torch.Tensor | None]]) -> list[tuple[Digest, int]]:
@@ -187,13 +263,14 @@ def scan_many(items: list[tuple[torch.Tensor, int, torch.Tensor | None]]) -> lis
     each range being split over all of them: a model's hundreds of few-MB tensors would otherwise
     pay a thread handoff per range and thread (here 1.2 GB in 200 tensors: 0.15 s split one by one,
     0.09 s as one array). A range larger than a thread's share still splits by words, on its own.
+    Device ranges are digested without a host round trip each (:func:`_scan_device`): one for all.
     Every range is done before an error is raised."""
     threads = max(1, torch.get_num_threads())
     sizes = [v.numel() * v.element_size() for v, _, _ in items]
-    whole = [threads > 1 and _native_ok(v, dst) for v, _, dst in items]
-    share = sum(n for n, ok in zip(sizes, whole) if ok) // threads
-    pooled = [i for i, ok in enumerate(whole) if ok and sizes[i] <= share]
-    alone = sorted(set(range(len(items))) - set(pooled))
+    host = [_native_ok(v, dst) for v, _, dst in items]
+    share = sum(n for n, ok in zip(sizes, host) if ok) // threads
+    pooled = [i for i, ok in enumerate(host) if ok and threads > 1 and sizes[i] <= share]
+    alone = sorted(set(i for i, ok in enumerate(host) if ok) - set(pooled))
     out: list[tuple[Digest, int] | None] = [None] * len(items)
 
     def run(indices: list[int], threads_each: int | None) -> None:
@@ -204,11 +281,45 @@ def scan_many(items: list[tuple[torch.Tensor, int, torch.Tensor | None]]) -> lis
     _, error = native.run_spread([functools.partial(run, g, 1) for g in groups])  # every range finishes first
     try:
         run(alone, None)
+        _scan_device(items, [i for i, ok in enumerate(host) if not ok], out)
     except BaseException as e:
         error = error or e
     if error is not None:
         raise error
     return out  # type: ignore[return-value]
+
+
+def _scan_device(items: list[tuple[torch.Tensor, int, torch.Tensor | None]], indices: list[int],
+                 out: list) -> None:
+    """:func:`scan_range` of the torch-path ranges ``items[i]``, ``i`` in ``indices``, into ``out[i]``.
+
+    On a device each ``scan_range`` ends in a host round trip (~20 launches and a sync per range:
+    a model's hundreds of tensors would pay it hundreds of times). Here ranges of up to
+    :data:`DEVICE_SMALL_WORDS` words are folded together (:func:`_lane_sums_many`), larger ones
+    one by one, and every result crosses to the host in one copy per device."""
+    sums: dict[int, torch.Tensor] = {}
+    small: dict[tuple, list[tuple[int, torch.Tensor, int]]] = {}
+    for i in indices:
+        values, start, copy_to = items[i]
+        w, mask = _words_per_element(values), _EXP_MASK.get(values.dtype, 0)
+        words, dst = _words(values), _copy_target(values, copy_to)
+        if dst is not None:
+            dst.copy_(words)
+        if words.numel() <= DEVICE_SMALL_WORDS:
+            small.setdefault((words.device, mask, w), []).append((i, words, start * w))
+        else:
+            sums[i] = lane_sums(words, start * w, len(_LANES), mask, w)
+    for (_, mask, w), members in small.items():
+        for lo, hi in native.capped_groups([m[1].numel() for m in members], DEVICE_CHUNK_WORDS):
+            part = members[lo:hi]
+            rows = _lane_sums_many([(words, word0) for _, words, word0 in part], len(_LANES), mask, w)
+            sums.update((i, row) for (i, _, _), row in zip(part, rows.unbind(0)))
+    by_device: dict[torch.device, list[int]] = {}
+    for i in sums:
+        by_device.setdefault(sums[i].device, []).append(i)
+    for members in by_device.values():
+        for i, row in zip(members, torch.stack([sums[i] for i in members]).tolist()):  # the one sync
+            out[i] = (Digest(*row[:len(_LANES)]), row[len(_LANES)])
 
 
 def nonfinite_count(values: torch.Tensor) -> int:

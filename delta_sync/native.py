@@ -139,6 +139,20 @@ def contiguous_groups(sizes: list[int], parts: int) -> list[tuple[int, int]]:
     return [(lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
 
 
+def capped_groups(sizes: list[int], limit: int) -> list[tuple[int, int]]:
+    """Split ``range(len(sizes))`` into ``(lo, hi)`` ranges, in order, each summing to at most
+    ``limit`` (or holding one larger item): how a batch is cut to bound its temporaries."""
+    runs, lo, acc = [], 0, 0
+    for i, size in enumerate(sizes):
+        if i > lo and acc + size > limit:
+            runs.append((lo, i))
+            lo, acc = i, 0
+        acc += size
+    if lo < len(sizes):
+        runs.append((lo, len(sizes)))
+    return runs
+
+
 def supports_words(t: torch.Tensor) -> bool:
     """Host tensor whose bytes the word kernels (digest) can read."""
     return t.device.type == "cpu" and kernel() is not None

@@ -202,6 +202,56 @@ def test_advance_many_equals_one_by_one(monkeypatch, threads):
         assert torch.equal(int_view(o), int_view(b))
 
 
+class _CountNonzero(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts ``nonzero`` calls: each one waits for the device there (its output size is data)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func is torch.ops.aten.nonzero.default
+        return func(*args, **(kwargs or {}))
+
+
+def test_device_path_diffs_many_tensors_in_one_scan():
+    """The torch-op path (what device tensors take) diffs a batch of small tensors in one scan: the
+    same patches as one by one, snapshots advanced and restorable, and a few device syncs for the
+    whole batch (3 nonzero) instead of ~3 per tensor; ragged, unaligned and over-chunk tensors go
+    one by one."""
+    g = torch.Generator().manual_seed(11)
+    olds, news = _mixed_tensors(g)
+    for k in range(40):  # a model's many small tensors; every other one unchanged
+        base = torch.randn(256, generator=g).to(torch.bfloat16)
+        new = base.clone()
+        if k % 2:
+            new[torch.rand(256, generator=g) < 0.1] += 1
+        olds.append(base), news.append(new)
+    before = [o.clone() for o in olds]
+    lanes = [8 // o.element_size() for o in olds]
+    alone = [i for i, (o, k) in enumerate(zip(olds, lanes)) if o.numel() % k or o.storage_offset() % k
+             or o.numel() > k * 4096]
+    assert len(alone) == 3  # the unaligned, the ragged and the one over the chunk
+    with _CountNonzero() as one_by_one:
+        for i in alone:
+            BitwiseDiff(use_native=False, chunk_words=4096).changed(before[i], news[i])
+    differ = BitwiseDiff(use_native=False, chunk_words=4096)
+    with _CountNonzero() as batched:
+        got = differ.advance_many([(f"t{i}", o, n) for i, (o, n) in enumerate(zip(olds, news))])
+    # 16-bit tensors: 6 x 4096 + 64 + 40 x 256 elements = 8 720 words, in three scans of <= 4096
+    # words; one more for the 32-bit pair; 3 nonzero each (one by one: 137)
+    assert batched.calls <= 3 * 4 + one_by_one.calls, (batched.calls, one_by_one.calls)
+    ref = BitwiseDiff(use_native=False)
+    for i, ((patch, old_bits), b, n, o) in enumerate(zip(got, before, news, olds)):
+        want = ref.diff(f"t{i}", b, n)
+        assert torch.equal(patch.indices, want.indices) and patch.indices.dtype == torch.int32
+        assert torch.equal(int_view(patch.values), int_view(want.values))
+        assert torch.equal(old_bits, int_view(b)[patch.indices.long()])
+        assert torch.equal(int_view(o), int_view(n))
+        restore(o, patch.indices, old_bits)
+        assert torch.equal(int_view(o), int_view(b))
+
+
 def test_advance_many_failing_in_one_batch_puts_every_snapshot_back(monkeypatch):
     monkeypatch.setattr(native, "MIN_WORDS_PER_THREAD", 2048)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
@@ -326,13 +376,20 @@ def test_digest_additive_and_sensitive():
 
 
 def test_digest_crosses_chunk_boundary(monkeypatch):
+    """The device formula's rows and steps (shrunk here) cut anywhere give the host kernel's digest."""
     import delta_sync.digest as dg
     t = torch.randn(5000).bfloat16()
+    t[4321] = float("inf")
     d = dg.digest_tensor(t)
-    monkeypatch.setattr(dg, "CHUNK", 64)
-    monkeypatch.setattr(dg, "_tables", {})
-    assert dg.digest_tensor(t) == d
-    assert dg.digest_range(t[100:], 100) + dg.digest_range(t[:100], 0) == d
+    monkeypatch.setattr(dg, "ROW", 64)
+    monkeypatch.setattr(dg, "DEVICE_CHUNK_WORDS", 64 * 7 + 10)  # steps end inside rows, rows short
+    monkeypatch.setattr(dg, "_consts_cache", {})
+    for start in (0, 100, 123_456_789_012):
+        want, bad = dg.scan_range(t, start)
+        got = dg.lane_sums(dg._words(t), start, exp_mask=0x7F80).tolist()
+        assert Digest(*got[:4]) == want and got[4] == bad == 1
+    sums = dg.lane_sums(dg._words(t[100:]), 100).tolist()
+    assert Digest(*sums[:4]) + dg.digest_range(t[:100], 0) == d
 
 
 @pytest.mark.parametrize("max_bytes", [64, 100, 1000, 1 << 20])
@@ -495,3 +552,33 @@ def test_scan_many_equals_scan_range_per_range(monkeypatch, threads):
     with pytest.raises(ValueError, match="copy_to holds 3"):
         dg.scan_many(bad)
     assert all(torch.equal(int_view(out), int_view(v)) for v, _, out in items if out is not None)  # others done
+
+
+def test_device_path_digests_many_ranges_with_one_sync(monkeypatch):
+    """The torch-op digest (device tensors) of many ranges: small ones folded together in shared
+    rows, large ones alone, cut in chunks; each range gets the host kernel's digest, count and
+    copy, and every result crosses to the host in one copy (one device sync, not one per range)."""
+    import delta_sync.digest as dg
+    g = torch.Generator().manual_seed(5)
+    sizes = [5, 4096, 0, 300, 70_000, 1, 9000, 12_345, 257]
+    items = []
+    for k, n in enumerate(sizes):
+        x = (torch.randn(n, generator=g) * 3000).to((torch.bfloat16, torch.float32, torch.float16)[k % 3])
+        if n > 100:
+            x[n // 2], x[n // 3] = float("nan"), float("-inf")
+        items.append((x, 11 * k + (123_456_789_012 if k == 4 else 0), torch.zeros_like(x) if k % 2 else None))
+    want = [dg.scan_range(v, st) for v, st, _ in items]  # the host kernel
+    monkeypatch.setattr(native, "kernel", lambda: None)  # from here, the torch ops devices run
+    monkeypatch.setattr(dg, "DEVICE_SMALL_WORDS", 10_000)  # 70_000 and 12_345 (bf16) alone
+    monkeypatch.setattr(dg, "SMALL_ROW", 16)
+    monkeypatch.setattr(dg, "ROW", 1024)
+    monkeypatch.setattr(dg, "DEVICE_CHUNK_WORDS", 8192)  # several batches of small ranges, several chunks
+    monkeypatch.setattr(dg, "_consts_cache", {})
+    syncs = []
+    real = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: syncs.append(t.shape) or real(t))
+    assert dg.scan_many(items) == want and len(syncs) == 1
+    assert [w[1] for w in want] == [0, 2, 0, 2, 2, 0, 2, 2, 2]
+    for v, _, out in items:
+        if out is not None:
+            assert torch.equal(int_view(out), int_view(v))
