@@ -7,14 +7,20 @@ library's own code on device tensors and compares it bit for bit with the host p
 * snapshot: a snapshot store on the device (seed, delta, commit);
 * digest: device lane sums (torch ops) == the host kernel's digest, with the Inf/NaN count;
 * gather: a 1-rank trainer world on the device backend (NCCL/HCCL reject host tensors, so every
-  metadata tensor must go over the host group made beside it), patches gathered on the device;
+  metadata tensor must go over the host group made beside it), patches gathered on the device,
+  and the channel's many-tensor broadcast (``pg_broadcast_all``) on that group;
 * device check: a host tensor into the device group raises ``DeviceMismatch`` before NCCL sees it;
 * fast path: owned-element runs placed on the device and changed offsets mapped there;
 * in-process channel: a seed and a delta from a sender thread to a receiver thread on the *same*
   device (the one-GPU in-process engine, where NCCL would refuse two ranks on one device);
+* in place: a seed and a full update whose large ranges travel in broadcasts of their own from
+  the sender's device tensor into the receiver's (small ones packed), exact;
 * loader views: a fused / column-sliced / transposed stand-in module on the device, ranges and
   sparse patches applied through the views, read back and digested on the device;
-* bench: the device diff against the device's copy bandwidth (``diff_over_copy``).
+* bench: the device diff against the device's copy bandwidth (``diff_over_copy``);
+* pipeline: seed, full updates and 0.2% deltas of Qwen3-0.6B shapes through the library's sender
+  and receiver on the device (one in-process channel), per stage, against a device copy of the
+  same bytes; ``--profile-dir`` adds a cProfile listing of the last delta.
 
 Prints one JSON line. ``--device cpu`` runs the same checks on the host (the test suite does, so
 the script cannot rot between device runs). ``launchers/device_check.sh`` wraps it with a time limit.
@@ -23,8 +29,12 @@ the script cannot rot between device runs). ``launchers/device_check.sh`` wraps 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
 import datetime
 import json
+import math
+import pstats
 import sys
 import time
 
@@ -99,6 +109,8 @@ def check_gather_and_device_rule(device, g, port: int) -> dict:
         idx = torch.arange(0, 1000, 7, dtype=torch.int32, device=device)
         merged = PatchGather(groups).gather(lambda: [Ordered(0, Patch("w", (1000,), t.dtype, idx, t[idx.long()]))])
         assert merged[0].values.device.type == device.type and merged[0].count == idx.numel()
+        parts = [_randn(n, g, device) for n in (5, 70_000)]  # the channel's bulk broadcasts, on this group
+        collectives.pg_broadcast_all(groups.device_group or dist.distributed_c10d._get_default_group(), parts)
         refused = False
         if device.type != "cpu":
             try:
@@ -140,6 +152,72 @@ def check_local_channel(device, g) -> dict:
         chan.close()
     assert got.device.type == device.type and torch.equal(got.view(torch.int16), new.view(torch.int16))
     return {"elements": base.numel(), "changed": idx.numel()}
+
+
+def _channel_pair(device, token: str):
+    """Both ends of an in-process (``local``) channel on ``device``: (sender, receiver)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from delta_sync.channel import Channel
+
+    with ThreadPoolExecutor(1) as pool:
+        # a side that fails closes its end and the other one raises at once; a lost one, in 60 s
+        rx = pool.submit(Channel.connect, "127.0.0.1", 0, 1, 2, token, backend="local", device=device, timeout_s=60)
+        tx = Channel.connect("127.0.0.1", 0, 0, 2, token, backend="local", device=device, timeout_s=60)
+        return tx, rx.result(timeout=60)
+
+
+def _in_place_receiver(tensors: dict[str, torch.Tensor]):
+    """``(place, sink)`` for :func:`receive_update` into ``tensors``: ``seg`` ranges are received
+    straight into their slices (what the engine's loader views do with a whole parameter), the
+    rest is copied there from the bucket. ``placed`` counts the ranges received in place."""
+    placed = []
+
+    def dst(e: dict) -> torch.Tensor:
+        return tensors[e["name"]].view(-1)[int(e["start"]):int(e["start"]) + int(e["count"])]
+
+    def place(header: dict) -> dict[int, torch.Tensor]:
+        return {i: dst(e) for i, e in enumerate(header["entries"]) if e.get("seg")}
+
+    def sink(entries) -> None:
+        for e, p in entries:
+            d = dst(e)
+            if d.data_ptr() == p.values.data_ptr():
+                placed.append(e["name"])
+            else:
+                d.copy_(p.values)
+    return place, sink, placed
+
+
+def check_in_place(device, g) -> dict:
+    """A seed and a full update whose large ranges travel in broadcasts of their own, from the
+    sender's device tensor into the receiver's (session 9's zero-copy path), small ones packed."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from delta_sync.patch import Patch
+    from delta_sync.transfer import receive_update, send_update
+
+    shapes = {"big": (1024, 1536), "small": (64, 48), "big2": (3, 700_001)}  # 3 MB, 6 KB, 4.2 MB
+    versions = [{n: _randn(math.prod(s), g, device).reshape(s) for n, s in shapes.items()} for _ in range(2)]
+    got = {n: torch.zeros(s, dtype=torch.bfloat16, device=device) for n, s in shapes.items()}
+    place, sink, placed = _in_place_receiver(got)
+    tx, rx = _channel_pair(device, "device-check-in-place")
+
+    def receiver():
+        for _ in versions:
+            receive_update(rx, bulk_sink=sink, place=place)
+        rx.close()
+
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(receiver)
+        for v, (kind, state) in enumerate(zip(("seed", "full"), versions)):
+            send_update(tx, v, kind, [Patch(n, tuple(t.shape), t.dtype, None, t.view(-1)) for n, t in state.items()],
+                        bucket_bytes=4 << 20)
+        fut.result(timeout=120)
+        tx.close()
+    assert all(torch.equal(got[n].view(torch.int16), versions[-1][n].view(torch.int16)) for n in shapes)
+    assert set(placed) == {"big", "big2"}, placed  # the small tensor stayed packed
+    return {"placed_ranges": len(placed)}
 
 
 def check_fast_path(device, g) -> dict:
@@ -217,7 +295,7 @@ def check_loader_views(device, g) -> dict:
 def bench_diff(device, g, gib: float) -> dict:
     from delta_sync.diff import BitwiseDiff
 
-    sync = (lambda: torch.get_device_module(device).synchronize()) if device.type != "cpu" else (lambda: None)
+    sync = accelerator_sync(device)
     per = 32 << 20  # elements per tensor (64 MiB bf16)
     count = max(1, int(gib * (1 << 30) / (per * 2)))
     olds = [_randn(per, g, device) for _ in range(count)]
@@ -225,28 +303,150 @@ def bench_diff(device, g, gib: float) -> dict:
     dsts = [torch.empty_like(o) for o in olds]
     differ = BitwiseDiff(use_native=device.type == "cpu")
 
-    def timed(fn) -> float:
-        fn()
-        sync()
-        best = float("inf")
-        for _ in range(3):
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            best = min(best, time.perf_counter() - t0)
-        return best
-
-    t_copy = timed(lambda: [d.copy_(n) for d, n in zip(dsts, news)])
-    t_diff = timed(lambda: [differ.changed(o, n) for o, n in zip(olds, news)])
+    t_copy = _best_of(lambda: [d.copy_(n) for d, n in zip(dsts, news)], sync)
+    t_diff = _best_of(lambda: [differ.changed(o, n) for o, n in zip(olds, news)], sync)
     nbytes = 2 * sum(t.numel() * 2 for t in news)  # both sides move 2N bytes per pass
     return {"bench_bytes": nbytes // 2, "copy_gbps": round(nbytes / t_copy / 1e9, 1),
             "diff_gbps": round(nbytes / t_diff / 1e9, 1), "diff_over_copy": round(t_copy / t_diff, 3)}
+
+
+def qwen3_shapes(layers: int = 28, hidden: int = 1024, inter: int = 3072, vocab: int = 151_936,
+                 heads: int = 16, kv_heads: int = 8, head_dim: int = 128) -> dict[str, tuple[int, ...]]:
+    """Checkpoint names and shapes of a Qwen3 dense model (defaults: Qwen3-0.6B, tied embeddings)."""
+    out = {"model.embed_tokens.weight": (vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        out.update({p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
+                    p + "self_attn.q_proj.weight": (heads * head_dim, hidden),
+                    p + "self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
+                    p + "self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
+                    p + "self_attn.o_proj.weight": (hidden, heads * head_dim),
+                    p + "self_attn.q_norm.weight": (head_dim,), p + "self_attn.k_norm.weight": (head_dim,),
+                    p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
+                    p + "mlp.down_proj.weight": (hidden, inter)})
+    out["model.norm.weight"] = (hidden,)
+    return out
+
+
+PIPELINES = {"qwen3-0.6b": {}, "tiny": dict(layers=2, hidden=256, inter=768, vocab=4096, heads=4, kv_heads=2, head_dim=64)}
+
+
+def bench_pipeline(device, g, shapes: dict[str, tuple[int, ...]], density: float = 0.002,
+                   profile_dir: str | None = None) -> dict:
+    """The library's bulk and delta paths on one device, against a device copy of the same bytes.
+
+    A sender thread and a receiver thread share an in-process channel on the device (one GPU
+    cannot hold two NCCL ranks), so the "wire" here is a device-to-device copy, far faster than any
+    link: ``*_over_copy`` is the library's own cost per byte, what a link would hide or not.
+    seed/full: digest and send every tensor (large ones in place), the receiver checks each
+    range's digest; delta: the snapshot store's diff, pack, send, assemble and apply of ``density``.
+    Every stage's throughput feeds the README's scale table."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from delta_sync.digest import scan_many
+    from delta_sync.patch import Patch, apply_patch
+    from delta_sync.snapshot import SnapshotStore
+    from delta_sync.transfer import receive_update, send_update
+
+    sync = accelerator_sync(device)
+    state = {n: _randn(math.prod(s), g, device).reshape(s) for n, s in shapes.items()}
+    got = {n: torch.zeros_like(t) for n, t in state.items()}
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    place, sink, placed = _in_place_receiver(got)
+    tx, rx = _channel_pair(device, "device-check-pipeline")
+    store = SnapshotStore(device=device)
+    plan = ["seed", "full", "full", "delta", "delta"]
+    done: list[dict] = []  # per version, the receiver's stage times
+    sending: list[float] = []  # per version, when the sender began to send
+    profile = cProfile.Profile() if profile_dir else None  # the sender's last delta (one profiler per process)
+
+    def receiver():
+        try:
+            for v, kind in enumerate(plan):
+                t0 = time.perf_counter()
+                if kind == "delta":
+                    upd = receive_update(rx)
+                    t1 = time.perf_counter()
+                    for p in upd.patches:
+                        apply_patch(got[p.name], p)
+                else:
+                    receive_update(rx, bulk_sink=sink, place=place)
+                    t1 = time.perf_counter()
+                sync()
+                # from when the sender started sending (the receiver waited for it before)
+                done.append({"end": time.perf_counter(), "receive_s": t1 - max(t0, sending[v]),
+                             "apply_s": time.perf_counter() - t1})
+        finally:
+            rx.close()  # a failure here ends the sender's wait at once
+
+    runs: dict[str, list[dict]] = {}
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(receiver)
+        try:
+            for v, kind in enumerate(plan):
+                if kind == "delta":
+                    for t in state.values():
+                        t.copy_(_perturb(t, density, g))
+                sync()
+                with profile if profile and v == len(plan) - 1 else contextlib.nullcontext():
+                    t0 = time.perf_counter()
+                    patches = store.prepare_many(list(state.items()), full=kind != "delta")
+                    sync()
+                    t1 = time.perf_counter()
+                    sending.append(t1)
+                    send_update(tx, v, kind, patches)
+                    t2 = time.perf_counter()
+                    store.commit(v)
+                    while len(done) <= v:
+                        if fut.done():
+                            fut.result()
+                        time.sleep(1e-4)
+                runs.setdefault(kind, []).append({"total_s": done[v]["end"] - t0, "prepare_s": t1 - t0,
+                                                  "send_s": t2 - t1,
+                                                  **{k: x for k, x in done[v].items() if k != "end"}})
+        finally:
+            tx.close()  # a failure here ends the receiver's wait at once
+        fut.result(timeout=60)
+    if profile:
+        with open(f"{profile_dir}/pipeline_sender.txt", "w") as f:
+            pstats.Stats(profile, stream=f).sort_stats("cumulative").print_stats(40)
+    exact = all(torch.equal(got[n].view(torch.int16), t.view(torch.int16)) for n, t in state.items())
+    assert exact, "the receiver's tensors differ from the sender's"
+
+    t_copy = _best_of(lambda: [got[n].copy_(t) for n, t in state.items()], sync)
+    t_digest = _best_of(lambda: scan_many([(t.view(-1), 0, None) for t in state.values()]), sync)
+    best = {k: min(v, key=lambda r: r["total_s"]) for k, v in runs.items()}  # the best run, with its stages
+    return {"model_bytes": nbytes, "tensors": len(state), "copy_s": round(t_copy, 5),
+            "digest_s": round(t_digest, 5), "digest_over_copy": round(t_digest / t_copy, 3),
+            **{f"{k}_over_copy": round(r["total_s"] / t_copy, 2) for k, r in best.items()},
+            **{k: {x: round(y, 5) for x, y in r.items()} for k, r in best.items()},
+            "placed_ranges": len(placed), "density": density}
+
+
+def accelerator_sync(device):
+    return (lambda: torch.get_device_module(device).synchronize()) if device.type != "cpu" else (lambda: None)
+
+
+def _best_of(fn, sync, reps: int = 3) -> float:
+    """Best wall time of ``reps`` calls of ``fn`` after one warm-up, each waited for on the device."""
+    fn()
+    sync()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m launchers.device_check")
     ap.add_argument("--device", default="cuda", help="cuda, npu or cpu")
     ap.add_argument("--bench-gib", type=float, default=2.0)
+    ap.add_argument("--pipeline", choices=[*PIPELINES, "none"], default="qwen3-0.6b",
+                    help="model shapes of the seed/full/delta pipeline bench")
+    ap.add_argument("--profile-dir", help="write cProfile listings of the pipeline's last delta here")
     args = ap.parse_args(argv)
     from delta_sync import accelerator
     from delta_sync.channel import free_port
@@ -262,16 +462,27 @@ def main(argv: list[str] | None = None) -> dict:
              ("digest", lambda: check_digest(device, g)),
              ("gather", lambda: check_gather_and_device_rule(device, g, free_port())),
              ("local_channel", lambda: check_local_channel(device, g)),
+             ("in_place", lambda: check_in_place(device, g)),
              ("fast_path", lambda: check_fast_path(device, g)), ("loader_views", lambda: check_loader_views(device, g))]
     ok = True
     for name, fn in steps:
+        print(f"device_check: {name}", file=sys.stderr, flush=True)  # where it was, should it hang
         t0 = time.perf_counter()
         try:
             out["checks"][name] = dict(fn(), ok=True, s=round(time.perf_counter() - t0, 3))
         except Exception as e:  # report every check, then fail
             ok = False
             out["checks"][name] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:500]}
+    print("device_check: bench", file=sys.stderr, flush=True)
     out.update(bench_diff(device, g, args.bench_gib))
+    if args.pipeline != "none":
+        try:
+            out["pipeline"] = dict(bench_pipeline(device, g, qwen3_shapes(**PIPELINES[args.pipeline]),
+                                                  profile_dir=args.profile_dir),
+                                   shapes=args.pipeline)
+        except Exception as e:
+            ok = False
+            out["pipeline"] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:500]}
     out["ok"] = ok
     return out
 
