@@ -328,7 +328,36 @@ def qwen3_shapes(layers: int = 28, hidden: int = 1024, inter: int = 3072, vocab:
     return out
 
 
-PIPELINES = {"qwen3-0.6b": {}, "tiny": dict(layers=2, hidden=256, inter=768, vocab=4096, heads=4, kv_heads=2, head_dim=64)}
+def qwen3_moe_shapes(layers: int = 48, hidden: int = 2048, expert_inter: int = 768, experts: int = 128,
+                     vocab: int = 151_936, heads: int = 32, kv_heads: int = 4, head_dim: int = 128
+                     ) -> dict[str, tuple[int, ...]]:
+    """Checkpoint names and shapes of a Qwen3-MoE model (defaults: Qwen3-30B-A3B, untied head)."""
+    out = {"model.embed_tokens.weight": (vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        out.update({p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
+                    p + "self_attn.q_proj.weight": (heads * head_dim, hidden),
+                    p + "self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
+                    p + "self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
+                    p + "self_attn.o_proj.weight": (hidden, heads * head_dim),
+                    p + "self_attn.q_norm.weight": (head_dim,), p + "self_attn.k_norm.weight": (head_dim,),
+                    p + "mlp.gate.weight": (experts, hidden)})
+        for e in range(experts):
+            q = f"{p}mlp.experts.{e}."
+            out.update({q + "gate_proj.weight": (expert_inter, hidden), q + "up_proj.weight": (expert_inter, hidden),
+                        q + "down_proj.weight": (hidden, expert_inter)})
+    out["model.norm.weight"] = (hidden,)
+    out["lm_head.weight"] = (vocab, hidden)
+    return out
+
+
+#: model shapes the pipeline bench can run, by layer count (None: the model's own): the dense 0.6B,
+#: Qwen3-30B-A3B (its real per-layer tensors, 128 experts x 3 per layer; a few layers fit one
+#: device three times over) and a tiny one for tests
+PIPELINES = {"qwen3-0.6b": lambda layers: qwen3_shapes(layers=layers or 28),
+             "qwen3-30b-a3b": lambda layers: qwen3_moe_shapes(layers=layers or 48),
+             "tiny": lambda layers: qwen3_shapes(layers=layers or 2, hidden=256, inter=768, vocab=4096, heads=4,
+                                                 kv_heads=2, head_dim=64)}
 
 
 def bench_pipeline(device, g, shapes: dict[str, tuple[int, ...]], density: float = 0.002,
@@ -446,6 +475,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--bench-gib", type=float, default=2.0)
     ap.add_argument("--pipeline", choices=[*PIPELINES, "none"], default="qwen3-0.6b",
                     help="model shapes of the seed/full/delta pipeline bench")
+    ap.add_argument("--layers", type=int, help="the pipeline model's layer count (default: the model's own)")
+    ap.add_argument("--skip-checks", action="store_true", help="benches only")
     ap.add_argument("--profile-dir", help="write cProfile listings of the pipeline's last delta here")
     args = ap.parse_args(argv)
     from delta_sync import accelerator
@@ -465,7 +496,7 @@ def main(argv: list[str] | None = None) -> dict:
              ("in_place", lambda: check_in_place(device, g)),
              ("fast_path", lambda: check_fast_path(device, g)), ("loader_views", lambda: check_loader_views(device, g))]
     ok = True
-    for name, fn in steps:
+    for name, fn in [] if args.skip_checks else steps:
         print(f"device_check: {name}", file=sys.stderr, flush=True)  # where it was, should it hang
         t0 = time.perf_counter()
         try:
@@ -477,9 +508,9 @@ def main(argv: list[str] | None = None) -> dict:
     out.update(bench_diff(device, g, args.bench_gib))
     if args.pipeline != "none":
         try:
-            out["pipeline"] = dict(bench_pipeline(device, g, qwen3_shapes(**PIPELINES[args.pipeline]),
+            out["pipeline"] = dict(bench_pipeline(device, g, PIPELINES[args.pipeline](args.layers),
                                                   profile_dir=args.profile_dir),
-                                   shapes=args.pipeline)
+                                   shapes=args.pipeline, layers=args.layers)
         except Exception as e:
             ok = False
             out["pipeline"] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:500]}
