@@ -208,10 +208,13 @@ LOCAL = "local"
 class LocalGroup:
     """The ranks of one channel that all live in this process, one thread each (backend ``local``).
 
-    ``broadcast`` is a rendezvous, like gloo's: the source publishes its tensor and returns once
-    every other rank copied it into its own tensor (any device; accelerator copies are synchronized
-    before the source may reuse its buffer). A rank that left before taking part, or one that does
-    not arrive within the timeout, fails the broadcast on every rank waiting in it."""
+    A broadcast works like gloo's asynchronous one: the source publishes its tensor (:meth:`publish`)
+    and may issue more before it waits (:meth:`await_copies`) until every other rank copied each
+    into its own tensor (any device; accelerator copies are synchronized before the source may
+    reuse its buffer); the other ranks copy in order as the tensors appear (:meth:`receive`). So a
+    bucket's many tensors cost the receiving thread one wake-up, not a round trip each. A rank that
+    left before taking part, or one that does not arrive within the timeout, fails the broadcast
+    on every rank waiting in it."""
 
     _groups: dict[str, "LocalGroup"] = {}
     _lock = threading.Lock()
@@ -222,8 +225,8 @@ class LocalGroup:
         self.left: set[int] = set()
         self.gen = 0  # broadcasts published so far
         self.seen: dict[int, int] = {}  # joined rank -> broadcasts it copied
-        self.copied = 0
-        self.payload: torch.Tensor | None = None
+        self.payloads: dict[int, torch.Tensor] = {}  # broadcast -> the source's tensor, until copied
+        self.copied: dict[int, int] = {}  # broadcast -> ranks that copied it
         self.failed: str | None = None  # a timeout or a mismatch: the group is unusable
 
     @classmethod
@@ -241,21 +244,31 @@ class LocalGroup:
             group.seen[rank] = 0
         return LocalMember(group, rank, namespace)
 
-    def broadcast(self, rank: int, tensor: torch.Tensor, src: int) -> None:
+    def publish(self, tensor: torch.Tensor) -> int:
+        """Source: offer ``tensor`` as the next broadcast; returns its number."""
         with self.cv:
-            if rank == src:
-                self.payload, self.copied = tensor, 0
-                self.gen += 1
-                self.cv.notify_all()
-                gen = self.gen
-                self._wait(lambda: self.copied == self.world_size - 1, rank, "every rank to copy",
-                           lambda: [r for r in self.left if r != src and self.seen.get(r, 0) < gen])
-                self.payload = None
-                return
+            self.gen += 1
+            self.payloads[self.gen], self.copied[self.gen] = tensor, 0
+            self.cv.notify_all()
+            return self.gen
+
+    def await_copies(self, rank: int, gen: int) -> None:
+        """Source: until every other rank copied broadcast ``gen`` (then its buffer is free)."""
+        with self.cv:
+            try:
+                self._wait(lambda: self.copied[gen] == self.world_size - 1, rank, "every rank to copy",
+                           lambda: [r for r in self.left if r != rank and self.seen.get(r, 0) < gen])
+            finally:
+                self.payloads.pop(gen, None)
+                self.copied.pop(gen, None)
+
+    def receive(self, rank: int, tensor: torch.Tensor, src: int) -> None:
+        """Another rank: copy the next broadcast into ``tensor`` once the source published it."""
+        with self.cv:
             want = self.seen[rank] + 1
             self._wait(lambda: self.gen >= want, rank, f"broadcast {want} from rank {src}",
                        lambda: [src] if src in self.left else [])
-            payload = self.payload
+            payload = self.payloads[want]
         if payload.shape != tensor.shape or payload.dtype != tensor.dtype:
             with self.cv:
                 self.failed = (f"rank {rank} expected {tuple(tensor.shape)} {tensor.dtype}, rank {src} sent "
@@ -263,11 +276,11 @@ class LocalGroup:
                 self.cv.notify_all()
             raise ChannelError(f"in-process channel: {self.failed}")
         tensor.copy_(payload)
-        accelerator.synchronize(tensor.device)  # the source reuses its buffer once this returns
+        accelerator.synchronize(tensor.device)  # the source reuses its buffer once every copy is done
         accelerator.synchronize(payload.device)
         with self.cv:
             self.seen[rank] = want
-            self.copied += 1
+            self.copied[want] = self.copied.get(want, 0) + 1  # gone if the source gave up on it
             self.cv.notify_all()
 
     def _wait(self, ready, rank: int, what: str, gone) -> None:
@@ -304,8 +317,10 @@ class LocalMember:
     def size(self) -> int:
         return self.group.world_size
 
-    def broadcast(self, tensors: list[torch.Tensor], opts) -> "_Done":
-        self.group.broadcast(self._rank, tensors[0], opts.rootRank)
+    def broadcast(self, tensors: list[torch.Tensor], opts) -> "_Done | _Copied":
+        if self._rank == opts.rootRank:
+            return _Copied(self.group, self._rank, self.group.publish(tensors[0]))
+        self.group.receive(self._rank, tensors[0], opts.rootRank)
         return _Done()
 
     def shutdown(self) -> None:
@@ -314,6 +329,17 @@ class LocalMember:
 
 class _Done:
     def wait(self) -> bool:
+        return True
+
+
+class _Copied:
+    """The source's pending broadcast: ``wait`` returns once every other rank copied it."""
+
+    def __init__(self, group: LocalGroup, rank: int, gen: int):
+        self.group, self.rank, self.gen = group, rank, gen
+
+    def wait(self) -> bool:
+        self.group.await_copies(self.rank, self.gen)
         return True
 
 

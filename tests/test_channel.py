@@ -189,6 +189,37 @@ def test_in_process_channel_carries_updates_bit_for_bit():
     sender.close()
 
 
+def test_in_process_broadcasts_are_in_flight_together():
+    """The source issues a bucket's broadcasts without waiting for each copy (as gloo and NCCL do):
+    all of them are out before any receiver runs; each one waits until every rank copied it."""
+    import threading
+
+    from delta_sync.channel import LocalGroup
+
+    src = LocalGroup.join("in-flight-test", 0, 3, 10)
+    tensors = [torch.arange(n, dtype=torch.float32) for n in (3, 70_000, 5)]
+    works = [src.broadcast([t], type("Opts", (), {"rootRank": 0})) for t in tensors]  # returns at once
+    assert not any(src.group.copied.get(w.gen) for w in works)
+    got = {}
+
+    def receive(rank):
+        member = LocalGroup.join("in-flight-test", rank, 3, 10)
+        got[rank] = [torch.zeros_like(t) for t in tensors]
+        for out in got[rank]:
+            member.broadcast([out], type("Opts", (), {"rootRank": 0})).wait()
+        member.shutdown()
+    threads = [threading.Thread(target=receive, args=(r,)) for r in (1, 2)]
+    for th in threads:
+        th.start()
+    for w in works:
+        w.wait()
+    for th in threads:
+        th.join(30)
+    assert all(torch.equal(a, b) for r in (1, 2) for a, b in zip(got[r], tensors))
+    assert not src.group.payloads  # every buffer given back
+    src.shutdown()
+
+
 def test_in_process_channel_fails_fast_when_a_rank_leaves_or_is_taken():
     import time
 
