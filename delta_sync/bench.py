@@ -8,7 +8,8 @@ library uses here: the host kernel of :mod:`delta_sync.native` when it builds) a
 ``torch_ops_over_copy`` (the portable torch-op path, what a device snapshot runs).
 
 ``tensors``: what a delta costs per tensor (many small tensors, in process), and the batched
-diff against one tensor at a time.
+diff against one tensor at a time; ``--torch-path`` runs it without the host kernels, on the torch
+ops that device tensors take.
 
 Other subcommands (``apply``) are contributed by packages that know an engine, through the
 ``delta_sync.bench`` entry-point group, so this core module never imports vLLM.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from importlib.metadata import entry_points
@@ -118,7 +120,13 @@ def bench_tensors(argv: list[str]) -> dict:
     ap.add_argument("--elements", type=int, default=32768, help="bf16 elements per tensor (default 64 KiB)")
     ap.add_argument("--density", type=float, default=0.002)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--torch-path", action="store_true",
+                    help="without the host kernels: the torch ops device tensors take, on the host")
     args = ap.parse_args(argv)
+    if args.torch_path:
+        from . import native
+        os.environ["DELTA_SYNC_NATIVE_DIFF"] = "0"  # the kernel's own switch
+        native.kernel.cache_clear()
     g = torch.Generator().manual_seed(0)
     state = {f"layers.{i}.w": torch.randn(args.elements, generator=g).to(torch.bfloat16) for i in range(args.tensors)}
     k = max(1, int(args.elements * args.density))
@@ -157,6 +165,7 @@ def bench_tensors(argv: list[str]) -> dict:
         t_batch, t_one = min(t_batch, _best(batched, 1)), min(t_one, _best(one_by_one, 1))
     n = args.tensors
     return {"bench": "tensors", "tensors": n, "elements": args.elements, "density": args.density,
+            "path": "torch ops" if args.torch_path else "host kernels",
             "delta_s": best.timings["total_s"], "delta_ms_per_tensor": round(1e3 * best.timings["total_s"] / n, 4),
             "stages_s": best.timings, "diff_us_per_tensor": round(1e6 * t_batch / n, 1),
             "diff_one_by_one_us_per_tensor": round(1e6 * t_one / n, 1),

@@ -54,9 +54,11 @@ def test_diff_bench_prints_json_last_line():
     assert result["kernel"] == "native"
 
 
-def test_tensors_bench_prints_json_last_line():
+@pytest.mark.parametrize("path", ["host kernels", "torch ops"])
+def test_tensors_bench_prints_json_last_line(path):
     out = subprocess.run([sys.executable, "-m", "delta_sync.bench", "tensors", "--tensors", "40", "--elements", "4096",
-                          "--density", "0.01", "--reps", "1"], check=True, capture_output=True, text=True, timeout=300)
+                          "--density", "0.01", "--reps", "1", *(["--torch-path"] if path == "torch ops" else [])],
+                         check=True, capture_output=True, text=True, timeout=300)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["bench"] == "tensors" and result["tensors"] == 40 and result["delta_ms_per_tensor"] > 0
-    assert result["stages_s"]["diff_s"] > 0 and result["batched_over_one_by_one"] > 0
+    assert result["stages_s"]["diff_s"] > 0 and result["batched_over_one_by_one"] > 0 and result["path"] == path
