@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from .checkpoints import qwen3_shapes
+
 QWEN3_0_6B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                   num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=4096,
                   rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True, torch_dtype="bfloat16",
@@ -31,18 +33,9 @@ def _checkpoint(root: Path, layers: int) -> Path:
         return path
     path.mkdir(parents=True, exist_ok=True)
     cfg = dict(QWEN3_0_6B, num_hidden_layers=layers)
-    h, i, q, kv, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_attention_heads"], \
-        cfg["num_key_value_heads"], cfg["head_dim"]
     g = torch.Generator().manual_seed(0)
-    t = {"model.embed_tokens.weight": (cfg["vocab_size"], h), "model.norm.weight": (h,)}
-    for layer in range(layers):
-        p = f"model.layers.{layer}."
-        t.update({p + "self_attn.q_proj.weight": (q * d, h), p + "self_attn.k_proj.weight": (kv * d, h),
-                  p + "self_attn.v_proj.weight": (kv * d, h), p + "self_attn.o_proj.weight": (h, q * d),
-                  p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,),
-                  p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
-                  p + "mlp.down_proj.weight": (h, i), p + "input_layernorm.weight": (h,),
-                  p + "post_attention_layernorm.weight": (h,)})
+    t = qwen3_shapes(layers, hidden=cfg["hidden_size"], inter=cfg["intermediate_size"], vocab=cfg["vocab_size"],
+                     heads=cfg["num_attention_heads"], kv_heads=cfg["num_key_value_heads"], head_dim=cfg["head_dim"])
     state = {n: (torch.randn(s, generator=g) * 0.02).to(torch.bfloat16) for n, s in t.items()}
     save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(cfg))

@@ -118,3 +118,47 @@ def save_like(state: dict[str, torch.Tensor], like: str | Path, out: str | Path)
     save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"),
               metadata={"format": "pt"})
     return out
+
+
+def _attention(p: str, hidden: int, heads: int, kv_heads: int, head_dim: int) -> dict[str, tuple[int, ...]]:
+    """One Qwen3 layer's attention and norm tensors (dense and MoE alike), checkpoint names."""
+    return {p + "self_attn.q_proj.weight": (heads * head_dim, hidden),
+            p + "self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
+            p + "self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
+            p + "self_attn.o_proj.weight": (hidden, heads * head_dim),
+            p + "self_attn.q_norm.weight": (head_dim,), p + "self_attn.k_norm.weight": (head_dim,)}
+
+
+def _norms(p: str, hidden: int) -> dict[str, tuple[int, ...]]:
+    return {p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,)}
+
+
+def qwen3_shapes(layers: int = 28, hidden: int = 1024, inter: int = 3072, vocab: int = 151_936,
+                 heads: int = 16, kv_heads: int = 8, head_dim: int = 128) -> dict[str, tuple[int, ...]]:
+    """Checkpoint names and shapes of a Qwen3 dense model (defaults: Qwen3-0.6B, tied embeddings)."""
+    out = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        out.update(_attention(p, hidden, heads, kv_heads, head_dim))
+        out.update({p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
+                    p + "mlp.down_proj.weight": (hidden, inter)})
+        out.update(_norms(p, hidden))
+    return out
+
+
+def qwen3_moe_shapes(layers: int = 48, hidden: int = 2048, expert_inter: int = 768, experts: int = 128,
+                     vocab: int = 151_936, heads: int = 32, kv_heads: int = 4, head_dim: int = 128
+                     ) -> dict[str, tuple[int, ...]]:
+    """Checkpoint names and shapes of a Qwen3-MoE model (defaults: Qwen3-30B-A3B, untied head)."""
+    out = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,),
+           "lm_head.weight": (vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        out.update(_attention(p, hidden, heads, kv_heads, head_dim))
+        out[p + "mlp.gate.weight"] = (experts, hidden)
+        for e in range(experts):
+            q = f"{p}mlp.experts.{e}."
+            out.update({q + "gate_proj.weight": (expert_inter, hidden), q + "up_proj.weight": (expert_inter, hidden),
+                        q + "down_proj.weight": (hidden, expert_inter)})
+        out.update(_norms(p, hidden))
+    return out

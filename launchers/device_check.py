@@ -40,6 +40,8 @@ import time
 
 import torch
 
+from launchers.checkpoints import qwen3_moe_shapes, qwen3_shapes
+
 
 def _randn(n: int, g: torch.Generator, device) -> torch.Tensor:
     return torch.randn(n, generator=g).to(torch.bfloat16).to(device)
@@ -308,47 +310,6 @@ def bench_diff(device, g, gib: float) -> dict:
     nbytes = 2 * sum(t.numel() * 2 for t in news)  # both sides move 2N bytes per pass
     return {"bench_bytes": nbytes // 2, "copy_gbps": round(nbytes / t_copy / 1e9, 1),
             "diff_gbps": round(nbytes / t_diff / 1e9, 1), "diff_over_copy": round(t_copy / t_diff, 3)}
-
-
-def qwen3_shapes(layers: int = 28, hidden: int = 1024, inter: int = 3072, vocab: int = 151_936,
-                 heads: int = 16, kv_heads: int = 8, head_dim: int = 128) -> dict[str, tuple[int, ...]]:
-    """Checkpoint names and shapes of a Qwen3 dense model (defaults: Qwen3-0.6B, tied embeddings)."""
-    out = {"model.embed_tokens.weight": (vocab, hidden)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        out.update({p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
-                    p + "self_attn.q_proj.weight": (heads * head_dim, hidden),
-                    p + "self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
-                    p + "self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
-                    p + "self_attn.o_proj.weight": (hidden, heads * head_dim),
-                    p + "self_attn.q_norm.weight": (head_dim,), p + "self_attn.k_norm.weight": (head_dim,),
-                    p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
-                    p + "mlp.down_proj.weight": (hidden, inter)})
-    out["model.norm.weight"] = (hidden,)
-    return out
-
-
-def qwen3_moe_shapes(layers: int = 48, hidden: int = 2048, expert_inter: int = 768, experts: int = 128,
-                     vocab: int = 151_936, heads: int = 32, kv_heads: int = 4, head_dim: int = 128
-                     ) -> dict[str, tuple[int, ...]]:
-    """Checkpoint names and shapes of a Qwen3-MoE model (defaults: Qwen3-30B-A3B, untied head)."""
-    out = {"model.embed_tokens.weight": (vocab, hidden)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        out.update({p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
-                    p + "self_attn.q_proj.weight": (heads * head_dim, hidden),
-                    p + "self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
-                    p + "self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
-                    p + "self_attn.o_proj.weight": (hidden, heads * head_dim),
-                    p + "self_attn.q_norm.weight": (head_dim,), p + "self_attn.k_norm.weight": (head_dim,),
-                    p + "mlp.gate.weight": (experts, hidden)})
-        for e in range(experts):
-            q = f"{p}mlp.experts.{e}."
-            out.update({q + "gate_proj.weight": (expert_inter, hidden), q + "up_proj.weight": (expert_inter, hidden),
-                        q + "down_proj.weight": (hidden, expert_inter)})
-    out["model.norm.weight"] = (hidden,)
-    out["lm_head.weight"] = (vocab, hidden)
-    return out
 
 
 #: model shapes the pipeline bench can run, by layer count (None: the model's own): the dense 0.6B,
