@@ -117,21 +117,14 @@ class BitwiseDiff:
 
     def _batchable(self, snap: torch.Tensor, new: torch.Tensor) -> bool:
         """A host tensor the kernel scans whole in 64-bit words."""
-        if not (self.use_native and snap.shape == new.shape and snap.dtype == new.dtype and native.supports(snap)
-                and new.device.type == "cpu" and snap.is_contiguous() and new.is_contiguous()):
-            return False
-        lanes = 8 // snap.element_size()
-        return snap.numel() % lanes == 0 and snap.data_ptr() % 8 == 0 and new.data_ptr() % 8 == 0
+        return (self.use_native and native.supports(snap) and new.device.type == "cpu" and _whole_words(snap, new)
+                and snap.data_ptr() % 8 == 0 and new.data_ptr() % 8 == 0)
 
     def _flat(self, snap: torch.Tensor, new: torch.Tensor) -> bool:
         """A torch-path pair (device tensors) that :meth:`_absorb_flat` can scan with others: whole
         64-bit words, at most one chunk."""
-        if not (snap.shape == new.shape and snap.dtype == new.dtype and snap.device == new.device
-                and snap.is_contiguous() and new.is_contiguous() and snap.element_size() in _INT_VIEW):
-            return False
-        lanes = 8 // snap.element_size()
-        return (snap.numel() % lanes == 0 and word_aligned(snap.view(-1)) and word_aligned(new.view(-1))
-                and snap.numel() // lanes <= self.chunk_words)
+        return (snap.device == new.device and _whole_words(snap, new)
+                and snap.numel() * snap.element_size() // 8 <= self.chunk_words)
 
     def _absorb_flat(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], members: list[int],
                      out: list) -> None:
@@ -274,6 +267,14 @@ class BitwiseDiff:
 def restore(snapshot: torch.Tensor, indices: torch.Tensor, old_bits: torch.Tensor) -> None:
     """Undo :meth:`BitwiseDiff.advance`: put the old bits back at ``indices`` (flat, int32)."""
     native.put_back(snapshot, indices, old_bits)
+
+
+def _whole_words(snap: torch.Tensor, new: torch.Tensor) -> bool:
+    """Same shape and dtype, both contiguous and starting on an 8-byte word, a whole number of
+    64-bit words: what the word-at-a-time scans (host kernel or batched torch ops) take."""
+    return (snap.shape == new.shape and snap.dtype == new.dtype and snap.element_size() in _INT_VIEW
+            and snap.is_contiguous() and new.is_contiguous() and snap.numel() % (8 // snap.element_size()) == 0
+            and word_aligned(snap.view(-1)) and word_aligned(new.view(-1)))
 
 
 def word_aligned(flat: torch.Tensor) -> bool:
