@@ -83,6 +83,7 @@ class HttpEngine(_SignedEngine):
         self.url = url.rstrip("/")
         self.name = self.url
         self.timeout_s = timeout_s
+        self._cleared = False  # the last pause emptied the caches (see pause)
 
     def _post(self, path: str, body: dict | None = None, query: dict | None = None):
         url = self.url + path + ("?" + urllib.parse.urlencode(query) if query else "")
@@ -107,11 +108,18 @@ class HttpEngine(_SignedEngine):
 
     def pause(self, mode: str = "wait") -> None:
         self._post("/pause", query={"mode": mode})
+        # vLLM's "wait" and "abort" pauses clear the KV and prefix caches once drained, and a paused
+        # engine schedules nothing: the caches stay empty until resume
+        self._cleared = mode != "keep"
 
     def resume(self) -> None:
+        self._cleared = False
         self._post("/resume")
 
     def reset_prefix_cache(self) -> None:
+        """Drop cached KV of the old weights (one call; none after a pause that already cleared it)."""
+        if self._cleared:
+            return
         self._post("/reset_prefix_cache")
 
 

@@ -489,3 +489,87 @@ def test_shm_readers_spin_at_most_the_capped_time(monkeypatch):
     monkeypatch.delenv(SPIN_ENV, raising=False)
     equivalence.start_engine("m", 1, Path(os.devnull)).wait()
     assert seen[SPIN_ENV] == equivalence.CPU_HOST_SPIN_S
+
+
+class _FakeAsyncLLM:
+    """Stands in for vLLM's ``AsyncLLM`` (an API server process cannot start here per test): the
+    methods the pause lease wraps, recording what reached the scheduler."""
+
+    def __init__(self, backend: str, in_flight: bool):
+        from types import SimpleNamespace
+
+        self.calls: list = []
+        self.vllm_config = SimpleNamespace(weight_transfer_config=SimpleNamespace(backend=backend))
+        self.output_processor = SimpleNamespace(has_unfinished_requests=lambda: in_flight)
+        outer = self
+
+        class _Core:
+            async def pause_scheduler_async(self, mode, clear_cache):
+                outer.calls.append(("scheduler_pause", mode, clear_cache))
+
+        class _Renderer:
+            async def clear_mm_cache_async(self):
+                outer.calls.append(("clear_mm_cache",))
+
+        self.engine_core, self.renderer = _Core(), _Renderer()
+
+    async def pause_generation(self, *, mode="abort", clear_cache=True):
+        self.calls.append(("vllm_pause", mode, clear_cache))
+
+    async def resume_generation(self):
+        self.calls.append(("resume",))
+
+    async def collective_rpc(self, method, *args, **kwargs):
+        return []
+
+    async def is_paused(self):
+        return True
+
+
+@pytest.mark.parametrize("backend,in_flight,path", [("delta_sync", False, "scheduler"),
+                                                     ("delta_sync", True, "vllm"), ("nccl", False, "vllm")])
+def test_an_idle_delta_sync_engine_pauses_without_vllms_settling_sleep(backend, in_flight, path):
+    """vLLM's ``pause_generation`` ends with a 20 ms sleep that only lets in-flight outputs reach
+    their callers; an idle delta-sync engine pauses its scheduler directly (same mode, caches
+    cleared as asked). With requests in flight, or on another backend, vLLM's own pause runs."""
+    import asyncio
+
+    from patches.vllm_plugin import _lease_methods
+
+    class Fake(_FakeAsyncLLM):
+        pass
+
+    _lease_methods(Fake)
+    _lease_methods(Fake)  # idempotent: one wrapper
+    llm = Fake(backend, in_flight)
+
+    async def pause_and_resume():
+        await llm.pause_generation(mode="wait")
+        await llm.resume_generation()
+
+    asyncio.run(pause_and_resume())
+    if path == "scheduler":
+        assert llm.calls == [("clear_mm_cache",), ("scheduler_pause", "wait", True), ("resume",)]
+    else:
+        assert llm.calls == [("vllm_pause", "wait", True), ("resume",)]
+
+
+def test_http_engine_skips_the_cache_reset_a_clearing_pause_made(monkeypatch):
+    """A "wait"/"abort" pause empties vLLM's KV and prefix caches and nothing runs until resume, so
+    the reset after finish would be a wasted call; after a "keep" pause (requests frozen with their
+    KV) or without a pause it is sent."""
+    from delta_sync.engines import HttpEngine
+
+    posted: list[str] = []
+    engine = HttpEngine("http://127.0.0.1:1", secret="s" * 32)
+    monkeypatch.setattr(engine, "_post", lambda path, body=None, query=None: posted.append(path))
+    engine.reset_prefix_cache()
+    for mode in ("wait", "abort", "keep"):
+        engine.pause(mode)
+        engine.reset_prefix_cache()
+        engine.resume()
+        engine.reset_prefix_cache()
+    assert posted == ["/reset_prefix_cache",
+                      "/pause", "/resume", "/reset_prefix_cache",
+                      "/pause", "/resume", "/reset_prefix_cache",
+                      "/pause", "/reset_prefix_cache", "/resume", "/reset_prefix_cache"]
