@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from delta_sync import native
 from delta_sync.digest import PRIMES, Digest, digest_range, element_sums, scan_range
 
 
@@ -248,10 +249,18 @@ class UndoLog:
     pending: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = field(default_factory=list)
 
     def write(self) -> None:
-        """Perform the deferred writes (on failure: :meth:`restore` puts back every recorded value)."""
-        for target, pos, values in self.pending:
-            _put(target, pos, values)
-        self.pending.clear()
+        """Perform the deferred writes (on failure: :meth:`restore` puts back every recorded value).
+
+        Host writes to different parameters run on several threads (scattered writes are bound by
+        memory latency, not bandwidth); those to one parameter stay on one thread, in order."""
+        pending, self.pending = self.pending, []
+        by_storage: dict[tuple, list] = {}
+        for w in pending:
+            by_storage.setdefault(_storage_key(w[0]), []).append(w)
+        groups = list(by_storage.values())
+        spread([sum(v.numel() for _, _, v in g) for g in groups],
+               lambda lo, hi: [_put(*w) for g in groups[lo:hi] for w in g],
+               device=pending[0][0].device if pending else None)
 
     def change(self, target: torch.Tensor, pos: torch.Tensor | None, values: torch.Tensor) -> None:
         """Record the old values at ``pos`` of ``target`` (None: all of it), then write ``values``
@@ -279,6 +288,30 @@ class UndoLog:
     @property
     def nbytes(self) -> int:
         return sum(o.numel() * o.element_size() + (0 if p is None else p.numel() * 8) for _, p, o in self.entries)
+
+
+#: elements below which host writes of an apply stay on the calling thread
+SPREAD_MIN_ELEMENTS = 1 << 16
+
+
+def spread(sizes: list[int], run, device: torch.device | None) -> None:
+    """``run(lo, hi)`` over ``range(len(sizes))`` cut into contiguous parts of about equal size,
+    one thread each (``torch.get_num_threads()``) for host work of at least
+    :data:`SPREAD_MIN_ELEMENTS`; else one call. Every part finishes before an error is raised."""
+    total = sum(sizes)
+    threads = min(torch.get_num_threads(), len(sizes), max(1, total // SPREAD_MIN_ELEMENTS))
+    if device is None or device.type != "cpu" or threads < 2:
+        if sizes:
+            run(0, len(sizes))
+        return
+    _, error = native.run_spread([functools.partial(run, lo, hi)
+                                  for lo, hi in native.contiguous_groups(sizes, threads)])
+    if error is not None:
+        raise error
+
+
+def _storage_key(t: torch.Tensor) -> tuple:
+    return t.device, t.untyped_storage().data_ptr()
 
 
 def _put(target: torch.Tensor, pos: torch.Tensor | None, values: torch.Tensor) -> None:
@@ -347,16 +380,22 @@ def apply_sparse_many(views: dict[str, LoaderView], params: dict[str, torch.Tens
             written += apply_sparse(view, params, idx, vals, undo)
         elif idx.numel():
             groups.setdefault(seg.param, []).append((idx, seg.dst_offset, vals))
-    for pname, parts in groups.items():
-        idx = torch.cat([i for i, _, _ in parts]) if len(parts) > 1 else parts[0][0]
-        dst = idx.to(torch.int64)
-        if any(off for _, off, _ in parts):
-            offsets = torch.tensor([off for _, off, _ in parts], dtype=torch.int64, device=dst.device)
-            counts = torch.tensor([i.numel() for i, _, _ in parts], dtype=torch.int64, device=dst.device)
-            dst += torch.repeat_interleave(offsets, counts, output_size=dst.numel())
-        vals = torch.cat([v for _, _, v in parts]) if len(parts) > 1 else parts[0][2]
-        written += write_positions(flat_param(params[pname]), dst, vals, undo)
-    return written
+    per_param = list(groups.items())
+
+    def run(lo: int, hi: int) -> None:  # parameters lo:hi (one thread's share; disjoint storages)
+        for pname, parts in per_param[lo:hi]:
+            idx = torch.cat([i for i, _, _ in parts]) if len(parts) > 1 else parts[0][0]
+            dst = idx.to(torch.int64)
+            if any(off for _, off, _ in parts):
+                offsets = torch.tensor([off for _, off, _ in parts], dtype=torch.int64, device=dst.device)
+                counts = torch.tensor([i.numel() for i, _, _ in parts], dtype=torch.int64, device=dst.device)
+                dst += torch.repeat_interleave(offsets, counts, output_size=dst.numel())
+            vals = torch.cat([v for _, _, v in parts]) if len(parts) > 1 else parts[0][2]
+            write_positions(flat_param(params[pname]), dst, vals, undo)
+
+    sizes = [sum(i.numel() for i, _, _ in parts) for _, parts in per_param]
+    spread(sizes, run, device=params[per_param[0][0]].device if per_param else None)
+    return written + sum(sizes)
 
 
 def write_positions(flat: torch.Tensor, dst: torch.Tensor, values: torch.Tensor, undo: UndoLog | None) -> int:

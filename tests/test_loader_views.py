@@ -220,3 +220,71 @@ def test_many_tensors_in_one_apply_equal_one_by_one():
     undos[0].restore()
     for name, p in params[0].items():
         assert torch.equal(p, before[name]), name
+
+
+class _Plain(torch.nn.Module):
+    """Four bf16 parameters loaded as they are (each checkpoint tensor one whole run)."""
+
+    def __init__(self, numel: int):
+        super().__init__()
+        for i in range(4):
+            self.register_parameter(f"w{i}", torch.nn.Parameter(torch.zeros(numel, dtype=torch.bfloat16),
+                                                                requires_grad=False))
+
+    def load_weights(self, items):
+        for name, w in items:
+            getattr(self, name).data.copy_(w)
+
+
+def test_host_writes_spread_over_threads_equal_one_thread(monkeypatch):
+    """A delta's planned writes (and its plan's old-value reads) run on several threads, one
+    parameter per thread at a time: the weights and the undo log equal a one-thread apply, and a
+    write that fails on one thread leaves everything restorable."""
+    import threading
+
+    from patches import loader_views as lv
+
+    n = 2 * lv.SPREAD_MIN_ELEMENTS
+    g = torch.Generator().manual_seed(9)
+    models = [_Plain(n), _Plain(n)]
+    views, _ = probe_views(models[0], [(f"w{i}", (n,), torch.bfloat16) for i in range(4)])
+    state = {f"w{i}": torch.randn(n, generator=g).to(torch.bfloat16) for i in range(4)}
+    for m in models:
+        m.load_weights(state.items())
+    patches = []
+    for i in range(4):
+        idx = torch.randperm(n, generator=g)[: n // 3].sort().values.to(torch.int32)
+        patches.append((f"w{i}", idx, torch.randn(idx.numel(), generator=g).to(torch.bfloat16)))
+    threads, put = set(), lv._put
+
+    def recording_put(*a):
+        threads.add(threading.get_ident())
+        put(*a)
+
+    monkeypatch.setattr(lv, "_put", recording_put)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    undos = []
+    for m, floor in zip(models, (lv.SPREAD_MIN_ELEMENTS, 1 << 40)):  # spread, then one thread
+        monkeypatch.setattr(lv, "SPREAD_MIN_ELEMENTS", floor)
+        threads.clear()
+        undo = UndoLog(deferred=True)
+        lv.apply_sparse_many(views, dict(m.named_parameters()), patches, undo)
+        undo.write()
+        undos.append(undo)
+        assert len(threads) == (2 if floor < n else 1)
+    for name, p in models[0].named_parameters():
+        assert torch.equal(p, getattr(models[1], name)), name
+        assert not torch.equal(p, state[name])
+    undos[0].restore()
+    for name, p in models[0].named_parameters():
+        assert torch.equal(p, state[name]), name
+    # a write failing on one thread: the other threads finish, the error leaves, restore repairs all
+    monkeypatch.setattr(lv, "SPREAD_MIN_ELEMENTS", 1)
+    undo = UndoLog(deferred=True)
+    lv.apply_sparse_many(views, dict(models[0].named_parameters()), patches, undo)
+    undo.pending[-1] = (undo.pending[-1][0], undo.pending[-1][1], undo.pending[-1][2][:5])  # wrong length
+    with pytest.raises(Exception):
+        undo.write()
+    undo.restore()
+    for name, p in models[0].named_parameters():
+        assert torch.equal(p, state[name]), name
