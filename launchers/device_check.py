@@ -225,9 +225,9 @@ def check_in_place(device, g) -> dict:
 def check_fast_path(device, g) -> dict:
     from update_weight.megatron_shard_delta import _host_runs, _locate, _owned_runs, _place
 
-    local, starts = torch.arange(0, 4096), torch.tensor([0])
-    b0, n0, t0 = _owned_runs(local[:1024], True, starts)  # one run, shifted by 7 in the checkpoint
-    b1, n1, t1 = _owned_runs(local[1024:].flip(0), True, starts)  # reversed: runs of one element
+    local = torch.arange(0, 4096)
+    b0, n0, t0 = _owned_runs(local[:1024], True)  # one run, shifted by 7 in the checkpoint
+    b1, n1, t1 = _owned_runs(local[1024:].flip(0), True)  # reversed: runs of one element
     host = _host_runs([(b0, n0, 0, t0 + 7), (b1, n1, 1, t1 + 1024)])
     param = torch.empty(64, 64, dtype=torch.bfloat16, device=device)
     runs = _place(param, *host)

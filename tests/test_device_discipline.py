@@ -146,8 +146,8 @@ def test_loader_views_read_on_the_device():
 def test_fast_path_mapping_runs_where_the_shard_lives():
     from update_weight.megatron_shard_delta import _host_runs, _locate, _owned_runs, _place
 
-    local, starts = torch.arange(0, 32), torch.tensor([0])
-    (b0, n0, t0), (b1, n1, t1) = _owned_runs(local[:16], True, starts), _owned_runs(local[16:], True, starts)
+    local = torch.arange(0, 32)
+    (b0, n0, t0), (b1, n1, t1) = _owned_runs(local[:16], True), _owned_runs(local[16:], True)
     host = _host_runs([(b0, n0, 0, t0 + 100), (b1, n1, 1, t1 + 16)])  # the probed plan
     with FakeTensorMode(allow_non_fake_inputs=True):
         param = torch.empty(4, 8, dtype=torch.bfloat16, device="cuda")

@@ -84,24 +84,48 @@ def test_updaters_keep_the_engine_exact(llm, mode, transport, cls):
     assert all(stages <= set(r.timings) for r in later)
 
 
-def test_owned_runs_are_maximal_and_cut_at_parameter_starts():
+@pytest.mark.parametrize("chunk", [4, 5, 1 << 22], ids=["chunk-4", "chunk-5", "one-chunk"])
+def test_owned_runs_are_maximal(chunk, monkeypatch):
     """The fast path's plan: runs of owned elements consecutive in both coordinates, found without
-    sorting the elements; a foreign element, a jump in local offsets, or the start of the next
-    local parameter ends a run."""
+    sorting the elements, chunk by chunk (runs go on across chunks); a foreign element or a jump in
+    local offsets ends a run."""
     import torch
 
+    from update_weight import megatron_shard_delta
     from update_weight.megatron_shard_delta import _expand, _owned_runs
 
-    starts = torch.tensor([0, 10, 20])  # three local parameters of 10 elements
-    # checkpoint order: local 2..7, foreign, 8..13 (crosses the parameter starting at 10), 30, 31
-    local = torch.tensor([2, 3, 4, 5, 6, 7, -1, 8, 9, 10, 11, 12, 13, 30, 31])
+    monkeypatch.setattr(megatron_shard_delta, "_RUN_CHUNK", chunk)
+    # checkpoint order: local 2..7, foreign, 8..13, 30, 31 (int32, as small parameters' probes are)
+    local = torch.tensor([2, 3, 4, 5, 6, 7, -1, 8, 9, 10, 11, 12, 13, 30, 31], dtype=torch.int32)
     mine = local >= 0
-    begin, length, target = _owned_runs(local, mine, starts)
-    assert begin.tolist() == [2, 8, 10, 30] and length.tolist() == [6, 2, 4, 2] and target.tolist() == [0, 7, 9, 13]
+    begin, length, target = _owned_runs(local + (3 << 20), mine, base=3 << 20)  # rank 3's ids
+    assert begin.tolist() == [2, 8, 30] and length.tolist() == [6, 6, 2] and target.tolist() == [0, 7, 13]
+    assert begin.dtype == length.dtype == target.dtype == torch.int64
     # every owned element is covered once, at its own checkpoint position
-    assert torch.equal(_expand(begin, length), local[mine]) and torch.equal(_expand(target, length), mine.nonzero().squeeze(1))
-    begin, length, target = _owned_runs(torch.arange(5, 15), True, starts)  # all mine: cut at 10 only
-    assert begin.tolist() == [5, 10] and length.tolist() == [5, 5] and target.tolist() == [0, 5]
+    assert torch.equal(_expand(begin, length), local[mine].long())
+    assert torch.equal(_expand(target, length), mine.nonzero().squeeze(1))
+    begin, length, target = _owned_runs(torch.arange(5, 15), True)  # all mine: one run
+    assert begin.tolist() == [5] and length.tolist() == [10] and target.tolist() == [0]
+
+
+def test_probe_ids_are_int32_where_every_rank_fits_and_name_their_rank():
+    """A probe id is ``rank << shift | offset``: int32 while the last rank's ids fit (half of what
+    Bridge gathers), int64 beyond; ownership is read from ids with one min/max where a tensor came
+    whole from one rank, and per element only where ranks mix (a TP gather)."""
+    import torch
+
+    from update_weight.megatron_shard_delta import _id_layout, _own_mask
+
+    assert _id_layout(1 << 20, 8) == (20, torch.int32)
+    assert _id_layout((1 << 28) + 1, 8) == (29, torch.int64)  # 8 << 29 > 2**31
+    assert _id_layout(1, 1) == (1, torch.int32)
+    shift, dtype = _id_layout(6, 4)
+    ids = [torch.arange(6, dtype=dtype).add_(r << shift) for r in range(4)]
+    assert _own_mask(ids[2], 2, shift) is True and _own_mask(ids[2], 1, shift) is False
+    gathered = torch.cat([ids[0], ids[3]])  # rank 0's shard then rank 3's
+    assert not _own_mask(gathered, 1, shift).any()  # between the two: a min/max cannot tell, the mask can
+    assert _own_mask(gathered, 3, shift).tolist() == [False] * 6 + [True] * 6
+    assert _own_mask(torch.empty(0, dtype=dtype), 0, shift) is True
 
 
 @pytest.mark.parametrize("long_runs", [True, False], ids=["rows-compared-as-slices", "elements-expanded"])

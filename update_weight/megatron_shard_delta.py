@@ -5,9 +5,10 @@ Bridge's export gathers every TP/EP shard, broadcasts every PP stage and re-lays
 experts into Hugging Face tensors on every rank (~0.3 GB/s on CPU). A delta only needs where each
 *changed* element of a local shard lands in the checkpoint. That map is fixed for a given model
 layout, so it is learned once, at the seed, by running Bridge's ``megatron_to_hf`` conversions on
-*probe* tensors: each local element holds its own id (``rank * 2**40 + offset``, as int64: no
-float64 ever enters a collective, which HCCL lacks). Every output element then names the rank and
-local offset it came from, through
+*probe* tensors: each element of a local parameter holds its own id (``rank << s | offset``, for a
+parameter of at most ``2**s`` elements; int32 where every rank's ids fit, which halves the bytes
+Bridge gathers, else int64: no float64 ever enters a collective, which HCCL lacks). Every output
+element then names the rank and offset it came from, through
 whatever Bridge does (TP gather, QKV per-group interleave, gate/up halves, expert renumbering,
 PP broadcast, vocab padding dropped). Where several ranks hold the same element (replicated norms
 at TP>1, data-parallel replicas), the lowest rank is its owner: one code per rank and tensor when
@@ -48,13 +49,13 @@ from .megatron_source import BridgeExportSource
 
 log = logging.getLogger(__name__)
 
-_RANK_SHIFT = 40
-_RANK_STRIDE = 1 << _RANK_SHIFT  # ids: rank * 2**40 + local offset (int64, never negative)
 _NOBODY = torch.iinfo(torch.int32).max
 #: converted tensors whose owners are settled in one exchange of codes (their int64 ids are held meanwhile)
 _OWNER_WINDOW = 64
 _OWNER_WINDOW_BYTES = 256 << 20
 _EMBED = "model.embed_tokens.weight"
+#: elements per step of the plan's run search (bounds its temporaries to ~20 MB)
+_RUN_CHUNK = 1 << 22
 #: mean run length from which digests go run by run (contiguous ranges) instead of element by element
 _LONG_RUNS = 1 << 12
 
@@ -232,47 +233,44 @@ class MegatronShardDelta(BridgeExportSource):
         """Probe Bridge's conversions once (collective) and keep this rank's runs."""
         self._planned = True
         rank = self._rank()
+        world = dist.get_world_size(self.group) if dist.is_initialized() else 1
         params: list[torch.Tensor] = []
-        base: list[int] = []
-        offset = 0
         pieces: dict[int, list] = {}  # local param k -> [(run starts, lengths, plan index, targets)]
         names: list[str] = []
         problem = None
-        window: list[tuple[str, int | None, torch.Tensor]] = []  # converted, owner not yet settled
+        # converted, owner not yet settled: (name, plan index, ids, local param k or None, id shift)
+        window: list[tuple[str, int | None, torch.Tensor, int | None, int]] = []
         held = 0
 
         def settle() -> str | None:
             """Owners of the window's tensors, their runs noted: one exchange of codes for all of them."""
             nonlocal held
-            starts = torch.tensor(base, dtype=torch.int64)
             found = None
-            for (name, seq, ids), mine in zip(window, self._owned_many([ids for _, _, ids in window], rank)):
+            owned = self._owned_many([(ids, k is not None, shift) for _, _, ids, k, shift in window], rank)
+            for (name, seq, ids, k, shift), mine in zip(window, owned):
                 if mine is None:
                     found = found or f"no owner for some elements of {name}"
-                if seq is None or mine is None or mine is False:
-                    continue
-                local, length, target = _owned_runs(ids - rank * _RANK_STRIDE, mine, starts)
-                k = torch.searchsorted(starts, local, right=True) - 1
-                for kk in torch.unique(k).tolist():
-                    sel = k == kk
-                    pieces.setdefault(kk, []).append((local[sel] - base[kk], length[sel], seq, target[sel]))
+                if seq is None or mine is None or mine is False or k is None or ids.numel() == 0:
+                    continue  # a rank owns only what it probed: ids name a task's own parameter
+                local, length, target = _owned_runs(ids, mine, base=rank << shift)
+                if length.numel():  # a parameter keeps a snapshot only if it owns some element
+                    pieces.setdefault(k, []).append((local, length, seq, target))
             window.clear()
             held = 0
             return found
 
         for task in self.tasks():
-            probe = None
+            probe, k, shift = None, None, 0
             if task.param_weight is not None:
                 w = task.param_weight
+                k = len(params)
                 params.append(w)
-                base.append(offset)
-                probe = torch.arange(offset, offset + w.numel(), dtype=torch.int64).add_(rank * _RANK_STRIDE)
-                probe = probe.reshape(w.shape).to(w.device)
-                offset += w.numel()
+                shift, dtype = _id_layout(w.numel(), world)
+                probe = torch.arange(w.numel(), dtype=dtype).add_(rank << shift).reshape(w.shape).to(w.device)
             try:
                 converted = task.mapping.megatron_to_hf(probe, task.megatron_module)
                 converted = self.bridge._model_bridge.maybe_modify_converted_hf_weight(task, converted or {}, {})
-            finally:  # mappings cache the (shape, dtype) they broadcast: forget the probe's int64
+            finally:  # mappings cache the (shape, dtype) they broadcast: forget the probe's
                 _clear_caches(task.mapping)
             for name, ids in (converted or {}).items():
                 if name in names:
@@ -281,8 +279,9 @@ class MegatronShardDelta(BridgeExportSource):
                 else:
                     names.append(name)
                     seq = len(names) - 1
-                window.append((name, seq, ids.reshape(-1).to("cpu", torch.int64)))
-                held += window[-1][2].numel() * 8
+                ids = ids.reshape(-1).to("cpu")
+                window.append((name, seq, ids, k, shift))
+                held += ids.numel() * ids.element_size()
                 if len(window) >= _OWNER_WINDOW or held >= _OWNER_WINDOW_BYTES:
                     problem = settle() or problem
         problem = settle() or problem
@@ -296,17 +295,20 @@ class MegatronShardDelta(BridgeExportSource):
             for s in torch.unique(runs.seq).tolist():
                 self._params_of.setdefault(s, []).append(k)
 
-    def _owned_many(self, converted: list[torch.Tensor], rank: int) -> list[torch.Tensor | bool | None]:
-        """Which elements of each converted tensor (element ids) this rank owns: each element's owner
-        is the lowest rank that converted it from its own shard (its id names that rank). True / False
-        for all or none, a bool mask when mixed, None when some element has no owner at all.
+    def _owned_many(self, converted: list[tuple[torch.Tensor, bool, int]], rank: int
+                    ) -> list[torch.Tensor | bool | None]:
+        """Which elements of each converted tensor (``ids``, whether this rank probed the task, its id
+        shift) this rank owns: each element's owner is the lowest rank that converted it from its own
+        shard (its id names that rank). True / False for all or none, a bool mask when mixed, None
+        when some element has no owner at all.
 
         Usually one rank converts a whole tensor from its own shard (replicated weights, an expert
         of its own) and the others none of it from theirs: one code per rank and tensor settles
         that, all the tensors' codes in one exchange; only a tensor some rank holds partly (a TP
         all-gather) takes a per-element all-reduce."""
-        owns = [(ids >> _RANK_SHIFT) == rank for ids in converted]  # the rank an id names (a shift, not a division)
-        mine = [2 if bool(own.all()) else (1 if bool(own.any()) else 0) for own in owns]  # all / some / none
+        owns = [_own_mask(ids, rank, shift) if probed else bool(ids.numel() == 0)
+                for ids, probed, shift in converted]  # True / False: all or none, else a mask
+        mine = [2 if own is True else 0 if own is False else (1 if bool(own.any()) else 0) for own in owns]
         if not dist.is_initialized():
             return [True if code == 2 else None for code in mine]
         if not converted:
@@ -316,13 +318,14 @@ class MegatronShardDelta(BridgeExportSource):
         codes = torch.empty(world * len(mine), dtype=torch.int32)
         collectives.all_gather_into_tensor(codes, torch.tensor(mine, dtype=torch.int32), group)
         out: list[torch.Tensor | bool | None] = []
-        for ids, own, col in zip(converted, owns, codes.view(world, -1).t().tolist()):  # col: every rank's code
+        for (ids, _, _), own, col in zip(converted, owns, codes.view(world, -1).t().tolist()):  # every rank's code
             if 1 not in col:
                 # the lowest rank converting it all from its own shard, or nobody
                 out.append(None if 2 not in col else col.index(2) == dist.get_rank(group))
                 continue
-            owner = torch.full(ids.shape, _NOBODY, dtype=torch.int32)
-            owner[own] = rank
+            owner = torch.full(ids.shape, rank if own is True else _NOBODY, dtype=torch.int32)
+            if own is not True and own is not False:
+                owner[own] = rank
             collectives.all_reduce(owner, group, op=dist.ReduceOp.MIN)
             out.append(None if bool((owner == _NOBODY).any()) else owner == rank)
         return out
@@ -349,6 +352,27 @@ class MegatronShardDelta(BridgeExportSource):
         return True
 
 
+def _id_layout(numel: int, world: int) -> tuple[int, torch.dtype]:
+    """``(shift, dtype)`` of the probe ids of a parameter of ``numel`` elements, ``rank << shift |
+    offset``: int32 where the last rank's ids fit, else int64. Peers that convert one task together
+    (TP shards, EP experts) hold parameters of one size, so they agree on both."""
+    shift = max(1, (numel - 1).bit_length())
+    return shift, (torch.int32 if world << shift <= 1 << 31 else torch.int64)
+
+
+def _own_mask(ids: torch.Tensor, rank: int, shift: int) -> torch.Tensor | bool:
+    """Which of ``ids`` name ``rank``: True or False when all or none do, else a bool mask. One
+    reduction (min and max) settles a tensor converted whole from one rank's shard, the usual case,
+    with no per-element temporaries (a shift and compare of every id allocated 9 bytes per element:
+    ~3 s of a 0.33B-parameter plan here)."""
+    if ids.numel() == 0:
+        return True
+    lo, hi = (int(x) >> shift for x in torch.aminmax(ids))
+    if lo == hi or rank < lo or rank > hi:
+        return lo == rank
+    return (ids >> shift) == rank
+
+
 def _clear_caches(mapping, seen=None) -> None:
     """Empty the broadcast caches of a mapping and of the mappings it delegates to (AutoMapping)."""
     seen = seen if seen is not None else set()
@@ -364,36 +388,31 @@ def _clear_caches(mapping, seen=None) -> None:
             _clear_caches(value, seen)
 
 
-def _owned_runs(local: torch.Tensor, mine: torch.Tensor | bool, starts: torch.Tensor
+def _owned_runs(ids: torch.Tensor, mine: torch.Tensor | bool, base: int = 0
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(local start, length, target start)`` of the maximal runs of owned elements that are
-    consecutive in both coordinates, from ``local`` (each checkpoint element's local flat offset,
-    in checkpoint order). Runs also break where a local parameter starts (``starts``). A few
-    vectorized passes over the tensor; no sort of its elements."""
-    n = local.numel()
-    cont = torch.zeros(n, dtype=torch.bool)  # element t continues the run of element t - 1
-    if n > 1:
-        cont[1:] = local[1:] == local[:-1] + 1
+    """``(local start, length, target start)`` (int64) of the maximal runs of owned elements that
+    are consecutive in both coordinates, from ``ids`` (each checkpoint element's flat offset in the
+    local parameter plus ``base``, in checkpoint order). Vectorized passes over chunks of
+    :data:`_RUN_CHUNK` elements, whose temporaries the allocator reuses (a whole tensor's would be
+    fresh pages each time, which this host faults in at ~1 s per GB); no sort of the elements."""
+    n = ids.numel()
+    firsts = []  # elements that start a run, owned or not (a foreign element is its own)
+    for a in range(0, n, _RUN_CHUNK):
+        b = min(n, a + _RUN_CHUNK)
+        lo = max(a - 1, 0)  # each element is compared with the one before it, across chunks too
+        seg = ids[lo:b]
+        breaks = seg[1:] != seg[:-1] + 1
         if mine is not True:
-            cont[1:] &= mine[1:] & mine[:-1]
-    first = (~cont).nonzero().squeeze(1)  # every run, owned or not (a foreign element is its own)
+            breaks |= ~(mine[lo + 1:b] & mine[lo:b - 1])
+        if a == 0:
+            firsts.append(torch.zeros(1, dtype=torch.int64))
+        firsts.append(breaks.nonzero().squeeze(1).add_(lo + 1))
+    first = torch.cat(firsts) if firsts else torch.zeros(0, dtype=torch.int64)
     length = torch.diff(first, append=torch.tensor([n]))
     if mine is not True:
         keep = mine.take(first)
         first, length = first[keep], length[keep]
-    begin = local.take(first)
-    k0 = torch.searchsorted(starts, begin, right=True)
-    k1 = torch.searchsorted(starts, begin + length - 1, right=True)
-    if bool((k0 != k1).any()):  # a run that crosses into the next local parameter: cut it there
-        parts = []
-        for b, ln, t in zip(begin.tolist(), length.tolist(), first.tolist()):
-            for s in starts.tolist():
-                if b < s < b + ln:
-                    parts.append((b, s - b, t))
-                    ln, t, b = ln - (s - b), t + (s - b), s
-            parts.append((b, ln, t))
-        begin, length, first = (torch.tensor(c, dtype=torch.int64) for c in zip(*parts))
-    return begin, length, first
+    return ids.take(first).to(torch.int64).sub_(base), length, first
 
 
 def _build_runs(param: torch.Tensor, plist) -> _Runs:
