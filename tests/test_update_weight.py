@@ -108,6 +108,24 @@ def test_owned_runs_are_maximal(chunk, monkeypatch):
     assert begin.tolist() == [5] and length.tolist() == [10] and target.tolist() == [0]
 
 
+def test_runs_know_when_a_delta_needs_no_sort():
+    """A parameter whose runs all map into one checkpoint tensor, in checkpoint order, hands its
+    changed elements over as found (local order); a transposed or fused one is sorted."""
+    import torch
+
+    from update_weight.megatron_shard_delta import _order
+
+    local, length = torch.tensor([0, 4, 8]), torch.tensor([4, 4, 4])
+    assert _order(local, length, torch.tensor([5, 5, 5]), torch.tensor([0, 10, 20])) == {
+        "single": 5, "ascending": frozenset({5})}
+    assert _order(local, length, torch.tensor([5, 5, 5]), torch.tensor([20, 10, 0])) == {
+        "single": 5, "ascending": frozenset()}  # rows reversed
+    assert _order(local, length, torch.tensor([5, 5, 5]), torch.tensor([0, 2, 20])) == {
+        "single": 5, "ascending": frozenset()}  # runs overlap in the checkpoint
+    assert _order(local, length, torch.tensor([1, 2, 1]), torch.tensor([0, 0, 4])) == {
+        "single": None, "ascending": frozenset({1, 2})}  # fused: q and k halves
+
+
 def test_probe_ids_are_int32_where_every_rank_fits_and_name_their_rank():
     """A probe id is ``rank << shift | offset``: int32 while the last rank's ids fit (half of what
     Bridge gathers), int64 beyond; ownership is read from ids with one min/max where a tensor came

@@ -69,6 +69,11 @@ class _Runs:
     length: torch.Tensor  # int64 [R]
     seq: torch.Tensor  # int64 [R] position of the checkpoint tensor in the export order
     target: torch.Tensor  # int64 [R] checkpoint flat index of the run's first element
+    #: the one checkpoint tensor every run maps into, or None (a fused qkv / gate-up parameter)
+    single: int | None = None
+    #: checkpoint tensors whose runs, taken in local order, also ascend in the checkpoint: changed
+    #: elements found in local order are then already in checkpoint order (no sort)
+    ascending: frozenset = frozenset()
 
 
 class MegatronShardDelta(BridgeExportSource):
@@ -139,7 +144,7 @@ class MegatronShardDelta(BridgeExportSource):
         self._seed_ok = ok  # takes effect at commit: the snapshots must hold what the engines hold
 
     def local_patches(self) -> list[Ordered]:
-        per_seq: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        per_seq: dict[int, list[tuple[torch.Tensor, torch.Tensor, bool]]] = {}  # (targets, bits, in order)
         # every shard snapshot advances in the diff's pass (one batch: a few host-kernel calls for all
         # of them); rollback puts the old bits back
         found = self.differ.absorb_many([(self._snap[k], runs.param.detach()) for k, runs in enumerate(self._runs)])
@@ -154,16 +159,22 @@ class MegatronShardDelta(BridgeExportSource):
                 pos, bits, target, seqs = pos[inside], bits[inside], target[inside], seqs[inside]
             if pos.numel() == 0:
                 continue
+            if runs.single is not None:  # most parameters map into one checkpoint tensor
+                per_seq.setdefault(runs.single, []).append((target, bits, runs.single in runs.ascending))
+                continue
             for s in torch.unique(seqs).tolist():
                 sel = seqs == s
-                per_seq.setdefault(s, []).append((target[sel], bits[sel]))
+                per_seq.setdefault(s, []).append((target[sel], bits[sel], s in runs.ascending))
         out = []
         for s, parts in per_seq.items():
             name = self._plan_names[s]
-            target = torch.cat([t for t, _ in parts])
-            bits = torch.cat([b for _, b in parts])
-            order = torch.argsort(target)
-            idx, vals = target[order].to(torch.int32), bits[order].view(self._dtypes[name])
+            if len(parts) == 1 and parts[0][2]:  # one parameter's share, already in checkpoint order
+                target, bits = parts[0][0], parts[0][1]
+            else:
+                target = torch.cat([t for t, _, _ in parts])
+                order = torch.argsort(target)
+                target, bits = target[order], torch.cat([b for _, b, _ in parts])[order]
+            idx, vals = target.to(torch.int32), bits.view(self._dtypes[name])
             for n in [name, *self._aliases.get(name, [])]:
                 out.append(Ordered(self._position[n], Patch(n, self._shapes[n], self._dtypes[n], idx, vals)))
         return sorted(out, key=lambda o: o.seq)
@@ -417,7 +428,8 @@ def _owned_runs(ids: torch.Tensor, mine: torch.Tensor | bool, base: int = 0
 
 def _build_runs(param: torch.Tensor, plist) -> _Runs:
     """The runs of one parameter's owned elements, in local order, on its device."""
-    return _place(param, *_host_runs(plist))
+    host = _host_runs(plist)
+    return _place(param, *host, **_order(*host))
 
 
 def _host_runs(plist) -> tuple[torch.Tensor, ...]:
@@ -431,10 +443,23 @@ def _host_runs(plist) -> tuple[torch.Tensor, ...]:
     return local[order], length[order], seq[order], target[order]
 
 
-def _place(param: torch.Tensor, local, length, seq, target) -> _Runs:
-    """The runs on the parameter's device: where the diffs they map are computed."""
+def _place(param: torch.Tensor, local, length, seq, target, **order) -> _Runs:
+    """The runs on the parameter's device: where the diffs they map are computed. ``order``: what
+    :func:`_order` found on the host copy (without it, every delta sorts their targets)."""
     dev = param.device
-    return _Runs(param, local.to(dev), length.to(dev), seq.to(dev), target.to(dev))
+    return _Runs(param, local.to(dev), length.to(dev), seq.to(dev), target.to(dev), **order)
+
+
+def _order(local, length, seq, target) -> dict:
+    """``single`` and ``ascending`` of :class:`_Runs`, from host runs in local order."""
+    seqs = torch.unique(seq).tolist()
+    ascending = []
+    for s in seqs:
+        sel = seq == s
+        t, n = target[sel], length[sel]
+        if bool((t[1:] >= t[:-1] + n[:-1]).all()):
+            ascending.append(s)
+    return {"single": seqs[0] if len(seqs) == 1 else None, "ascending": frozenset(ascending)}
 
 
 def _locate(runs: _Runs, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
