@@ -498,13 +498,17 @@ class WeightSync:
             return None, None, elements[0]
 
         def send(sender: BucketSender) -> SendStats:
-            if keep:
-                sender.packer.keep = self.store.adopt
+            packed = []
             try:
-                sender.send(full_patches())
+                if keep:  # pack the whole seed before the engines pause: its buckets are the snapshot
+                    sender.packer.keep = self.store.adopt
+                    packed = sender.prepack(full_patches())
+                else:
+                    sender.send(full_patches())
             except Exception as e:  # a bad tensor found while packing (NaN, too large)
                 failure.append(e)
             finish_stream()
+            sender.send_packed(packed)
             return sender.close()
 
         outcome, error = self._publish(version, kind, timings, send, bulk=True, kept=kept)

@@ -126,7 +126,8 @@ class BucketSender:
             except BaseException as e:  # the caller raises it at its next call
                 self._error = e
             finally:
-                self._slots.give(arena)
+                if arena is not None:  # a prepacked bucket holds no slot
+                    self._slots.give(arena)
 
     def _put(self, bucket: Bucket, arena: Arena) -> None:
         self._raise()
@@ -144,6 +145,23 @@ class BucketSender:
     def send(self, patches: Iterable[Patch]) -> None:
         """Pack and send ``patches`` (lazily consumed) without ending the version."""
         self._pack(patches, close=False)
+
+    def prepack(self, patches: Iterable[Patch]) -> list[Bucket]:
+        """Pack every bucket of ``patches`` now and hand them back unsent, for :meth:`send_packed`.
+        Only for a packer in keep mode: its buckets are memory handed over for good (a one-rank
+        trainer's snapshot), so holding them all costs nothing the snapshot does not."""
+        if self.packer.keep is None:
+            raise ValueError("prepack holds every bucket at once: only for a packer in keep mode")
+        t0 = time.perf_counter()
+        try:
+            return list(self.packer.pack(self._count(patches), close=False))
+        finally:
+            self.stats.pack_s += time.perf_counter() - t0
+
+    def send_packed(self, buckets: list[Bucket]) -> None:
+        """Send buckets :meth:`prepack` made, without ending the version."""
+        for bucket in buckets:
+            self._put(bucket, None)
 
     def _pack(self, patches: Iterable[Patch], close: bool) -> None:
         it = iter(self.packer.pack(self._count(patches), close=close))

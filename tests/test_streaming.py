@@ -67,18 +67,28 @@ def test_one_rank_seed_packs_each_tensor_once_into_its_snapshot():
     """A one-rank delta trainer's seed buckets become its snapshot (one copy of the model, not a
     snapshot copy plus the buckets'): each snapshot is a view of the bucket it was packed into, a
     tensor larger than a bucket gets memory of its own, one that would sit off the diff kernel's
-    word alignment is copied, nothing aliases the trainer's tensors, and deltas stay exact."""
+    word alignment is copied, nothing aliases the trainer's tensors, and deltas stay exact. The
+    whole seed is packed before the engines pause (holding its buckets costs nothing the snapshot
+    does not), so the pause window covers only the send and the apply."""
     from delta_sync.diff import word_aligned
+
+    class PauseWatch(MemoryReceiver):
+        staged_at_pause: list[int] = []
+
+        def pause(self, mode: str = "wait") -> None:
+            self.staged_at_pause.append(len(sync.store._staged))
+            super().pause(mode)
 
     state = _many_tensors()  # 48 tensors of 5-11 KiB
     g = torch.Generator().manual_seed(3)
     state["big"] = torch.randn(200, 100, generator=g).to(torch.bfloat16)  # 40 KB: 2 buckets of 32 KiB
     state["odd"] = torch.randn(3, 5, generator=g).to(torch.bfloat16)  # 30 B: puts the next one off 8-byte words
     state["after_odd"] = torch.randn(16, 16, generator=g).to(torch.bfloat16)
-    receiver = MemoryReceiver()
+    receiver = PauseWatch()
     sync = WeightSync([receiver], mode="delta", bucket_bytes=32 << 10, timeout_s=60)
     try:
-        sync.update(state.items())
+        seed = sync.update(state.items())
+        assert seed.buckets > 5 and receiver.staged_at_pause == [len(state)]  # all packed, then paused
         snaps = dict(sync.store.snapshots())
         assert snaps.keys() == state.keys()
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in snaps.values()}
