@@ -533,12 +533,14 @@ class WeightSync:
         t_pause = [time.perf_counter()]
         started: list[EngineClient] = early.started if early is not None else []
         finished: list[EngineClient] = []
+        opened: list[bool] = []  # the engines were paused / started for this update
         sweep: dict = {}
 
         def open_engines() -> None:
             """Right before the first bucket leaves: a bulk update pauses here, so its pause window
             never covers what precedes its first bucket (a Megatron source's one-time plan, the
             export of the first tensors). A delta's engines may have been started already."""
+            opened.append(True)
             if bulk:
                 t_pause[0] = time.perf_counter()
                 for e in self.engines:
@@ -571,8 +573,13 @@ class WeightSync:
                         e.resume()
                     except Exception:
                         pass
-            log.error("delta-sync v%d failed (%s); %s", version, err,
-                      "engines stay paused until a seed" if needs_seed else f"engines resumed on v{self.version}")
+            if not needs_seed:
+                what = f"engines resumed on v{self.version}"
+            elif opened or started:
+                what = "engines stay paused until a seed"
+            else:  # a seed refused before its first bucket: nothing reached the engines
+                what = "engines untouched; the next update is a seed"
+            log.error("delta-sync v%d failed (%s); %s", version, err, what)
             return Outcome(False, f"{type(err).__name__}: {err}", needs_seed=needs_seed), err
         report = {"tensors": stats.tensors, "changed_elements": stats.elements, "payload_bytes": stats.payload_bytes,
                   "buckets": stats.buckets, "pause_window_s": round(time.perf_counter() - t_pause[0], 6)}

@@ -71,7 +71,7 @@ def test_bad_delta_is_refused_before_anything_is_sent(kind, match, batch, monkey
 @pytest.mark.parametrize("kind,match", [("empty", "no tensors"), ("duplicate name", "given twice"),
                                         ("too large for int32", "int32"), ("unsupported dtype", "not supported"),
                                         ("non-finite", "non-finite")])
-def test_bad_seed_is_refused_and_the_next_update_seeds(kind, match):
+def test_bad_seed_is_refused_and_the_next_update_seeds(kind, match, caplog):
     """A seed streams: what came before the bad tensor may already be applied, so the receiver is
     left without a version (needs_seed, DESIGN's row for a failed seed) and the next update seeds.
     A one-rank delta trainer (this one) packs its whole seed before the engines pause: nothing of
@@ -85,6 +85,7 @@ def test_bad_seed_is_refused_and_the_next_update_seeds(kind, match):
         assert "kept" in str(e.value)
         assert receiver.version is None and sync.needs_seed
         assert receiver.tensors == {}  # found before the first bucket left: nothing was sent
+        assert "engines untouched" in caplog.text  # and the log does not claim they were paused
         assert sync.update(state.items()).kind == "seed" and receiver.mismatched(state.items()) == []
     finally:
         sync.close()
