@@ -129,7 +129,7 @@ class BucketSender:
                 if arena is not None:  # a prepacked bucket holds no slot
                     self._slots.give(arena)
 
-    def _put(self, bucket: Bucket, arena: Arena) -> None:
+    def _put(self, bucket: Bucket, arena: Arena | None) -> None:
         self._raise()
         if self._before_first is not None:
             first, self._before_first = self._before_first, None

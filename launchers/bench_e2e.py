@@ -533,8 +533,9 @@ def _trainer_rank(rank, world, port, files, url, bucket, densities, lr, timeout_
             full_sync = WeightSync(engines, mode="full", dtype=torch.bfloat16, bucket_bytes=bucket, group=None)
             try:
                 run(full_sync, "seed" if k == 1 else f"seed #{k}", repeat=k > 1)
-                for j in range(1, REPEATS + 1 if k == 1 else 1):
-                    run(full_sync, "full" if j == 1 else f"full #{j}", repeat=j > 1)
+                if k == 1:
+                    for j in range(1, REPEATS + 1):
+                        run(full_sync, "full" if j == 1 else f"full #{j}", repeat=j > 1)
             finally:
                 full_sync.close()
             del full_sync

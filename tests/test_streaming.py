@@ -73,7 +73,9 @@ def test_one_rank_seed_packs_each_tensor_once_into_its_snapshot():
     from delta_sync.diff import word_aligned
 
     class PauseWatch(MemoryReceiver):
-        staged_at_pause: list[int] = []
+        def __init__(self):
+            super().__init__()
+            self.staged_at_pause: list[int] = []
 
         def pause(self, mode: str = "wait") -> None:
             self.staged_at_pause.append(len(sync.store._staged))

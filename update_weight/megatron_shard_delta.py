@@ -50,7 +50,7 @@ from .megatron_source import BridgeExportSource
 log = logging.getLogger(__name__)
 
 _NOBODY = torch.iinfo(torch.int32).max
-#: converted tensors whose owners are settled in one exchange of codes (their int64 ids are held meanwhile)
+#: converted tensors whose owners are settled in one exchange of codes (their ids are held meanwhile)
 _OWNER_WINDOW = 64
 _OWNER_WINDOW_BYTES = 256 << 20
 _EMBED = "model.embed_tokens.weight"
@@ -261,7 +261,7 @@ class MegatronShardDelta(BridgeExportSource):
             for (name, seq, ids, k, shift), mine in zip(window, owned):
                 if mine is None:
                     found = found or f"no owner for some elements of {name}"
-                if seq is None or mine is None or mine is False or k is None or ids.numel() == 0:
+                if seq is None or mine is None or mine is False or k is None:
                     continue  # a rank owns only what it probed: ids name a task's own parameter
                 local, length, target = _owned_runs(ids, mine, base=rank << shift)
                 if length.numel():  # a parameter keeps a snapshot only if it owns some element
