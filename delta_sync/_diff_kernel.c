@@ -1,4 +1,7 @@
-/* Fused bitwise diff for host memory: one pass over two word arrays, emitting the flat index and
+/* Host-memory kernels: the fused bitwise diff (below), the digest's scan and the moves of sparse
+ * patches (further down).
+ *
+ * Fused bitwise diff for host memory: one pass over two word arrays, emitting the flat index and
  * the new bits of every changed element (optionally also its old bits, while moving the old array
  * to the new values: a snapshot then needs no second, random-access pass to commit). Memory-bound: it reads each input once and writes only
  * the changed entries, which the torch-op path cannot do (its compare writes a mask and its
@@ -232,4 +235,92 @@ int64_t digest_words(const int16_t *w, int64_t n, int64_t k0, int lanes, const i
         out[l] = mod_p(mod_p(a[l], p[l]) * full + mod_p(c[l], p[l]) * s0[l], p[l]);
     }
     return bad;
+}
+
+/* Writes of sparse patches at the positions they name, and the reads of an undo log's old values,
+ * for many patches in one call (a model's few hundred tensors cost one foreign call, not one each).
+ *
+ * Contract of move_rows(count, rows, check): `rows` holds `count` rows of MOVE_ROW int64 each:
+ *   base       the target's first element; it holds `limit` elements
+ *   pos, n     `n` positions (int32 or int64, per `kind`), each addressing base[off + pos[i]]
+ *   off, limit
+ *   val        0, or input: base[off + pos[i]] = val[i], in order (a repeated position keeps its
+ *              last value, as torch's index_copy_ on a host does)
+ *   old        0, or output: old[i] = base[off + pos[i]] before the write
+ *   kind       element bytes (1, 2, 4, 8) | position bytes (4, 8) << 8
+ * check != 0: nothing is read or written; returns -1, or the first row holding a position outside
+ *   [0, limit), with that entry's index in *bad.
+ * check == 0: performs the rows in order (positions are not checked: run a check call first);
+ *   with both `val` and `old`, each position is read and written in one visit; returns -1.
+ * Positions of a patch increase, so the accesses walk each target forward; every one is still a
+ * new cache line at a delta's densities (bound by memory latency and bandwidth, not instructions).
+ */
+#define MOVE_ROW 8
+#define MOVE_AHEAD 16
+
+#define MOVE_LOOP(T, P)                                                                             \
+    do {                                                                                            \
+        T *b = (T *)(intptr_t)r[0] + r[3];                                                          \
+        const P *p = (const P *)(intptr_t)r[1];                                                     \
+        const T *v = (const T *)(intptr_t)r[5];                                                     \
+        T *o = (T *)(intptr_t)r[6];                                                                 \
+        int64_t n = r[2], ahead = n > MOVE_AHEAD ? n - MOVE_AHEAD : 0;                              \
+        if (o && v) {                                                                               \
+            for (int64_t i = 0; i < n; ++i) {                                                       \
+                if (i < ahead) __builtin_prefetch(b + p[i + MOVE_AHEAD], 1);                        \
+                o[i] = b[p[i]];                                                                     \
+                b[p[i]] = v[i];                                                                     \
+            }                                                                                       \
+        } else if (o) {                                                                             \
+            for (int64_t i = 0; i < n; ++i) {                                                       \
+                if (i < ahead) __builtin_prefetch(b + p[i + MOVE_AHEAD], 0);                        \
+                o[i] = b[p[i]];                                                                     \
+            }                                                                                       \
+        } else if (v) {                                                                             \
+            for (int64_t i = 0; i < n; ++i) {                                                       \
+                if (i < ahead) __builtin_prefetch(b + p[i + MOVE_AHEAD], 1);                        \
+                b[p[i]] = v[i];                                                                     \
+            }                                                                                       \
+        }                                                                                           \
+    } while (0)
+
+#define MOVE_WIDTHS(P)                                                                              \
+    switch (r[7] & 0xff) {                                                                          \
+        case 1: MOVE_LOOP(uint8_t, P); break;                                                       \
+        case 2: MOVE_LOOP(uint16_t, P); break;                                                      \
+        case 4: MOVE_LOOP(uint32_t, P); break;                                                      \
+        case 8: MOVE_LOOP(uint64_t, P); break;                                                      \
+    }
+
+#define FIRST_OUTSIDE(P)                                                                            \
+    do {                                                                                            \
+        const P *p = (const P *)(intptr_t)r[1];                                                     \
+        int64_t lo = 0, hi = 0;                                                                     \
+        for (int64_t i = 0; i < r[2]; ++i) {                                                        \
+            lo = p[i] < lo ? p[i] : lo;                                                             \
+            hi = p[i] > hi ? p[i] : hi;                                                             \
+        }                                                                                           \
+        if (r[2] && (r[3] + lo < 0 || r[3] + hi >= r[4]))                                           \
+            for (int64_t i = 0; i < r[2]; ++i)                                                      \
+                if (r[3] + (int64_t)p[i] < 0 || r[3] + (int64_t)p[i] >= r[4]) return i;             \
+    } while (0)
+
+static int64_t first_outside(const int64_t *r) {
+    if ((r[7] >> 8) == 4) FIRST_OUTSIDE(int32_t); else FIRST_OUTSIDE(int64_t);
+    return -1;
+}
+
+int64_t move_rows(int64_t count, const int64_t *rows, int check, int64_t *bad) {
+    for (int64_t k = 0; k < count; ++k) {
+        const int64_t *r = rows + k * MOVE_ROW;
+        if (check) {
+            int64_t i = first_outside(r);
+            if (i >= 0) { *bad = i; return k; }
+        } else if ((r[7] >> 8) == 4) {
+            MOVE_WIDTHS(int32_t)
+        } else {
+            MOVE_WIDTHS(int64_t)
+        }
+    }
+    return -1;
 }

@@ -1,4 +1,4 @@
-"""Host-memory diff kernel: built on first use, optional, checked against the torch-op path.
+"""Host-memory kernels (diff, digest, patch moves): built on first use, optional, checked against the torch-op path.
 
 The torch-op diff (:mod:`delta_sync.diff`) runs on every device but, on a CPU, spends as much
 time on its mask, ``nonzero`` and random gathers as on the compare itself. Snapshots kept in host
@@ -6,6 +6,10 @@ memory (the usual choice when accelerator memory is tight) deserve a one-pass sc
 compiles ``_diff_kernel.c`` (plain C99, no Python or torch headers) with the system C compiler
 into a per-user cache, loads it with :mod:`ctypes` (which releases the GIL during the call) and
 runs contiguous ranges of one tensor on ``torch.get_num_threads()`` threads.
+
+The same library holds the digest's scan and :func:`move_rows`: a delta's sparse writes and its
+undo log's reads at int32/int64 positions, many tensors per foreign call (torch's index ops want
+int64 positions, one op and one allocation per tensor).
 
 Nothing depends on it: without a compiler, or with ``DELTA_SYNC_NATIVE_DIFF=0``, :func:`kernel`
 returns ``None`` and the torch-op path runs. Both produce identical patches (tested).
@@ -46,6 +50,8 @@ SCRATCH_ENTRIES = 1 << 20
 MIN_WORDS_PER_THREAD = 1 << 17
 
 _VALUE_DTYPE = {16: torch.int16, 32: torch.int32}
+_MOVE_BYTES = (1, 2, 4, 8)
+_MOVE_POS = (torch.int32, torch.int64)
 
 
 def _cache_dir() -> Path:
@@ -99,6 +105,8 @@ def kernel() -> ctypes.CDLL | None:
         many.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                          ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                          ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64)]
+    lib.move_rows.restype = ctypes.c_int64
+    lib.move_rows.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_int64)]
     lib.digest_words.restype = ctypes.c_int64
     lib.digest_words.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
@@ -151,6 +159,67 @@ def capped_groups(sizes: list[int], limit: int) -> list[tuple[int, int]]:
     if lo < len(sizes):
         runs.append((lo, len(sizes)))
     return runs
+
+
+def can_move(flat: torch.Tensor, pos: torch.Tensor) -> bool:
+    """Can :func:`move_rows` take positions like ``pos`` into ``flat`` (given buffers of its dtype)?"""
+    return (flat.device.type == "cpu" and pos.device.type == "cpu" and pos.dtype in _MOVE_POS
+            and flat.element_size() in _MOVE_BYTES and flat.is_contiguous() and pos.is_contiguous()
+            and pos.dim() == 1 and kernel() is not None)
+
+
+def movable(flat: torch.Tensor, pos: torch.Tensor, *buffers: torch.Tensor | None) -> bool:
+    """A row :func:`move_rows` takes: :func:`can_move`, and ``buffers`` (None, or host tensors of
+    ``flat``'s dtype and ``pos``'s count)."""
+    return can_move(flat, pos) and all(
+        t is None or (t.device.type == "cpu" and t.dtype == flat.dtype and t.is_contiguous() and t.numel() == pos.numel())
+        for t in buffers)
+
+
+def move_rows(rows: list[tuple], spans: list[tuple[int, int]] | None = None) -> None:
+    """Patch positions of contiguous host tensors, many patches per foreign call. Each row is
+    ``(flat, pos, offset, values, old)``: ``old[i] = flat[offset + pos[i]]`` (when ``old`` is not
+    None), then ``flat[offset + pos[i]] = values[i]`` (when ``values`` is not None), for int32 or
+    int64 ``pos`` (no int64 copy of int32 indices, no offset added in a pass of its own); with both,
+    each position is read and written in one visit. Rows run in order.
+
+    Every position of every row is checked first: one outside its tensor raises IndexError, and
+    nothing was read or written. ``spans``: ``(lo, hi)`` row ranges that then run concurrently,
+    one thread each (rows writing one tensor belong in one span). Rows must pass :func:`can_move`,
+    their buffers be of the tensor's dtype and the positions' count (ValueError otherwise)."""
+    if not rows:
+        return
+    bad_row = next((k for k, (f, p, _, v, o) in enumerate(rows) if not movable(f, p, v, o)), None)
+    if bad_row is not None:
+        flat, pos = rows[bad_row][:2]
+        raise ValueError(f"row {bad_row} ({flat.dtype} {flat.device} target, {pos.dtype} positions) is not for the "
+                         "host kernel: check can_move() and the buffers' dtype and count first")
+    table = torch.tensor([[flat.data_ptr(), pos.data_ptr(), pos.numel(), int(off), flat.numel(),
+                           0 if v is None else v.data_ptr(), 0 if o is None else o.data_ptr(),
+                           flat.element_size() | pos.element_size() << 8] for flat, pos, off, v, o in rows],
+                         dtype=torch.int64)
+    lib, bad = kernel(), ctypes.c_int64()
+    k = lib.move_rows(len(rows), table.data_ptr(), 1, ctypes.byref(bad))
+    if k >= 0:
+        flat, pos, off = rows[k][:3]
+        raise IndexError(f"patch position {int(pos[bad.value]) + int(off)} (entry {bad.value} of {pos.numel()}) is "
+                         f"outside a tensor of {flat.numel()} elements; no patch of this batch was read or written")
+    spans = spans or [(0, len(rows))]
+    _, error = run_spread([functools.partial(lib.move_rows, hi - lo, table[lo].data_ptr(), 0, ctypes.byref(bad))
+                           for lo, hi in spans])
+    if error is not None:  # cannot happen for checked rows: the kernel only loads and stores
+        raise error
+
+
+def move_at(flat: torch.Tensor, pos: torch.Tensor, offset: int = 0, values: torch.Tensor | None = None,
+            old: torch.Tensor | None = None) -> bool:
+    """One row of :func:`move_rows`; False, having touched nothing, where the host kernel cannot
+    take it (not a host tensor, not contiguous, other dtypes or counts, no kernel): the caller
+    runs torch ops instead."""
+    if not movable(flat, pos, values, old):
+        return False
+    move_rows([(flat, pos, offset, values, old)])
+    return True
 
 
 def supports_words(t: torch.Tensor) -> bool:

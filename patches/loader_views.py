@@ -18,6 +18,7 @@ checkpoint element twice, yields no view; such names fall back to vLLM's
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -240,72 +241,115 @@ class UndoLog:
 
     ``deferred``: an apply only records its writes (positions, values in the target's dtype) next
     to the old values it reads now, and :meth:`write` performs them later. A delta is prepared so
-    while the engine still serves (reads only), and its pause window covers nothing but the writes."""
+    while the engine still serves (reads only), and its pause window covers nothing but the writes.
 
-    #: (target, flat positions or None for the whole target, old values)
-    entries: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = field(default_factory=list)
+    Positions are a 1-D target's element ``offset + pos[i]`` (``pos`` int32 or int64: a whole-run
+    patch keeps its own int32 indices and the parameter offset of its tensor)."""
+
+    #: (target, positions or None for the whole target, offset, old values)
+    entries: list[tuple[torch.Tensor, torch.Tensor | None, int, torch.Tensor]] = field(default_factory=list)
     deferred: bool = False
-    #: deferred writes, in order: (target, flat positions or None for the whole target, new values)
-    pending: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = field(default_factory=list)
+    #: deferred writes, in order: (target, positions or None for the whole target, offset, new values)
+    pending: list[tuple[torch.Tensor, torch.Tensor | None, int, torch.Tensor]] = field(default_factory=list)
 
     def write(self) -> None:
         """Perform the deferred writes (on failure: :meth:`restore` puts back every recorded value).
 
         Host writes to different parameters run on several threads (scattered writes are bound by
-        memory latency, not bandwidth); those to one parameter stay on one thread, in order."""
+        memory latency, not bandwidth); those to one parameter stay on one thread, in order: with
+        the host kernel, all of them in one foreign call per thread."""
         pending, self.pending = self.pending, []
         by_storage: dict[tuple, list] = {}
         for w in pending:
             by_storage.setdefault(_storage_key(w[0]), []).append(w)
         groups = list(by_storage.values())
-        spread([sum(v.numel() for _, _, v in g) for g in groups],
-               lambda lo, hi: [_put(*w) for g in groups[lo:hi] for w in g],
-               device=pending[0][0].device if pending else None)
+        sizes = [sum(w[3].numel() for w in g) for g in groups]
+        device = pending[0][0].device if pending else None
+        if pending and all(pos is not None and native.movable(t, pos, v) for t, pos, _, v in pending):
+            native.move_rows([(t, pos, off, v, None) for g in groups for t, pos, off, v in g],
+                             _row_spans([len(g) for g in groups], sizes, device))
+        else:
+            spread(sizes, lambda lo, hi: [_put(*w) for g in groups[lo:hi] for w in g], device=device)
 
-    def change(self, target: torch.Tensor, pos: torch.Tensor | None, values: torch.Tensor) -> None:
-        """Record the old values at ``pos`` of ``target`` (None: all of it), then write ``values``
-        there: now, or at :meth:`write` when ``deferred``."""
+    def change_rows(self, rows: list[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]],
+                    spans: list[tuple[int, int]]) -> None:
+        """:meth:`change` of many ``(target, pos, offset, values)`` rows that the host kernel takes
+        (:func:`delta_sync.native.movable`), in one foreign call per span of rows (``spans``:
+        concurrent row ranges, see :func:`delta_sync.native.move_rows`): the old values are read
+        (and, unless ``deferred``, the new written in the same visit) for all of them at once."""
+        if not rows:
+            return
+        olds = torch.empty(sum(r[1].numel() for r in rows), dtype=rows[0][0].dtype).split([r[1].numel() for r in rows])
+        native.move_rows([(t, pos, off, None if self.deferred else v, old)
+                          for (t, pos, off, v), old in zip(rows, olds)], spans)
+        self.entries += [(t, pos, off, old) for (t, pos, off, _), old in zip(rows, olds)]
+        if self.deferred:
+            self.pending += rows
+
+    def change(self, target: torch.Tensor, pos: torch.Tensor | None, values: torch.Tensor, offset: int = 0) -> None:
+        """Record the old values at ``offset + pos`` of ``target`` (None: all of it), then write
+        ``values`` there: now (one visit per position on a host), or at :meth:`write` when ``deferred``."""
+        if pos is not None and not self.deferred and native.can_move(target, pos):
+            old = torch.empty(pos.numel(), dtype=target.dtype, device=target.device)
+            native.move_at(target, pos, offset, values=values, old=old)  # read and write in one visit
+            self.entries.append((target, pos, offset, old))
+            return
         if pos is None:
             self.record_view(target)
         else:
-            self.record_positions(target, pos)
+            self.record_positions(target, pos, offset)
         if self.deferred:
-            self.pending.append((target, pos, values))
+            self.pending.append((target, pos, offset, values))
         else:
-            _put(target, pos, values)
+            _put(target, pos, offset, values)
 
-    def record_positions(self, flat: torch.Tensor, pos: torch.Tensor) -> None:
-        self.entries.append((flat, pos, flat.index_select(0, pos)))
+    def record_positions(self, flat: torch.Tensor, pos: torch.Tensor, offset: int = 0) -> None:
+        self.entries.append((flat, pos, offset, _take(flat, pos, offset)))
 
     def record_view(self, view: torch.Tensor) -> None:
-        self.entries.append((view, None, view.clone()))
+        self.entries.append((view, None, 0, view.clone()))
 
     def restore(self) -> None:
-        for target, pos, old in reversed(self.entries):
-            _put(target, pos, old)
+        for entry in reversed(self.entries):
+            _put(*entry)
         self.entries.clear()
 
     @property
     def nbytes(self) -> int:
-        return sum(o.numel() * o.element_size() + (0 if p is None else p.numel() * 8) for _, p, o in self.entries)
+        return sum(o.numel() * o.element_size() + (0 if p is None else p.numel() * p.element_size())
+                   for _, p, _, o in self.entries)
 
 
 #: elements below which host writes of an apply stay on the calling thread
 SPREAD_MIN_ELEMENTS = 1 << 16
 
 
-def spread(sizes: list[int], run, device: torch.device | None) -> None:
-    """``run(lo, hi)`` over ``range(len(sizes))`` cut into contiguous parts of about equal size,
-    one thread each (``torch.get_num_threads()``) for host work of at least
-    :data:`SPREAD_MIN_ELEMENTS`; else one call. Every part finishes before an error is raised."""
-    total = sum(sizes)
-    threads = min(torch.get_num_threads(), len(sizes), max(1, total // SPREAD_MIN_ELEMENTS))
+def _spans(sizes: list[int], device: torch.device | None) -> list[tuple[int, int]]:
+    """``range(len(sizes))`` cut into contiguous ``(lo, hi)`` parts of about equal size, one per
+    thread (``torch.get_num_threads()``) for host work of at least :data:`SPREAD_MIN_ELEMENTS`."""
+    threads = min(torch.get_num_threads(), len(sizes), max(1, sum(sizes) // SPREAD_MIN_ELEMENTS))
+    if not sizes:
+        return []
     if device is None or device.type != "cpu" or threads < 2:
-        if sizes:
-            run(0, len(sizes))
+        return [(0, len(sizes))]
+    return native.contiguous_groups(sizes, threads)
+
+
+def _row_spans(counts: list[int], sizes: list[int], device: torch.device | None) -> list[tuple[int, int]]:
+    """:func:`_spans` of groups of ``counts`` rows (``sizes`` elements each) as ranges of rows."""
+    first = [0, *itertools.accumulate(counts)]
+    return [(first[lo], first[hi]) for lo, hi in _spans(sizes, device)]
+
+
+def spread(sizes: list[int], run, device: torch.device | None) -> None:
+    """``run(lo, hi)`` over the :func:`_spans` of ``sizes``, one thread each. Every part finishes
+    before an error is raised."""
+    spans = _spans(sizes, device)
+    if len(spans) < 2:
+        if spans:
+            run(*spans[0])
         return
-    _, error = native.run_spread([functools.partial(run, lo, hi)
-                                  for lo, hi in native.contiguous_groups(sizes, threads)])
+    _, error = native.run_spread([functools.partial(run, lo, hi) for lo, hi in spans])
     if error is not None:
         raise error
 
@@ -314,12 +358,22 @@ def _storage_key(t: torch.Tensor) -> tuple:
     return t.device, t.untyped_storage().data_ptr()
 
 
-def _put(target: torch.Tensor, pos: torch.Tensor | None, values: torch.Tensor) -> None:
-    """``target[pos] = values`` along dim 0 (int64 positions), or all of ``target`` when ``pos`` is None."""
+def _positions(pos: torch.Tensor, offset: int) -> torch.Tensor:
+    return pos.to(torch.int64) + offset if offset else pos.to(torch.int64)
+
+
+def _put(target: torch.Tensor, pos: torch.Tensor | None, offset: int, values: torch.Tensor) -> None:
+    """``target[offset + pos] = values`` along dim 0, or all of ``target`` when ``pos`` is None."""
     if pos is None:
         target.copy_(values)
-    else:
-        target.index_copy_(0, pos, values)
+    elif not native.move_at(target, pos, offset, values=values):
+        target.index_copy_(0, _positions(pos, offset), values)
+
+
+def _take(target: torch.Tensor, pos: torch.Tensor, offset: int) -> torch.Tensor:
+    """``target[offset + pos]`` along dim 0, as a new tensor."""
+    out = torch.empty(pos.numel(), dtype=target.dtype, device=target.device)
+    return out if native.move_at(target, pos, offset, old=out) else target.index_select(0, _positions(pos, offset))
 
 
 def flat_param(param: torch.Tensor) -> torch.Tensor:
@@ -368,9 +422,13 @@ def whole_run(view: LoaderView) -> Segment | None:
 def apply_sparse_many(views: dict[str, LoaderView], params: dict[str, torch.Tensor],
                       patches: list[tuple[str, torch.Tensor, torch.Tensor]], undo: UndoLog | None) -> int:
     """:func:`apply_sparse` for ``(name, indices, values)`` of many tensors: those held whole as one
-    run are grouped by parameter, and each parameter takes one undo gather and one ``index_copy_``
-    for all of its tensors (a fused qkv takes one for q, k and v), instead of a handful of ops and
-    a host sync per tensor; the others go through :func:`apply_sparse`. Returns elements written."""
+    run are grouped by parameter. On a host with the kernel (:func:`delta_sync.native.move_rows`)
+    each tensor's int32 indices are read at its offset in the parameter, and the undo reads and the
+    writes of all tensors take one foreign call per thread, each position visited once; elsewhere
+    each parameter takes one undo gather and one ``index_copy_`` for all of its tensors (a fused
+    qkv takes one for q, k and v), instead of a handful of ops and a host sync per tensor. The
+    others go through :func:`apply_sparse`. Parameters are shared out between threads, one
+    parameter's writes on one thread. Returns elements written."""
     groups: dict[str, list[tuple[torch.Tensor, int, torch.Tensor]]] = {}
     written = 0
     for name, idx, vals in patches:
@@ -381,9 +439,22 @@ def apply_sparse_many(views: dict[str, LoaderView], params: dict[str, torch.Tens
         elif idx.numel():
             groups.setdefault(seg.param, []).append((idx, seg.dst_offset, vals))
     per_param = list(groups.items())
+    sizes = [sum(i.numel() for i, _, _ in parts) for _, parts in per_param]
+    flats = [flat_param(params[pname]) for pname, _ in per_param]
+    device = flats[0].device if flats else None
+    if all(native.can_move(flat, i) for flat, (_, parts) in zip(flats, per_param) for i, _, _ in parts):
+        # host kernel: each tensor's int32 indices at its parameter offset, a few foreign calls for all
+        rows = [(flat, idx, off, vals.to(flat.dtype)) for flat, (_, parts) in zip(flats, per_param)
+                for idx, off, vals in parts]
+        spans = _row_spans([len(parts) for _, parts in per_param], sizes, device)
+        if undo is None:
+            native.move_rows([(*row, None) for row in rows], spans)
+        else:
+            undo.change_rows(rows, spans)
+        return written + sum(sizes)
 
     def run(lo: int, hi: int) -> None:  # parameters lo:hi (one thread's share; disjoint storages)
-        for pname, parts in per_param[lo:hi]:
+        for flat, (_, parts) in zip(flats[lo:hi], per_param[lo:hi]):
             idx = torch.cat([i for i, _, _ in parts]) if len(parts) > 1 else parts[0][0]
             dst = idx.to(torch.int64)
             if any(off for _, off, _ in parts):
@@ -391,20 +462,20 @@ def apply_sparse_many(views: dict[str, LoaderView], params: dict[str, torch.Tens
                 counts = torch.tensor([i.numel() for i, _, _ in parts], dtype=torch.int64, device=dst.device)
                 dst += torch.repeat_interleave(offsets, counts, output_size=dst.numel())
             vals = torch.cat([v for _, _, v in parts]) if len(parts) > 1 else parts[0][2]
-            write_positions(flat_param(params[pname]), dst, vals, undo)
+            write_positions(flat, dst, vals, undo)
 
-    sizes = [sum(i.numel() for i, _, _ in parts) for _, parts in per_param]
-    spread(sizes, run, device=params[per_param[0][0]].device if per_param else None)
+    spread(sizes, run, device=device)
     return written + sum(sizes)
 
 
-def write_positions(flat: torch.Tensor, dst: torch.Tensor, values: torch.Tensor, undo: UndoLog | None) -> int:
-    """``flat[dst] = values`` (int64 positions), the old values kept in ``undo`` first."""
+def write_positions(flat: torch.Tensor, dst: torch.Tensor, values: torch.Tensor, undo: UndoLog | None,
+                    offset: int = 0) -> int:
+    """``flat[offset + dst] = values`` (int32 or int64 positions), the old values kept in ``undo`` first."""
     values = values.to(flat.dtype)
     if undo is None:
-        flat.index_copy_(0, dst, values)
+        _put(flat, dst, offset, values)
     else:
-        undo.change(flat, dst, values)
+        undo.change(flat, dst, values, offset)
     return dst.numel()
 
 

@@ -185,11 +185,19 @@ def test_one_loader_call_per_batch_and_the_same_views_as_one_by_one():
     assert {n: v.segments for n, v in views2.items()} == {n: v.segments for n, v in views.items()}
 
 
-def test_many_tensors_in_one_apply_equal_one_by_one():
+@pytest.mark.parametrize("host_kernel", [True, False], ids=["kernel", "torch-ops"])
+def test_many_tensors_in_one_apply_equal_one_by_one(monkeypatch, host_kernel):
     """apply_sparse_many groups tensors held as one run by parameter (q and k share the fused qk:
-    one index_copy_ for both); the column-sliced and transposed ones go one by one; the result and
-    the undo log equal per-tensor apply_sparse."""
+    with the host kernel each tensor's int32 indices at its offset, with torch ops one index_copy_
+    for both); the column-sliced and transposed ones go one by one; the result and the undo log
+    equal per-tensor apply_sparse, with and without the host kernel."""
+    from delta_sync import native
     from patches.loader_views import apply_sparse_many, whole_run
+
+    if not host_kernel:
+        monkeypatch.setattr(native, "kernel", lambda: None)
+    else:
+        assert native.can_move(torch.zeros(4), torch.zeros(1, dtype=torch.int32))
 
     g = torch.Generator().manual_seed(5)
     models = [FusedStandIn(), FusedStandIn()]
@@ -236,12 +244,15 @@ class _Plain(torch.nn.Module):
             getattr(self, name).data.copy_(w)
 
 
-def test_host_writes_spread_over_threads_equal_one_thread(monkeypatch):
+@pytest.mark.parametrize("host_kernel", [True, False], ids=["kernel", "torch-ops"])
+def test_host_writes_spread_over_threads_equal_one_thread(monkeypatch, host_kernel):
     """A delta's planned writes (and its plan's old-value reads) run on several threads, one
     parameter per thread at a time: the weights and the undo log equal a one-thread apply, and a
-    write that fails on one thread leaves everything restorable."""
+    write that fails on one thread leaves everything restorable; through the host kernel (one
+    foreign call per thread) and through torch ops."""
     import threading
 
+    from delta_sync import native
     from patches import loader_views as lv
 
     n = 2 * lv.SPREAD_MIN_ELEMENTS
@@ -255,13 +266,26 @@ def test_host_writes_spread_over_threads_equal_one_thread(monkeypatch):
     for i in range(4):
         idx = torch.randperm(n, generator=g)[: n // 3].sort().values.to(torch.int32)
         patches.append((f"w{i}", idx, torch.randn(idx.numel(), generator=g).to(torch.bfloat16)))
-    threads, put = set(), lv._put
+    threads = set()
+    if host_kernel:
+        lib = native.kernel()
+        real = lib.move_rows
 
-    def recording_put(*a):
-        threads.add(threading.get_ident())
-        put(*a)
+        def recording_rows(count, rows, check, bad):
+            if not check:
+                threads.add(threading.get_ident())
+            return real(count, rows, check, bad)
 
-    monkeypatch.setattr(lv, "_put", recording_put)
+        monkeypatch.setattr(lib, "move_rows", recording_rows)
+    else:
+        monkeypatch.setattr(native, "kernel", lambda: None)
+        put = lv._put
+
+        def recording_put(*a):
+            threads.add(threading.get_ident())
+            put(*a)
+
+        monkeypatch.setattr(lv, "_put", recording_put)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     undos = []
     for m, floor in zip(models, (lv.SPREAD_MIN_ELEMENTS, 1 << 40)):  # spread, then one thread
@@ -282,7 +306,7 @@ def test_host_writes_spread_over_threads_equal_one_thread(monkeypatch):
     monkeypatch.setattr(lv, "SPREAD_MIN_ELEMENTS", 1)
     undo = UndoLog(deferred=True)
     lv.apply_sparse_many(views, dict(models[0].named_parameters()), patches, undo)
-    undo.pending[-1] = (undo.pending[-1][0], undo.pending[-1][1], undo.pending[-1][2][:5])  # wrong length
+    undo.pending[-1] = (*undo.pending[-1][:3], undo.pending[-1][3][:5])  # wrong length
     with pytest.raises(Exception):
         undo.write()
     undo.restore()

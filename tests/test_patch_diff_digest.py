@@ -48,6 +48,48 @@ def test_native_kernel_builds_here():
     assert not native.supports(torch.zeros(8, dtype=torch.float64))  # torch-op path
 
 
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bfloat16, torch.float32, torch.int64])
+@pytest.mark.parametrize("pos_dtype", [torch.int32, torch.int64])
+def test_move_at_equals_torch_index_ops(dtype, pos_dtype):
+    """The host kernel's patch writes and undo reads equal index_select/index_copy_ at ``offset +
+    pos``, every width and position type, with the read and the write in one visit; a position
+    outside the tensor is refused before anything is read or written."""
+    g = torch.Generator().manual_seed(3)
+    n, offset = 5000, 700
+    base = torch.randint(0, 120, (n,), generator=g).to(dtype)
+    pos = torch.randperm(n - offset, generator=g)[:1500].sort().values.to(pos_dtype)
+    vals = torch.randint(0, 120, (pos.numel(),), generator=g).to(dtype)
+    at = pos.to(torch.int64) + offset
+    old = torch.empty_like(vals)
+    assert native.move_at(base, pos, offset, old=old) and torch.equal(old, base[at])  # read only
+    t = base.clone()
+    assert native.move_at(t, pos, offset, values=vals)  # write only
+    assert torch.equal(t, base.clone().index_copy_(0, at, vals))
+    t, both = base.clone(), torch.empty_like(vals)
+    assert native.move_at(t, pos, offset, values=vals, old=both)  # read, then write, in one visit
+    assert torch.equal(both, base[at]) and torch.equal(t, base.clone().index_copy_(0, at, vals))
+    assert native.move_at(t, pos, offset, values=both) and torch.equal(t, base)  # the undo
+    for bad in (n - offset, -offset - 1):  # one past either end, last entry: nothing touched
+        wrong = torch.cat([pos, torch.tensor([bad], dtype=pos_dtype)])
+        mark = torch.full((wrong.numel(),), 7, dtype=dtype)
+        with pytest.raises(IndexError, match=f"outside a tensor of {n} elements"):
+            native.move_at(t, wrong, offset, values=vals[:1].repeat(wrong.numel()), old=mark)
+        assert torch.equal(t, base) and bool((mark == 7).all())
+    # a batch with one bad row touches none of its rows, whichever thread would have run them
+    other = base.clone()
+    with pytest.raises(IndexError, match="no patch of this batch"):
+        native.move_rows([(other, pos, offset, vals, None), (t, wrong, offset, mark, None)], spans=[(0, 1), (1, 2)])
+    assert torch.equal(other, base) and torch.equal(t, base)
+    with pytest.raises(ValueError, match="row 1"):
+        native.move_rows([(other, pos, offset, vals, None), (other, pos, offset, vals[:-1], None)])
+    assert torch.equal(other, base)
+    # what the kernel does not take is left to torch ops, untouched
+    assert not native.move_at(base[::2], pos[:10], 0, values=vals[:10])  # strided target
+    assert not native.move_at(base, pos, offset, values=vals.to(torch.float64))  # another dtype
+    assert not native.move_at(base, pos, offset, values=vals[:-1])  # a count that does not match
+    assert torch.equal(t, base)
+
+
 @pytest.mark.parametrize("env", [{"DELTA_SYNC_NATIVE_DIFF": "0"}, {"CC": "/nonexistent/cc"}])
 def test_native_kernel_falls_back_to_torch_ops(monkeypatch, tmp_path, caplog, env):
     monkeypatch.setenv("DELTA_SYNC_CACHE_DIR", str(tmp_path))  # force a fresh build

@@ -189,22 +189,22 @@ def test_apply_failure_midway_restores_previous_version(engine, monkeypatch):
     assert "plan_s" in worker.last_timings  # the delta was prepared before its pause
     before = greedy(llm, PROMPTS)
     import patches.loader_views as views
+    from delta_sync import native
 
     calls = {"n": 0}
-    real = views.write_positions
+    real = native.move_rows
 
-    def failing(*args, **kwargs):  # prepares some parameters' writes, then fails
+    def failing(rows, spans=None):  # prepares half of the tensors' writes (old values read), then fails
         calls["n"] += 1
-        if calls["n"] == 6:
-            raise RuntimeError("injected failure while preparing the apply")
-        return real(*args, **kwargs)
-    monkeypatch.setattr(views, "write_positions", failing)
+        real(rows[: len(rows) // 2])
+        raise RuntimeError("injected failure while preparing the apply")
+    monkeypatch.setattr(native, "move_rows", failing)
     evolve(state, 2)
     with pytest.raises(EngineError, match="injected failure while preparing"):
         sync.update(state.items())
-    assert calls["n"] == 6 and sync.version == 1 and not sync.needs_seed and worker.version == 1
+    assert calls["n"] == 1 and sync.version == 1 and not sync.needs_seed and worker.version == 1
     assert greedy(llm, PROMPTS) == before
-    monkeypatch.setattr(views, "write_positions", real)
+    monkeypatch.setattr(native, "move_rows", real)
 
     real_write = views.UndoLog.write
 
