@@ -435,6 +435,9 @@ class WeightSync:
         snapshots = self.mode == "delta"
         # one rank owns every tensor: the packer's buckets become its snapshot (one copy, no spare buckets)
         keep = snapshots and self.world == 1
+        # rank 0 of several stages its own share once the engines resumed (the tensors keep their
+        # values while update runs): the seed's pause window then holds only the send and the apply
+        later: list[tuple[str, torch.Tensor]] = []
         elements = [0]
         self._catalog, self._sweep_at = {}, 0  # the names this seed carries
         failure: list[BaseException] = []
@@ -454,7 +457,10 @@ class WeightSync:
                     if isinstance(t, Exception):
                         raise t
                     if snapshots and not keep and self.store.owns(name, t.numel() * t.element_size()):
-                        self.store.prepare(name, t, full=True)
+                        if self.rank == 0:
+                            later.append((name, t))
+                        else:
+                            self.store.prepare(name, t, full=True)
                     if self.rank == 0:
                         check_indexable(name, t.numel())
                 except Exception as e:
@@ -515,6 +521,17 @@ class WeightSync:
         if isinstance(error, GatherError):
             self._reset()
             raise error
+        if later and outcome.ok:
+            t0 = time.perf_counter()
+            try:
+                self.store.prepare_many(later, full=True)
+            except Exception as e:  # the engines hold v, this rank's snapshot cannot: only a seed repairs it
+                error = DeltaSyncError(f"the engines applied v{version}, but staging trainer rank 0's snapshot "
+                                       f"of it failed ({type(e).__name__}: {e})")
+                error.__cause__ = e
+                outcome = Outcome(False, str(error), needs_seed=True)
+            timings["stage_after_s"] = time.perf_counter() - t0
+        later.clear()
         return outcome, error, elements[0]
 
     # ---- publish (rank 0) ------------------------------------------------------------------------
