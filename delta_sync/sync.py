@@ -435,12 +435,14 @@ class WeightSync:
         snapshots = self.mode == "delta"
         # one rank owns every tensor: the packer's buckets become its snapshot (one copy, no spare buckets)
         keep = snapshots and self.world == 1
-        # rank 0 of several stages its own share once the engines resumed (the tensors keep their
-        # values while update runs): the seed's pause window then holds only the send and the apply
+        # several ranks stage their shares once the stream is read (the tensors keep their values
+        # while update runs): rank 0 once the engines resumed, the others while it publishes. The
+        # seed's pause window then holds only the send and the apply, never a snapshot copy.
         later: list[tuple[str, torch.Tensor]] = []
         elements = [0]
         self._catalog, self._sweep_at = {}, 0  # the names this seed carries
         failure: list[BaseException] = []
+        agreed: list[bool] = []  # the ranks agreed that the stream was read without failure
         stream = self._tensors(named_tensors, elements, self._catalog)
         kept = f"engines and trainer snapshot at v{self.version}"
 
@@ -457,10 +459,7 @@ class WeightSync:
                     if isinstance(t, Exception):
                         raise t
                     if snapshots and not keep and self.store.owns(name, t.numel() * t.element_size()):
-                        if self.rank == 0:
-                            later.append((name, t))
-                        else:
-                            self.store.prepare(name, t, full=True)
+                        later.append((name, t))
                     if self.rank == 0:
                         check_indexable(name, t.numel())
                 except Exception as e:
@@ -490,9 +489,34 @@ class WeightSync:
                         raise mine
                     return []
                 self.gatherer.gather(status)  # GatherError on every rank if any failed
+                agreed.append(True)
             elif failure:
                 raise failure[0]
 
+        def stage_later(publish_ok: bool) -> str | None:
+            """Stage this rank's share (unless the update failed already), then every rank agrees
+            (collective). The first rank's failure, or None."""
+            t0 = time.perf_counter()
+            mine = None
+            try:
+                if publish_ok:
+                    self.store.prepare_many(later, full=True)
+            except Exception as e:
+                mine = e
+            later.clear()
+            timings["stage_after_s"] = time.perf_counter() - t0
+
+            def status():
+                if mine is not None:
+                    raise mine
+                return []
+            try:
+                self.gatherer.gather(status)
+            except GatherError as e:
+                return "; ".join(f"rank {r}: {m}" for r, m in sorted(e.failures.items()))
+            return None
+
+        defer = snapshots and not keep  # several ranks: each stages its share once the stream is read
         if self.rank != 0:
             for _ in full_patches():
                 pass
@@ -501,6 +525,8 @@ class WeightSync:
             except GatherError:
                 self._reset()
                 raise
+            if defer:
+                stage_later(True)  # rank 0's outcome says whether it failed (for every rank alike)
             return None, None, elements[0]
 
         def send(sender: BucketSender) -> SendStats:
@@ -521,16 +547,12 @@ class WeightSync:
         if isinstance(error, GatherError):
             self._reset()
             raise error
-        if later and outcome.ok:
-            t0 = time.perf_counter()
-            try:
-                self.store.prepare_many(later, full=True)
-            except Exception as e:  # the engines hold v, this rank's snapshot cannot: only a seed repairs it
-                error = DeltaSyncError(f"the engines applied v{version}, but staging trainer rank 0's snapshot "
-                                       f"of it failed ({type(e).__name__}: {e})")
-                error.__cause__ = e
+        if defer and agreed:
+            failed = stage_later(outcome.ok)
+            if failed is not None and outcome.ok:  # the engines hold v, a snapshot cannot: only a seed repairs it
+                error = DeltaSyncError(f"the engines applied v{version}, but staging the trainer snapshot of it "
+                                       f"failed on {failed}")
                 outcome = Outcome(False, str(error), needs_seed=True)
-            timings["stage_after_s"] = time.perf_counter() - t0
         later.clear()
         return outcome, error, elements[0]
 

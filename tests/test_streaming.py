@@ -320,10 +320,10 @@ def test_a_range_damaged_in_flight_is_refused_and_reseeded(monkeypatch):
 
 
 def _two_rank_seed(rank, world, port):
-    """Rank 0 of two (the sender) owns half the snapshot. Its share is staged once the engines
-    resumed, not in the pause: at pause and at resume rank 0 holds none of its share staged; after
-    the seed it holds exactly its share. A staging failure after the engines applied v1 ends in a
-    seed that every rank agrees on."""
+    """Each of two ranks owns half the snapshot and stages it once the stream is read: rank 0 (the
+    sender) once the engines resumed, rank 1 while rank 0 publishes; at pause and at resume rank 0
+    holds nothing of its share staged. A staging failure on either rank after the engines applied
+    the seed ends in another seed that every rank agrees on."""
     from delta_sync.errors import DeltaSyncError
 
     from .test_channel import model_at
@@ -343,23 +343,25 @@ def _two_rank_seed(rank, world, port):
 
     receiver = Watch() if rank == 0 else None
     sync = WeightSync([receiver] if rank == 0 else [], mode="delta", bucket_bytes=4 << 10, timeout_s=30)
-    out: dict = {}
+    out: dict = {"first": [], "needs_seed": []}
     try:
         state = model_at(0)
         mine = sorted(n for n, t in state.items() if sync.store.owns(n, t.numel() * t.element_size()))
         out["owns"] = 0 < len(mine) < len(state)
         real = sync.store.prepare_many
-        if rank == 0:  # the first staging after the engines applied v1 fails
-            def failing(items, full=False):
-                sync.store.prepare_many = real
-                raise MemoryError("out of host memory staging the snapshot")
-            sync.store.prepare_many = failing
-        try:
-            sync.update(state.items())
-            out["first"] = "ok"
-        except DeltaSyncError as e:
-            out["first"] = str(e)
-        out["needs_seed"] = sync.needs_seed
+
+        def failing(items, full=False):
+            sync.store.prepare_many = real
+            raise MemoryError(f"out of host memory staging the snapshot on rank {rank}")
+        for bad in (0, 1):  # the first seed fails staging on rank 0, the second on rank 1
+            if rank == bad:
+                sync.store.prepare_many = failing
+            try:
+                sync.update(state.items())
+                out["first"].append("ok")
+            except DeltaSyncError as e:
+                out["first"].append(str(e))
+            out["needs_seed"].append(sync.needs_seed)
         rep = sync.update(state.items())
         out["second"] = rep.kind
         out["snapshot"] = sorted(n for n, _ in sync.store.snapshots()) == mine
@@ -373,15 +375,16 @@ def _two_rank_seed(rank, world, port):
     return out
 
 
-def test_a_two_rank_seed_stages_rank0s_share_after_the_engines_resumed():
+def test_a_two_rank_seed_stages_snapshots_outside_the_pause():
     from launchers.ranks import run_ranks
 
     r0, r1 = run_ranks(_two_rank_seed, 2, timeout=180)
     assert r0["owns"] and r1["owns"]
-    assert "out of host memory staging the snapshot" in r0["first"] and "seed" in r0["first"]
-    assert r1["first"] != "ok" and r0["needs_seed"] and r1["needs_seed"]
+    for bad, (e0, e1) in enumerate(zip(r0["first"], r1["first"])):
+        assert f"out of host memory staging the snapshot on rank {bad}" in e0 and "need a seed" in e0
+        assert "engines applied v" in e1  # rank 0's outcome, heard by every rank
+    assert r0["needs_seed"] == r1["needs_seed"] == [True, True]
     assert r0["second"] == r1["second"] == "seed" and r0["snapshot"] and r1["snapshot"]
     assert r0["v1"] == r0["v2"] == r1["v2"] == "delta" and r0["exact"]
-    # both seeds: nothing of rank 0's share staged while the engines were paused
-    assert [w for w in r0["watch"] if w[0] in ("pause", "resume")][:4] == [
-        ("pause", 0), ("resume", 0), ("pause", 0), ("resume", 0)]
+    # three seeds: nothing of rank 0's share staged while the engines were paused
+    assert [w for w in r0["watch"] if w[0] in ("pause", "resume")][:6] == [("pause", 0), ("resume", 0)] * 3
