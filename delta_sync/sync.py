@@ -530,6 +530,7 @@ class WeightSync:
             return None, None, elements[0]
 
         def send(sender: BucketSender) -> SendStats:
+            sending.append(True)
             packed = []
             try:
                 if keep:  # pack the whole seed before the engines pause: its buckets are the snapshot
@@ -543,7 +544,19 @@ class WeightSync:
             sender.send_packed(packed)
             return sender.close()
 
+        sending: list[bool] = []
         outcome, error = self._publish(version, kind, timings, send, bulk=True, kept=kept)
+        if not sending and self.gatherer is not None:
+            # refused before its first bucket (no channel to the engines): the other ranks read the
+            # stream and wait to agree on it; rank 0 takes part with this failure, so every rank
+            # raises it now (not at the collective timeout, with the trainer's groups broken)
+            failure.insert(0, error if error is not None else DeltaSyncError(outcome.error))
+            try:
+                for _ in full_patches():
+                    pass
+                finish_stream()
+            except GatherError as e:
+                error = e
         if isinstance(error, GatherError):
             self._reset()
             raise error

@@ -388,3 +388,46 @@ def test_a_two_rank_seed_stages_snapshots_outside_the_pause():
     assert r0["v1"] == r0["v2"] == r1["v2"] == "delta" and r0["exact"]
     # three seeds: nothing of rank 0's share staged while the engines were paused
     assert [w for w in r0["watch"] if w[0] in ("pause", "resume")][:6] == [("pause", 0), ("resume", 0)] * 3
+
+
+def _seed_with_engine_down(rank, world, port):
+    from .test_channel import model_at
+
+    class Down(MemoryReceiver):
+        down = True
+
+        def report(self, digests: bool = False, names=None):
+            if self.down:
+                raise ConnectionError("engine unreachable")
+            return super().report(digests, names)
+
+    receiver = Down() if rank == 0 else None
+    sync = WeightSync([receiver] if rank == 0 else [], mode="delta", timeout_s=60)
+    out = []
+    try:
+        t0 = time.monotonic()
+        try:
+            sync.update(model_at(0).items())
+            out.append("ok")
+        except Exception as e:
+            out.append(f"{type(e).__name__}: {e}")
+        out.append(time.monotonic() - t0)
+        out.append(sync.needs_seed)
+        if rank == 0:
+            receiver.down = False
+        out.append(sync.update(model_at(1).items()).kind)
+        out.append(receiver.mismatched(model_at(1).items()) == [] if rank == 0 else True)
+    finally:
+        sync.close()
+    return out
+
+
+def test_a_two_rank_seed_with_its_engine_down_fails_on_every_rank_at_once():
+    """Rank 0 cannot reach its engine, so it never sends a bucket; the other rank read the stream
+    and waits to agree on it. Every rank raises rank 0's error at once (not at the collective
+    timeout, which would leave the trainer's groups broken), and the next update is an exact seed."""
+    from launchers.ranks import run_ranks
+
+    for error, seconds, needs_seed, kind, exact in run_ranks(_seed_with_engine_down, 2, timeout=120):
+        assert error.startswith("GatherError") and "rank 0: ConnectionError: engine unreachable" in error
+        assert seconds < 30 and needs_seed and kind == "seed" and exact
