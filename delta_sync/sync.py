@@ -429,9 +429,11 @@ class WeightSync:
     # ---- seed / full: one streaming pass ----------------------------------------------------------
     def _bulk(self, version: int, kind: str, named_tensors, timings: dict
               ) -> tuple[Outcome | None, BaseException | None, int]:
-        """Every rank reads the stream once; owners stage snapshots (delta mode only: a full-mode
-        trainer never diffs), rank 0 packs and sends every tensor as it comes. Before the last
-        bucket, the ranks agree that nobody failed; a failure aborts the update instead."""
+        """Every rank reads the stream once; rank 0 packs and sends every tensor as it comes. Before
+        the last bucket, the ranks agree that nobody failed; a failure aborts the update instead.
+        Owners stage snapshots (delta mode only: a full-mode trainer never diffs): one rank packs
+        into its snapshot before the engines pause; several stage their shares outside the pause
+        window and then agree that each did."""
         snapshots = self.mode == "delta"
         # one rank owns every tensor: the packer's buckets become its snapshot (one copy, no spare buckets)
         keep = snapshots and self.world == 1

@@ -262,14 +262,18 @@ class UndoLog:
         by_storage: dict[tuple, list] = {}
         for w in pending:
             by_storage.setdefault(_storage_key(w[0]), []).append(w)
-        groups = list(by_storage.values())
-        sizes = [sum(w[3].numel() for w in g) for g in groups]
         device = pending[0][0].device if pending else None
-        if pending and all(pos is not None and native.movable(t, pos, v) for t, pos, _, v in pending):
-            native.move_rows([(t, pos, off, v, None) for g in groups for t, pos, off, v in g],
-                             _row_spans([len(g) for g in groups], sizes, device))
-        else:
-            spread(sizes, lambda lo, hi: [_put(*w) for g in groups[lo:hi] for w in g], device=device)
+        # a parameter's writes go to the kernel if it takes all of them (a dense tensor's view
+        # write does not), else to torch ops; either way on one thread, in order
+        kernel, other = [], []
+        for g in by_storage.values():
+            (kernel if all(pos is not None and native.movable(t, pos, v) for t, pos, _, v in g) else other).append(g)
+        if kernel:
+            native.move_rows([(t, pos, off, v, None) for g in kernel for t, pos, off, v in g],
+                             _row_spans([len(g) for g in kernel], [sum(w[3].numel() for w in g) for g in kernel],
+                                        device))
+        spread([sum(w[3].numel() for w in g) for g in other],
+               lambda lo, hi: [_put(*w) for g in other[lo:hi] for w in g], device=device)
 
     def change_rows(self, rows: list[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]],
                     spans: list[tuple[int, int]]) -> None:

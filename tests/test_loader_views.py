@@ -312,3 +312,39 @@ def test_host_writes_spread_over_threads_equal_one_thread(monkeypatch, host_kern
     undo.restore()
     for name, p in models[0].named_parameters():
         assert torch.equal(p, state[name]), name
+
+
+def test_a_deferred_write_mixing_dense_and_sparse_tensors_equals_applying_now():
+    """A delta whose tensors go partly dense (a view write the host kernel does not take) and
+    partly sparse: the deferred writes equal an apply done at once, through the kernel where it
+    takes a parameter's writes and torch ops elsewhere, and the undo log restores all of it."""
+    from patches import loader_views as lv
+
+    n = 4096
+    g = torch.Generator().manual_seed(11)
+    models = [_Plain(n), _Plain(n)]
+    views, _ = probe_views(models[0], [(f"w{i}", (n,), torch.bfloat16) for i in range(4)])
+    state = {f"w{i}": torch.randn(n, generator=g).to(torch.bfloat16) for i in range(4)}
+    for m in models:
+        m.load_weights(state.items())
+    dense = torch.randn(n, generator=g).to(torch.bfloat16)
+    sparse = []
+    for i in range(1, 4):
+        idx = torch.randperm(n, generator=g)[: n // 7].sort().values.to(torch.int32)
+        sparse.append((f"w{i}", idx, torch.randn(idx.numel(), generator=g).to(torch.bfloat16)))
+    undos = []
+    for m, deferred in zip(models, (True, False)):
+        params = dict(m.named_parameters())
+        undo = UndoLog(deferred=deferred)
+        apply_dense(views["w0"], params, dense, undo)
+        lv.apply_sparse_many(views, params, sparse, undo)
+        if deferred:
+            assert all(torch.equal(p, state[k]) for k, p in params.items())  # nothing written yet
+            undo.write()
+        undos.append(undo)
+    for name, p in models[0].named_parameters():
+        assert torch.equal(p, getattr(models[1], name)), name
+    assert torch.equal(models[0].w0, dense) and not torch.equal(models[0].w1, state["w1"])
+    for m, undo in zip(models, undos):
+        undo.restore()
+        assert all(torch.equal(p, state[k]) for k, p in m.named_parameters())
