@@ -230,6 +230,16 @@ def test_many_tensors_in_one_apply_equal_one_by_one(monkeypatch, host_kernel):
         assert torch.equal(p, before[name]), name
 
 
+def _plain_pair(n: int, g: torch.Generator):
+    """Two :class:`_Plain` models loaded with the same random state, and their loader views."""
+    models = [_Plain(n), _Plain(n)]
+    views, _ = probe_views(models[0], [(f"w{i}", (n,), torch.bfloat16) for i in range(4)])
+    state = {f"w{i}": torch.randn(n, generator=g).to(torch.bfloat16) for i in range(4)}
+    for m in models:
+        m.load_weights(state.items())
+    return models, views, state
+
+
 class _Plain(torch.nn.Module):
     """Four bf16 parameters loaded as they are (each checkpoint tensor one whole run)."""
 
@@ -257,11 +267,7 @@ def test_host_writes_spread_over_threads_equal_one_thread(monkeypatch, host_kern
 
     n = 2 * lv.SPREAD_MIN_ELEMENTS
     g = torch.Generator().manual_seed(9)
-    models = [_Plain(n), _Plain(n)]
-    views, _ = probe_views(models[0], [(f"w{i}", (n,), torch.bfloat16) for i in range(4)])
-    state = {f"w{i}": torch.randn(n, generator=g).to(torch.bfloat16) for i in range(4)}
-    for m in models:
-        m.load_weights(state.items())
+    models, views, state = _plain_pair(n, g)
     patches = []
     for i in range(4):
         idx = torch.randperm(n, generator=g)[: n // 3].sort().values.to(torch.int32)
@@ -322,11 +328,7 @@ def test_a_deferred_write_mixing_dense_and_sparse_tensors_equals_applying_now():
 
     n = 4096
     g = torch.Generator().manual_seed(11)
-    models = [_Plain(n), _Plain(n)]
-    views, _ = probe_views(models[0], [(f"w{i}", (n,), torch.bfloat16) for i in range(4)])
-    state = {f"w{i}": torch.randn(n, generator=g).to(torch.bfloat16) for i in range(4)}
-    for m in models:
-        m.load_weights(state.items())
+    models, views, state = _plain_pair(n, g)
     dense = torch.randn(n, generator=g).to(torch.bfloat16)
     sparse = []
     for i in range(1, 4):
