@@ -255,12 +255,45 @@ def _failures_on_megatron(rank, world, port, path, fast):
     attempt("delta after failures", source)
     trainer.step(BATCH)
     attempt("delta", source)
+    fast_used = fast and source.ready()
+    fell_back = None
+    if fast:  # a reseed whose shard snapshots (taken at commit) cannot be taken on rank 2
+        updater.sync.needs_seed = True
+        with _snapshots_fail_on(source, rank, 2):
+            attempt("reseed, shard snapshots fail", source)
+        fell_back = [not source.ready()]  # on every rank alike
+        trainer.step(BATCH)
+        attempt("delta on the reference export", source)  # exact; its commit takes the snapshots again
+        fell_back.append(source.ready())
     exported = list(BridgeExportSource(trainer.bridge, trainer.model))  # independent export, every rank
     mismatched = receiver.mismatched(exported) if rank == 0 else []
     version = updater.sync.version
-    fast_used = fast and source.ready()
     updater.close()
-    return attempt.log, mismatched, version, fast_used
+    return attempt.log, mismatched, version, fast_used, fell_back
+
+
+@contextlib.contextmanager
+def _snapshots_fail_on(source, rank: int, bad_rank: int):
+    """Taking the shard snapshots at a seed's commit fails on ``bad_rank`` (out of memory, say)."""
+    class Unreadable:
+        @property
+        def param(self):
+            raise MemoryError(f"no memory for the shard snapshots on rank {rank}")
+
+    real = source.commit
+
+    def failing_commit():
+        runs, source._runs = source._runs, [Unreadable()]
+        try:
+            real()
+        finally:
+            source._runs = runs
+    if rank == bad_rank:
+        source.commit = failing_commit
+    try:
+        yield
+    finally:
+        source.commit = real
 
 
 def _failures_both_paths(rank, world, port, path):
@@ -271,14 +304,18 @@ def test_failure_contract_on_four_megatron_ranks():
     """DESIGN.md's failure rows on a TP2xPP2 Megatron trainer, through the reference path and then
     the fast path: validation failure before send, export failure on a non-sender rank, sender
     failure mid-send, receiver failure; no rank hangs, every rank sees the same outcome, and the
-    next update is exact against an independent export."""
+    next update is exact against an independent export. On the fast path, a reseed whose shard
+    snapshots (taken at commit, after the engines resumed) cannot be taken on one rank turns the
+    fast path off on every rank; the next delta, through the reference export, is exact, and its
+    commit takes the shard snapshots again."""
     from .test_sender_failures import check_outcomes
 
     results = run_ranks(_failures_both_paths, 4, str(build("dense")), timeout=600)
     for i, fast in enumerate((False, True)):
         per_rank = [r[i] for r in results]
-        log, mismatched, version, fast_used = per_rank[0]
+        log, mismatched, version, fast_used, fell_back = per_rank[0]
         check_outcomes(per_rank, 2)
-        assert len(log) == 8 and mismatched == [], (fast, log, mismatched)
+        assert len(log) == (10 if fast else 8) and mismatched == [], (fast, log, mismatched)
         assert all(r[2] == version for r in per_rank)
         assert fast_used == fast
+        assert all(r[4] == ([True, True] if fast else None) for r in per_rank)  # every rank fell back, and recovered

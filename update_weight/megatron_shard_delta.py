@@ -100,7 +100,6 @@ class MegatronShardDelta(BridgeExportSource):
         self._seed_ok = self._warned = False
         self._position: dict[str, int] = {}
         self._snap: dict[int, torch.Tensor] = {}
-        self._staged: dict = {}  # a seed's new shard snapshots, taken at commit
         #: a delta's advanced shard snapshots: run index -> (int32 flat indices, old bits there)
         self._undo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -139,9 +138,10 @@ class MegatronShardDelta(BridgeExportSource):
             log.warning("delta-sync fast path off, deltas use the reference export: %s",
                         self._problem or "another rank could not map its shards")
         self._position = {n: i for i, n in enumerate(self._names)}
-        self._staged = ({k: r.param.detach().clone(memory_format=torch.contiguous_format)
-                         for k, r in enumerate(self._runs)} if ok else {})
-        self._seed_ok = ok  # takes effect at commit: the snapshots must hold what the engines hold
+        # the shard snapshots are taken at commit: they must hold what the engines hold, and then
+        # the copy runs after the engines resumed (the parameters keep their values while update
+        # runs), not inside the seed's pause window
+        self._seed_ok = ok
 
     def local_patches(self) -> list[Ordered]:
         per_seq: dict[int, list[tuple[torch.Tensor, torch.Tensor, bool]]] = {}  # (targets, bits, in order)
@@ -180,18 +180,29 @@ class MegatronShardDelta(BridgeExportSource):
         return sorted(out, key=lambda o: o.seq)
 
     def commit(self) -> None:
-        if self._seed_ok:  # a seed (or full update) just committed: new shard snapshots
-            self._snap, self._ok, self._seed_ok = self._staged, True, False
+        if self._seed_ok:  # a seed (or full update) just committed: new shard snapshots, taken now
+            self._seed_ok, self._snap = False, {}  # the old ones go first: their memory serves the new
+            problem = None
+            try:
+                snap = {k: r.param.detach().clone(memory_format=torch.contiguous_format)
+                        for k, r in enumerate(self._runs)}
+            except Exception as e:  # e.g. out of memory: every rank falls back alike
+                snap, problem = {}, f"{type(e).__name__}: {e}"
+            self._ok = self._agree(problem is None)  # collective: every rank commits
+            self._snap = snap if self._ok else {}
+            if not self._ok:
+                log.warning("delta-sync fast path off, deltas use the reference export: taking the shard "
+                            "snapshots failed (%s)", problem or "on another rank")
         # a delta's shard snapshots advanced during its diff
-        self._staged, self._undo = {}, {}
+        self._undo = {}
 
     def rollback(self) -> None:
         for k, (idx, old) in self._undo.items():
             restore(self._snap[k], idx, old)
-        self._staged, self._undo, self._seed_ok = {}, {}, False
+        self._undo, self._seed_ok = {}, False
 
     def reset(self) -> None:
-        self._staged, self._undo, self._snap, self._ok, self._seed_ok = {}, {}, {}, False, False
+        self._undo, self._snap, self._ok, self._seed_ok = {}, {}, False, False
 
     def local_digests(self, names: set[str] | None = None) -> dict[str, Digest]:
         out: dict[str, Digest] = {}
