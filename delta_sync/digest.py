@@ -235,17 +235,19 @@ def _lane_sums_many(parts: list[tuple[torch.Tensor, int]], lanes: int, exp_mask:
 
 
 def scan_range(values: torch.Tensor, start: int = 0, copy_to: torch.Tensor | None = None,
-               threads: int | None = None) -> tuple[Digest, int]:
+               threads: int | None = None, lanes: bool = True) -> tuple[Digest, int]:
     """Digest of ``values`` standing at flat indices ``start, ...`` and its count of Inf/NaN elements.
 
     One pass over the bytes: what a receiver (and the packing sender) runs on every bulk value.
     With ``copy_to`` (a contiguous tensor of as many elements and the same element size) the
     values are also copied there in that pass: the packer fills a bucket this way. Host values
-    are split over up to ``threads`` threads (None: torch's count)."""
+    are split over up to ``threads`` threads (None: torch's count). ``lanes=False``: the Inf/NaN
+    count alone (an all-zero digest), the validation a sender runs on every range before it
+    leaves, digest or not: what the digest's own cost is measured against."""
     w = _words_per_element(values)
-    lanes, bad = _scan_words(_words(values), start * w, len(_LANES), _EXP_MASK.get(values.dtype, 0), w,
-                             _copy_target(values, copy_to), threads)
-    return Digest(*lanes), bad
+    sums, bad = _scan_words(_words(values), start * w, len(_LANES) if lanes else 0, _EXP_MASK.get(values.dtype, 0),
+                            w, _copy_target(values, copy_to), threads)
+    return Digest(*sums), bad
 
 
 def _copy_target(values: torch.Tensor, copy_to: torch.Tensor | None) -> torch.Tensor | None:
@@ -258,8 +260,9 @@ def _copy_target(values: torch.Tensor, copy_to: torch.Tensor | None) -> torch.Te
     return copy_to.reshape(-1).view(torch.int16)
 
 
-def scan_many(items: list[tuple[torch.Tensor, int, torch.Tensor | None]]) -> list[tuple[Digest, int]]:
-    """:func:`scan_range` of many ``(values, start, copy_to)`` ranges, in order.
+def scan_many(items: list[tuple[torch.Tensor, int, torch.Tensor | None]], lanes: bool = True
+              ) -> list[tuple[Digest, int]]:
+    """:func:`scan_range` of many ``(values, start, copy_to)`` ranges, in order (``lanes``: as there).
 
     Host ranges are spread over the threads by whole ranges, each scanned on one thread, instead of
     each range being split over all of them: a model's hundreds of few-MB tensors would otherwise
@@ -277,13 +280,15 @@ def scan_many(items: list[tuple[torch.Tensor, int, torch.Tensor | None]]) -> lis
 
     def run(indices: list[int], threads_each: int | None) -> None:
         for i in indices:
-            out[i] = scan_range(*items[i], threads=threads_each)
+            out[i] = scan_range(*items[i], threads=threads_each, lanes=lanes)
 
     groups = [pooled[lo:hi] for lo, hi in native.contiguous_groups([sizes[i] for i in pooled], threads)]
     _, error = native.run_spread([functools.partial(run, g, 1) for g in groups])  # every range finishes first
     try:
         run(alone, None)
         _scan_device(items, [i for i, ok in enumerate(host) if not ok], out)
+        if not lanes:  # device ranges were digested anyway: their digests are dropped alike
+            out = [None if o is None else (Digest(), o[1]) for o in out]
     except BaseException as e:
         error = error or e
     if error is not None:

@@ -441,11 +441,16 @@ def _adam_step(state: dict[str, torch.Tensor], lr: float, g: torch.Generator, ch
 
 
 def _digest_marginal(state: dict[str, torch.Tensor], reps: int = 2) -> dict:
-    """What verification adds to one side of a seed, same run (best of ``reps``). A range that travels
-    packed is copied anyway: its share is what the fused copy + digest + Inf/NaN pass costs over a
-    plain copy into a buffer. A range that travels on its own, from the trainer's tensor into the
-    engine's parameters (at least ``DIRECT_MIN_BYTES``), is read by nothing else: its share is the
-    whole digest pass. The engine's share beyond this is its own ``check_s``."""
+    """What verification adds to a seed, per side, same run (best of ``reps``).
+
+    The sender must read every range before it leaves anyway: its Inf/NaN check refuses a
+    diverged tensor before any of it reaches an engine. The digest rides in that pass, so the
+    sender's share is what the digest adds to it: for a range that travels on its own (at least
+    ``DIRECT_MIN_BYTES``, sent from the trainer's tensor) the checking scan with lanes over the
+    one without; for a packed range the fused copy + check + digest over the fused copy + check.
+    The engine reads ranges received in place for nothing but verification: its share is the
+    whole scan of those, and for packed ranges the fused pass over a plain copy (it copies them
+    into the parameters anyway). The engine's bucket checks beyond that are its own ``check_s``."""
     from delta_sync import bucket
     from delta_sync.digest import scan_many, scan_range
 
@@ -454,22 +459,27 @@ def _digest_marginal(state: dict[str, torch.Tensor], reps: int = 2) -> dict:
     packed = [t for t in tensors if t.numel() * t.element_size() < bucket.DIRECT_MIN_BYTES]
     buf = torch.empty(max((t.numel() for t in packed), default=1), dtype=torch.bfloat16)
     buf.fill_(0)
-    times = {"copy": [], "fused": [], "scan": []}
+    times = {"copy": [], "fused": [], "fused_check": [], "scan": [], "check": []}
     for _ in range(reps):
         for how in times:
             t0 = time.perf_counter()
-            if how == "scan":  # as the packer and the engine digest them: a bucket's ranges together
-                scan_many([(t, 0, None) for t in alone])
-            for t in (packed if how != "scan" else []):
-                if how == "copy":
-                    buf[:t.numel()].copy_(t)
-                else:
-                    scan_range(t, 0, copy_to=buf[:t.numel()])
+            if how in ("scan", "check"):  # as the packer and the engine digest them: a bucket's ranges together
+                scan_many([(t, 0, None) for t in alone], lanes=how == "scan")
+            else:
+                for t in packed:
+                    if how == "copy":
+                        buf[:t.numel()].copy_(t)
+                    else:
+                        scan_range(t, 0, copy_to=buf[:t.numel()], lanes=how == "fused")
             times[how].append(time.perf_counter() - t0)
-    copy_s, fused_s, scan_s = min(times["copy"]), min(times["fused"]), min(times["scan"])
-    return {"copy_s": round(copy_s, 4), "fused_s": round(fused_s, 4), "scan_alone_s": round(scan_s, 4),
+    best = {how: min(v) for how, v in times.items()}
+    sender = max(0.0, best["scan"] - best["check"]) + max(0.0, best["fused"] - best["fused_check"])
+    receiver = best["scan"] + max(0.0, best["fused"] - best["copy"])
+    return {"copy_s": round(best["copy"], 4), "fused_s": round(best["fused"], 4),
+            "fused_check_s": round(best["fused_check"], 4), "scan_alone_s": round(best["scan"], 4),
+            "check_alone_s": round(best["check"], 4),
             "alone_bytes": sum(t.numel() * t.element_size() for t in alone),
-            "marginal_s": round(max(0.0, fused_s - copy_s) + scan_s, 4)}
+            "sender_s": round(sender, 4), "engine_s": round(receiver, 4), "marginal_s": round(sender + receiver, 4)}
 
 
 def _diff_alone(sync, state: dict[str, torch.Tensor], g: torch.Generator, reps: int = 3) -> float:
@@ -761,11 +771,10 @@ def _pass_summary(rows: list[dict], wire_s: float, digest_marginal_s: float = 0.
         "delta_over_wire": _ratio(head and head["total_s"], wire_s),
         "delta_pause_over_wire": _ratio(head and head["pause_window_s"], wire_s),
         "adam_over_wire": _ratio(adam and adam["total_s"], wire_s),
-        # verification's cost: per side, the digest passes of the ranges that travel on their own
-        # (nothing else reads them) plus what digesting adds to the copies of packed ranges (the
-        # same fused kernel over a plain copy), measured beside the sync, same run; plus the
-        # engine's own bucket checks (check_s)
-        "verify_over_seed": _ratio((seed or {}).get("engine_check_s", 0.0) + 2 * digest_marginal_s,
+        # verification's cost, measured beside the sync, same run (see _digest_marginal): what the
+        # digest adds to the sender's checking pass, the engine's digest of what it received, and
+        # the engine's own bucket checks (check_s)
+        "verify_over_seed": _ratio((seed or {}).get("engine_check_s", 0.0) + digest_marginal_s,
                                    seed and seed["total_s"]),
         # the default drift sweep's share of a delta: the trainer's digests of the next window and
         # the engine's, which travel back with the start call (no call of their own)

@@ -584,6 +584,9 @@ def test_scan_many_equals_scan_range_per_range(monkeypatch, threads):
         items.append((x, 11 * k, torch.zeros_like(x) if k % 2 else None))
     want = [dg.scan_range(v, s) for v, s, _ in items]
     assert dg.scan_many(items) == want and all(w[1] == (1 if v.numel() > 100 else 0) for w, (v, _, _) in zip(want, items))
+    # the check alone (what a sender runs digest or not): the same counts and copies, no digests
+    assert dg.scan_many(items, lanes=False) == [(dg.Digest(), w[1]) for w in want]
+    assert any(w[0] != dg.Digest() for w in want)
     for v, _, out in items:
         if out is not None:
             assert torch.equal(int_view(out), int_view(v))  # bit for bit, NaN included
