@@ -350,3 +350,17 @@ def test_a_deferred_write_mixing_dense_and_sparse_tensors_equals_applying_now():
     for m, undo in zip(models, undos):
         undo.restore()
         assert all(torch.equal(p, state[k]) for k, p in m.named_parameters())
+
+
+def test_a_write_of_the_wrong_length_raises_and_leaves_nothing_to_restore_wrongly():
+    """An undo-logged write whose values do not match its positions is refused by torch ops (the
+    host kernel does not take it), and the undo log then restores what it recorded, bit for bit."""
+    n = 64
+    flat = torch.arange(n, dtype=torch.float32)
+    undo = UndoLog()
+    pos = torch.tensor([3, 9, 20], dtype=torch.int32)
+    undo.change(flat, pos, torch.tensor([1.5, 2.5, 3.5]))
+    with pytest.raises((IndexError, RuntimeError)):
+        undo.change(flat, pos + 1, torch.tensor([7.0, 8.0]))  # two values for three positions
+    undo.restore()
+    assert torch.equal(flat, torch.arange(n, dtype=torch.float32))
