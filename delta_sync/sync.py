@@ -98,12 +98,15 @@ class ShardedSource(Protocol):
         """The fast path can serve the next delta (the same answer on every rank)."""
 
     def seeded(self) -> None:
-        """The reference stream of a seed or full update was just consumed: stage shard snapshots."""
+        """The reference stream of a seed or full update was just consumed (before its last bucket,
+        inside the engines' pause): settle whether its shard snapshots can be taken."""
 
     def local_patches(self) -> list[Ordered]:
         """This rank's changed entries since the committed version, staged for :meth:`commit`."""
 
-    def commit(self) -> None: ...
+    def commit(self) -> None:
+        """Every engine holds the new version: after a seed, take the shard snapshots now (the
+        parameters keep their values while ``update`` runs; the engines already resumed)."""
 
     def rollback(self) -> None: ...
 
