@@ -486,17 +486,8 @@ class WeightSync:
             if self.sharded is not None:
                 self.sharded.seeded()  # collective on every rank, even one that failed
             timings["drain_s"] = time.perf_counter() - t0
-            if self.gatherer is not None:
-                mine = failure[0] if failure else None
-
-                def status():
-                    if mine is not None:
-                        raise mine
-                    return []
-                self.gatherer.gather(status)  # GatherError on every rank if any failed
-                agreed.append(True)
-            elif failure:
-                raise failure[0]
+            self._agree(failure[0] if failure else None)
+            agreed.append(True)
 
         def stage_later(publish_ok: bool) -> str | None:
             """Stage this rank's share (unless the update failed already), then every rank agrees
@@ -510,13 +501,8 @@ class WeightSync:
                 mine = e
             later.clear()
             timings["stage_after_s"] = time.perf_counter() - t0
-
-            def status():
-                if mine is not None:
-                    raise mine
-                return []
             try:
-                self.gatherer.gather(status)
+                self._agree(mine)
             except GatherError as e:
                 return "; ".join(f"rank {r}: {m}" for r, m in sorted(e.failures.items()))
             return None
@@ -722,6 +708,20 @@ class WeightSync:
         if self.sharded is not None:
             self.sharded.reset()
         self.needs_seed = True
+
+    def _agree(self, mine: BaseException | None) -> None:
+        """Every trainer rank learns whether any failed: the same GatherError on every rank if one
+        did (a collective when world > 1; with one rank, ``mine`` itself is raised)."""
+        if self.gatherer is None:
+            if mine is not None:
+                raise mine
+            return
+
+        def status():
+            if mine is not None:
+                raise mine
+            return []
+        self.gatherer.gather(status)
 
     def _from_rank0(self, obj):
         """Trainer rank 0's ``obj`` on every trainer rank (a collective when world > 1)."""

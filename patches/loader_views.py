@@ -293,10 +293,8 @@ class UndoLog:
     def change(self, target: torch.Tensor, pos: torch.Tensor | None, values: torch.Tensor, offset: int = 0) -> None:
         """Record the old values at ``offset + pos`` of ``target`` (None: all of it), then write
         ``values`` there: now (one visit per position on a host), or at :meth:`write` when ``deferred``."""
-        if pos is not None and not self.deferred and native.movable(target, pos, values):
-            old = torch.empty(pos.numel(), dtype=target.dtype, device=target.device)
-            native.move_at(target, pos, offset, values=values, old=old)  # read and write in one visit
-            self.entries.append((target, pos, offset, old))
+        if pos is not None and native.movable(target, pos, values):
+            self.change_rows([(target, pos, offset, values)], [(0, 1)])  # one visit per position
             return
         if pos is None:
             self.record_view(target)
