@@ -1,9 +1,9 @@
 """Benchmarks that print ratios measured in one run: ``python -m delta_sync.bench {diff,...}``.
 
-``diff``: bitwise diff throughput (the pass a snapshot store runs: it also advances the snapshot)
-against ``dst.copy_(src)`` on the same tensors. Bytes counted
-the same way for both: copy reads N and writes N, diff reads 2N (snapshot and new), so each
-side "moves" 2N bytes per pass. Last line: one JSON object with ``diff_over_copy`` (the path the
+``diff``: bitwise diff throughput (the pass a snapshot store runs, ``BitwiseDiff.advance_many`` over
+the batch: it also advances the snapshots) against ``dst.copy_(src)`` on the same tensors. Bytes
+counted the same way for both: copy reads N and writes N, diff reads 2N (snapshot and new), so
+each side "moves" 2N bytes per pass. Last line: one JSON object with ``diff_over_copy`` (the path the
 library uses here: the host kernel of :mod:`delta_sync.native` when it builds) and
 ``torch_ops_over_copy`` (the portable torch-op path, what a device snapshot runs).
 
@@ -72,11 +72,12 @@ def bench_diff(argv: list[str]) -> dict:
     produced = []
 
     def diff_with(d: BitwiseDiff):
-        """What a snapshot store runs: the diff that advances each snapshot in its pass."""
+        """What a snapshot store runs: one ``advance_many`` over the batch, the diff that advances
+        each snapshot in its pass (a call per tensor would add a thread join per tensor)."""
         def run():
             produced.clear()
-            for i, (o, n) in enumerate(zip(olds, news)):
-                produced.append((o, *d.advance(f"t{i}", o, n)))
+            found = d.advance_many([(f"t{i}", o, n) for i, (o, n) in enumerate(zip(olds, news))])
+            produced.extend((o, *got) for o, got in zip(olds, found))
         return run
 
     def put_back():  # untimed: the snapshots go back to the old version for the next pass
