@@ -35,7 +35,9 @@ def _own(new: torch.Tensor, given: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class _Staged:
-    patch: Patch
+    """What commit or rollback needs of a staged tensor; never a delta's patch (the packer drops
+    each bucket's patches once the bucket is packed, so a streamed delta is not held whole)."""
+    shape: tuple[int, ...]
     full: torch.Tensor | None = None  # seed / first sight of a tensor: the whole new value
     #: a delta's snapshot already advanced in place: (int32 flat indices, old bits there)
     undo: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -107,7 +109,7 @@ class SnapshotStore:
                 else:
                     copy = _own(new, tensor)
                 out[i] = Patch.full(name, copy)
-                self._staged[name] = _Staged(out[i], copy)
+                self._staged[name] = _Staged(out[i].shape, copy)
             else:
                 diffs.append((i, new))
         found = self.differ.advance_many([(items[i][0], self._base[items[i][0]], new) for i, new in diffs])
@@ -116,7 +118,7 @@ class SnapshotStore:
             undo = (patch.indices, old_bits)
             if dense_is_smaller(patch.count, patch.numel, new.element_size()):
                 patch = Patch.full(name, _own(new, tensor))
-            self._staged[name] = _Staged(patch, undo=undo)
+            self._staged[name] = _Staged(patch.shape, undo=undo)
             out[i] = patch
         return out
 
@@ -129,7 +131,7 @@ class SnapshotStore:
             self.prepare(name, tensor, full=True)
             return
         self._unstaged(name)
-        self._staged[name] = _Staged(Patch.full(name, tensor), tensor)
+        self._staged[name] = _Staged(tuple(tensor.shape), tensor)
 
     def _unstaged(self, name: str, also: set[str] = frozenset()) -> None:
         """Refuse a name staged already in this update (or among ``also``, a batch being staged)."""
@@ -140,7 +142,7 @@ class SnapshotStore:
         """Fold every staged value into the snapshot: it now holds ``version``."""
         for name, st in self._staged.items():
             if st.full is not None:  # (a delta's snapshots advanced during its diff already)
-                self._base[name] = st.full.reshape(st.patch.shape)
+                self._base[name] = st.full.reshape(st.shape)
         self._staged.clear()
         self._spare.clear()
         self.version = version

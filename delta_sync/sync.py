@@ -36,7 +36,7 @@ from .collectives import TrainerGroups
 from .digest import Digest, digest_tensor
 from .engines import EngineClient, InProcessEngine, as_engine
 from .errors import DeltaSyncError, GatherError, PatchValidationError, UpdateInFlight, with_kept
-from .gather import Ordered, PatchGather, order_and_merge
+from .gather import Ordered, PatchGather
 from .patch import Patch, check_indexable
 from .snapshot import SnapshotStore
 from .transfer import BucketSender, SendStats
@@ -340,85 +340,114 @@ class WeightSync:
         sharded = self.sharded
         fast = sharded is not None and sharded.ready()
         elements = [0]
+        kept = f"engines and trainer snapshot at v{self.version}"
+        timings["diff_s"] = 0.0
 
-        def produce() -> list[Ordered]:
+        def diffed() -> Iterator[list[Ordered]]:
+            """This rank's patches, a diff batch at a time (bounded by DIFF_BATCH_*); ``diff_s``: the
+            time spent here, not in the consumer between batches. Raises, once the stream is read to
+            its end, the first failure of any tensor."""
             t0 = time.perf_counter()
             if fast:
                 out = sharded.local_patches()
                 elements[0] = sharded.total_elements
-            else:
-                out, failure, seen = [], None, {}
-                kept = f"engines and trainer snapshot at v{self.version}"
-                batch: list[tuple[int, str, torch.Tensor]] = []  # owned, not yet diffed (bounded)
+                timings["diff_s"] += time.perf_counter() - t0
+                yield out
+                return
+            failure, seen = None, {}
+            batch: list[tuple[int, str, torch.Tensor]] = []  # owned, not yet diffed (bounded)
+            held = 0
+
+            def diff_batch() -> list[Ordered]:
+                nonlocal held
+                patches = self.store.prepare_many([(name, t) for _, name, t in batch])
+                out = [Ordered(seq, p) for (seq, _, _), p in zip(batch, patches)]
+                batch.clear()
                 held = 0
+                return out
 
-                def diff_batch() -> None:
-                    nonlocal held
-                    patches = self.store.prepare_many([(name, t) for _, name, t in batch])
-                    out.extend(Ordered(seq, p) for (seq, _, _), p in zip(batch, patches))
-                    batch.clear()
-                    held = 0
-
-                for seq, name, t in self._tensors(named_tensors, elements, seen):
-                    if failure is not None:
-                        continue
-                    try:
-                        if isinstance(t, Exception):
-                            raise t
-                        if name not in self._catalog:
-                            raise PatchValidationError(name, "is not in the seed this delta builds on (a changed "
-                                                       "model needs a new seed)", kept=kept)
-                        nbytes = t.numel() * t.element_size()
-                        if self.store.owns(name, nbytes):
-                            batch.append((seq, name, t))
-                            held += nbytes
-                            if len(batch) >= DIFF_BATCH_TENSORS or held >= DIFF_BATCH_BYTES:
-                                diff_batch()
-                    except Exception as e:
-                        failure = e
-                if failure is None and batch:
-                    try:
-                        diff_batch()
-                    except Exception as e:
-                        failure = e
-                missing = [n for n in self._catalog if n not in seen]
-                if failure is None and missing:
-                    failure = PatchValidationError(missing[0], f"left out of this delta with {len(missing) - 1} "
-                                                   "other seeded tensor(s): every update must name every seeded "
-                                                   "tensor, or the engines would keep stale values", kept=kept)
-                if sharded is not None:
-                    sharded.seeded()  # collective on every rank, even one that failed above
+            for seq, name, t in self._tensors(named_tensors, elements, seen):
                 if failure is not None:
-                    raise failure
-            timings["diff_s"] = time.perf_counter() - t0
-            return out
+                    continue
+                ready: list[Ordered] = []
+                try:
+                    if isinstance(t, Exception):
+                        raise t
+                    if name not in self._catalog:
+                        raise PatchValidationError(name, "is not in the seed this delta builds on (a changed "
+                                                   "model needs a new seed)", kept=kept)
+                    nbytes = t.numel() * t.element_size()
+                    if self.store.owns(name, nbytes):
+                        batch.append((seq, name, t))
+                        held += nbytes
+                        if len(batch) >= DIFF_BATCH_TENSORS or held >= DIFF_BATCH_BYTES:
+                            ready = diff_batch()
+                except Exception as e:
+                    failure = e
+                if ready:
+                    timings["diff_s"] += time.perf_counter() - t0
+                    yield ready
+                    t0 = time.perf_counter()
+            ready = []
+            if failure is None and batch:
+                try:
+                    ready = diff_batch()
+                except Exception as e:
+                    failure = e
+            missing = [n for n in self._catalog if n not in seen]
+            if failure is None and missing:
+                failure = PatchValidationError(missing[0], f"left out of this delta with {len(missing) - 1} "
+                                               "other seeded tensor(s): every update must name every seeded "
+                                               "tensor, or the engines would keep stale values", kept=kept)
+            if sharded is not None:
+                sharded.seeded()  # collective on every rank, even one that failed above
+            timings["diff_s"] += time.perf_counter() - t0
+            if failure is not None:
+                raise failure
+            if ready:
+                yield ready
+
+        def checked(patches: list[Patch]) -> list[Patch]:
+            """Indices and values are checked per bucket by the packer (one vectorized pass, before
+            the bucket leaves); here only what a bucket check cannot see."""
+            t0 = time.perf_counter()
+            for p in patches:
+                p.validate(contents=False, kept=kept)
+            timings["validate_s"] = timings.get("validate_s", 0.0) + time.perf_counter() - t0
+            return patches
 
         # rank 0 starts the engines' update (and their half of the drift sweep) while the ranks diff;
         # the engines keep serving, and an update that fails before publishing ends those sessions
         early = _EarlyStart(self) if self.rank == 0 and self.channel is not None and self.engines else None
         try:
+            if self.gatherer is None:
+                # one rank: the packer pulls patches from the diff as it fills buckets, and each full
+                # bucket leaves while the next one is diffed (the trainer never holds a large delta
+                # whole); the engines stage every bucket and apply nothing before finish, as for a
+                # gathered delta, so a failure found later aborts the buckets sent so far
+                def stream(sender: BucketSender) -> SendStats:
+                    stats = sender.close(p for ready in diffed() for p in checked([o.patch for o in ready]))
+                    # the packer's clock ran while it pulled: packing alone is what is left of it
+                    stats.pack_s = max(0.0, stats.pack_s - timings["diff_s"] - timings.get("validate_s", 0.0))
+                    return stats
+
+                published, early = early, None
+                outcome, error = self._publish(version, "delta", timings, stream, kept=kept, early=published)
+                timings["prepare_s"] = timings["diff_s"]
+                return outcome, error, elements[0]
             t0 = time.perf_counter()
             try:
-                patches = self.gatherer.gather(produce) if self.gatherer is not None else order_and_merge(produce())
+                patches = self.gatherer.gather(lambda: [o for ready in diffed() for o in ready])
             except GatherError:
                 self._rollback()  # every rank raises the same error
                 raise
             except Exception as e:
-                if self.world == 1:
-                    self._rollback()
-                    raise
                 return Outcome(False, f"{type(e).__name__}: {e}"), e, elements[0]
             timings["prepare_s"] = time.perf_counter() - t0
             if self.rank != 0:
                 return None, None, elements[0]
-            # Indices and values are checked per bucket by the packer (one vectorized pass, before the
-            # bucket leaves); here only what a bucket check cannot see.
-            kept = f"engines and trainer snapshot at v{self.version}"
             try:
-                t0 = time.perf_counter()
-                for p in patches:
-                    p.validate(contents=False, kept=kept)
-                timings["validate_s"] = time.perf_counter() - t0
+                patches = checked(patches)
             except Exception as e:
                 return Outcome(False, f"{type(e).__name__}: {e}"), e, elements[0]
             published, early = early, None  # from here on, _publish ends the sessions it started

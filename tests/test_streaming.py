@@ -132,6 +132,95 @@ def test_full_update_failing_midway_ends_in_a_seed():
         sync.close()
 
 
+def _streamed_delta_setup(monkeypatch):
+    """Diff batches of two tensors; counts the buckets handed to the wire (on the caller's thread,
+    in order with the stream's reads)."""
+    import delta_sync.sync as sync_mod
+    from delta_sync.transfer import BucketSender
+
+    monkeypatch.setattr(sync_mod, "DIFF_BATCH_TENSORS", 2)
+    handed: list[int] = []
+    put = BucketSender._put
+
+    def counting(self, bucket, arena):
+        handed.append(bucket.header["seq"])
+        put(self, bucket, arena)
+
+    monkeypatch.setattr(BucketSender, "_put", counting)
+    return handed
+
+
+def _changed(state: dict[str, torch.Tensor], step: int) -> dict[str, torch.Tensor]:
+    out = {}
+    for n, t in state.items():
+        t = t.clone()
+        t.view(-1)[step::9] = (t.view(-1)[step::9].float() * 1.5 + 0.25).to(t.dtype)
+        out[n] = t
+    return out
+
+
+def test_a_one_rank_delta_leaves_in_buckets_while_it_is_diffed(monkeypatch):
+    """A one-rank trainer does not gather its delta before sending it: the packer pulls patches
+    from the diff, and the buckets filled so far are on their way before the last tensor is even
+    read (the trainer holds about a bucket of patches, not the delta); the receiver, which stages
+    the whole version and applies it at finish, ends exact."""
+    handed = _streamed_delta_setup(monkeypatch)
+    state = _many_tensors(12)
+    receiver = MemoryReceiver()
+    sync = WeightSync([receiver], mode="delta", bucket_bytes=1 << 10, timeout_s=60)
+    try:
+        sync.update(state.items())
+        new = _changed(state, 1)
+        seen_before_last: list[int] = []
+
+        def stream():
+            for i, (n, t) in enumerate(new.items()):
+                if i == len(new) - 1:
+                    seen_before_last.append(len(handed))
+                yield n, t
+
+        handed.clear()
+        rep = sync.update(stream())
+        assert rep.kind == "delta" and rep.buckets == len(handed) >= 6  # ~9 KiB of patches, 1 KiB buckets
+        assert seen_before_last[0] >= 5  # most had left before the last tensor was read
+        assert receiver.version == rep.version and receiver.mismatched(new.items()) == []
+        assert rep.timings["diff_s"] > 0 and rep.timings["prepare_s"] == rep.timings["diff_s"]
+    finally:
+        sync.close()
+
+
+@pytest.mark.parametrize("fault", ["non_finite", "left_out"])
+def test_a_one_rank_delta_failing_after_buckets_left_changes_nothing(monkeypatch, fault):
+    """The buckets a streamed delta sent before its failure was found are discarded: the receiver
+    keeps the previous version bit for bit, the trainer's snapshot rolls back, and the next delta
+    (no seed needed) is exact."""
+    handed = _streamed_delta_setup(monkeypatch)
+    state = _many_tensors(12)
+    receiver = MemoryReceiver()
+    sync = WeightSync([receiver], mode="delta", bucket_bytes=1 << 10, timeout_s=60)
+    try:
+        seeded = sync.update(state.items()).version
+        bad = _changed(state, 1)
+        last = list(bad)[-1]
+        if fault == "non_finite":
+            bad[last].view(-1)[10] = float("nan")  # a changed element of the last batch
+            items, match = list(bad.items()), f"{last}.*non-finite"
+        else:
+            items, match = list(bad.items())[:-1], f"{last}.*left out of this delta"
+        handed.clear()
+        with pytest.raises(PatchValidationError, match=match) as info:
+            sync.update(items)
+        assert len(handed) >= 5  # the earlier batches had left (then an abort bucket ended the version)
+        assert f"engines and trainer snapshot at v{seeded}" in str(info.value)
+        assert receiver.version == seeded and receiver.mismatched(state.items()) == []
+        assert sync.version == seeded and not sync.needs_seed
+        good = _changed(state, 2)
+        rep = sync.update(good.items())
+        assert rep.kind == "delta" and rep.version == seeded + 1 and receiver.mismatched(good.items()) == []
+    finally:
+        sync.close()
+
+
 def test_receiver_error_midway_through_a_seed_is_reported_and_reseeded():
     state = model_at(1)
 
