@@ -434,6 +434,8 @@ class WeightSync:
                 published, early = early, None
                 outcome, error = self._publish(version, "delta", timings, stream, kept=kept, early=published)
                 timings["prepare_s"] = timings["diff_s"]
+                if "send_s" in timings:  # what the send added to the diff it overlapped
+                    timings["send_s"] = max(0.0, timings["send_s"] - timings["diff_s"])
                 return outcome, error, elements[0]
             t0 = time.perf_counter()
             try:
