@@ -79,21 +79,17 @@ class BitwiseDiff:
 
     def absorb_many(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]
                     ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """:meth:`absorb` of ``(old, new)`` pairs. Small host tensors share a few calls of the host
-        kernel (:func:`native.changed_many`) instead of paying its per-call costs each; the others
-        go one by one. All or nothing: if one fails, every ``old`` advanced here is put back before
+        """:meth:`absorb` of ``(old, new)`` pairs. Host tensors in whole words share a few calls of
+        the host kernel (:func:`native.changed_many`) instead of paying its per-call costs each;
+        the others go one by one. All or nothing: if one fails, every ``old`` advanced here is put back before
         the error is raised."""
         out: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = [None] * len(pairs)
         batch: dict[int, list[int]] = {}  # element width -> pairs scanned together
         flat: dict[tuple, list[int]] = {}  # (width, device) -> torch-path pairs scanned together
         whole = [self._batchable(old, new) for old, new in pairs]
-        # a batch is split over the threads by whole tensors: one larger than a thread's share of
-        # it is split by words instead, on its own (else one thread would scan it while the rest wait)
-        share = sum(old.numel() * old.element_size() for (old, _), ok in zip(pairs, whole) if ok)
-        big = max(native.MIN_WORDS_PER_THREAD * 8, share // max(1, torch.get_num_threads()))
         try:
             for i, (old, new) in enumerate(pairs):
-                if whole[i] and old.numel() * old.element_size() <= big:
+                if whole[i]:  # split over the threads by words, whatever the tensors' sizes
                     batch.setdefault(old.element_size(), []).append(i)
                 elif not whole[i] and self._flat(old, new):
                     flat.setdefault((old.element_size(), old.device), []).append(i)

@@ -17,9 +17,11 @@ returns ``None`` and the torch-op path runs. Both produce identical patches (tes
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import functools
 import hashlib
+import itertools
 import logging
 import os
 import subprocess
@@ -286,6 +288,27 @@ def changed_words(old64: torch.Tensor, new64: torch.Tensor, lanes: int, absorb: 
     return tuple([p[j] for p in parts] for j in range(3 if absorb else 2))
 
 
+def word_shares(words: list[int], parts: int, align: int = 64) -> list[tuple[int, int, int, int]]:
+    """Split the words of arrays of ``words`` words each, in order, into at most ``parts`` runs of
+    about equal words (cut at multiples of ``align`` words of the whole): ``(lo, first, hi, last)``
+    per run, the run covering arrays ``lo:hi`` from word ``first`` of array ``lo`` up to word
+    ``last`` (exclusive) of array ``hi - 1``. An array may be split between runs; arrays of no
+    words fall in the run around them."""
+    total = sum(words)
+    if total == 0:
+        return [(0, 0, len(words), words[-1] if words else 0)] if words else []
+    cuts = sorted({min(total, -(-total * i // parts) // align * align) for i in range(1, parts)} - {0, total})
+    starts = list(itertools.accumulate(words, initial=0))
+    runs, lo, first = [], 0, 0
+    for cut in [*cuts, total]:
+        hi = bisect.bisect_left(starts, cut, lo + 1) if cut < total else len(words)  # arrays starting before cut
+        last = cut - starts[hi - 1]
+        runs.append((lo, first, hi, last))
+        if cut < total:  # the next run starts in array hi - 1, or at the start of array hi
+            lo, first = (hi - 1, last) if last < words[hi - 1] else (hi, 0)
+    return runs
+
+
 def changed_many(olds: list[torch.Tensor], news: list[torch.Tensor], lanes: int, absorb: bool = False
                  ) -> list[tuple[torch.Tensor, ...]]:
     """:func:`changed_words` of many contiguous host tensors of ``lanes`` elements per 64-bit word
@@ -293,50 +316,61 @@ def changed_many(olds: list[torch.Tensor], news: list[torch.Tensor], lanes: int,
     old bits])`` per tensor, views into one output per call. For a model's many small tensors, where
     a call per tensor (scratch, foreign call, copies) costs more than scanning it.
 
-    The arrays are split into ``torch.get_num_threads()`` groups of about equal words, one thread
-    each. With ``absorb``, a failure puts every advanced word back before it is raised."""
+    The words of all arrays are split into ``torch.get_num_threads()`` runs of about equal words,
+    one thread each, cutting through a tensor where a cut falls (not by whole tensors, which left
+    one thread scanning a large tensor while the other waited). With ``absorb``, a failure puts
+    every advanced word back before it is raised."""
     width = 64 // lanes
     n = len(olds)
     if n == 0:
         return []
     words = [t.numel() // lanes for t in olds]
-    threads = max(1, min(torch.get_num_threads(), n, sum(words) // MIN_WORDS_PER_THREAD))
-    groups = contiguous_groups(words, threads)
+    threads = max(1, min(torch.get_num_threads(), sum(words) // MIN_WORDS_PER_THREAD))
+    runs = word_shares(words, threads)
     run = functools.partial(_scan_many, getattr(kernel(), f"diff_many_{width}"), width, olds, news, lanes,
                             absorb)
-    # every group finishes (or restores itself) before an error leaves
-    results, error = run_spread([functools.partial(run, lo, hi) for lo, hi in groups])
+    # every run finishes (or restores itself) before an error leaves
+    results, error = run_spread([functools.partial(run, *r) for r in runs])
     if error is not None:
-        if absorb:  # the groups that did advance go back too
-            for (lo, _), res in zip(groups, results):
+        if absorb:  # the runs that did advance go back too
+            for (lo, *_), res in zip(runs, results):
                 for i, piece in enumerate(res or []):
                     put_back(olds[lo + i], piece[0], piece[2])
         raise error
-    return [piece for res in results for piece in res]
+    out: list[list[tuple[torch.Tensor, ...]]] = [[] for _ in range(n)]
+    for (lo, *_), res in zip(runs, results):
+        for i, piece in enumerate(res):
+            out[lo + i].append(piece)
+    # a tensor cut between runs: its pieces in order (indices increase from run to run)
+    return [p[0] if len(p) == 1 else tuple(torch.cat(c) for c in zip(*p)) for p in out]
 
 
 def _scan_many(fn, width: int, olds: list[torch.Tensor], news: list[torch.Tensor], lanes: int,
-               absorb: bool, lo: int, hi: int) -> list[tuple[torch.Tensor, ...]]:
-    """Tensors ``lo:hi`` through ``diff_many``: a few calls, one scratch, per-tensor views of the output."""
+               absorb: bool, lo: int, first: int, hi: int, last: int) -> list[tuple[torch.Tensor, ...]]:
+    """Tensors ``lo:hi`` through ``diff_many``, from word ``first`` of tensor ``lo`` to word ``last``
+    of tensor ``hi - 1`` (see :func:`word_shares`): a few calls, one scratch, per-tensor views of
+    the output."""
     n = hi - lo
-    addr = torch.tensor([[t.data_ptr() for t in olds[lo:hi]], [t.data_ptr() for t in news[lo:hi]],
-                         [t.numel() // lanes for t in olds[lo:hi]]], dtype=torch.int64)
-    room = min(SCRATCH_ENTRIES, max(8 * lanes, int(addr[2].sum()) * lanes))
+    ends = [t.numel() // lanes for t in olds[lo:hi]]
+    ends[-1] = last
+    addr = torch.tensor([[t.data_ptr() for t in olds[lo:hi]], [t.data_ptr() for t in news[lo:hi]], ends],
+                        dtype=torch.int64)
+    room = min(SCRATCH_ENTRIES, max(8 * lanes, (sum(ends) - first) * lanes))
     vdt = _VALUE_DTYPE[width]
     idx, val = torch.empty(room, dtype=torch.int32), torch.empty(room, dtype=vdt)
     prev = torch.empty(room, dtype=vdt) if absorb else None
-    ends = torch.empty(n, dtype=torch.int64)
+    done = torch.empty(n, dtype=torch.int64)
     stop_t, stop_w = ctypes.c_int64(), ctypes.c_int64()
     parts: list[list[tuple[torch.Tensor, ...]]] = [[] for _ in range(n)]
     scratch = (idx, val, prev) if absorb else (idx, val)
-    t = w = 0
+    t, w = 0, first
     try:
         while t < n:
             k = fn(n, addr[0].data_ptr(), addr[1].data_ptr(), addr[2].data_ptr(), t, w, idx.data_ptr(),
-                   val.data_ptr(), prev.data_ptr() if absorb else None, room, ends.data_ptr(),
+                   val.data_ptr(), prev.data_ptr() if absorb else None, room, done.data_ptr(),
                    ctypes.byref(stop_t), ctypes.byref(stop_w))
             st, sw = stop_t.value, stop_w.value
-            cuts = ends[t:st].tolist() + ([k] if st < n else [])  # the stopped array's share comes last
+            cuts = done[t:st].tolist() + ([k] if st < n else [])  # the stopped array's share comes last
             spans = [(j, a, b) for j, a, b in zip(range(t, t + len(cuts)), [0] + cuts[:-1], cuts)
                      if b > a or not parts[j]]
             try:
@@ -352,7 +386,7 @@ def _scan_many(fn, width: int, olds: list[torch.Tensor], news: list[torch.Tensor
                 raise RuntimeError(f"diff kernel made no progress at array {lo + t}, word {w} (scratch {room})")
             t, w = st, sw
     except BaseException:
-        if absorb:  # put this group back before the error leaves
+        if absorb:  # put this run back before the error leaves
             for j, pieces in enumerate(parts):
                 for piece in pieces:
                     put_back(olds[lo + j], piece[0], piece[2])
