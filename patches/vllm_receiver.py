@@ -474,21 +474,23 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
             self._fingerprint = _fingerprint(self.model)
             return
         t0 = time.perf_counter()
+        layout = _fingerprint(self.model)
         try:
             with torch.no_grad():
-                if planned is not None and planned[1] == _fingerprint(self.model):
+                if planned is not None and planned[1] == layout:
                     undo = planned[0]
-                    undo.write()
+                    undo.write()  # in place: the layout stays the one just read
                 else:  # not planned, or the parameters moved since (e.g. reallocated): apply from scratch
                     undo = UndoLog()
                     self._apply_delta(upd.patches, dict(self.model.named_parameters()), undo)
+                    layout = _fingerprint(self.model)  # vLLM's loader, on the fallback path, may move storage
         except Exception as e:
             undo.restore()
             kept = self._kept() + " (undo log restored)"
             self.last_error = f"apply of v{upd.version} failed: {type(e).__name__}: {e}"
             raise DeltaSyncError(self.last_error, kept=kept) from e
         self.version, self.needs_seed, self.last_error = upd.version, False, None
-        self._fingerprint = _fingerprint(self.model)
+        self._fingerprint = layout
         self.last_timings.update(apply_s=time.perf_counter() - t0, undo_bytes=float(undo.nbytes))
 
     # ---- apply ---------------------------------------------------------------------------------

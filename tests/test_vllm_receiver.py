@@ -244,6 +244,9 @@ def test_a_prepared_apply_is_dropped_when_parameters_moved_before_finish(engine,
     evolve(state, 1)
     assert sync.update(state.items()).kind == "delta"
     assert len(sync.verify()) == len(state)  # every tensor, read back through the new storages
+    monkeypatch.setattr(type(worker), "_plan_delta", real_plan)
+    evolve(state, 2)  # the layout finish recorded is the new storages': no "layout changed" at start
+    assert sync.update(state.items()).kind == "delta" and len(sync.verify()) == len(state)
     sync.close()
 
 
