@@ -16,6 +16,9 @@ everything measured on this machine in the same run:
   every trainer rank; per update: the engine tree's growth over its value just before the update,
   and each rank's peak, its growth over its value before the update and over its RSS before the
   first update;
+* **cores**: the share of this host's cores busy (any process) and stolen (by other guests of the
+  machine) during each update and during the best wire run, from ``/proc/stat``: where both cores
+  are busy, an update is CPU-bound here, whatever the wire could carry;
 * ``apply_over_native`` (``bench apply`` at 0.2%) and ``diff_over_copy`` (``bench diff`` on 0.5 GiB),
   each in its own process;
 * **Megatron fast path** (``--megatron``, on by default): Megatron ranks (2, EP=2, Adam lr 1e-6)
@@ -177,6 +180,24 @@ def _kill_pids(pids: list[int]) -> None:
             pass
 
 
+def cpu_times() -> tuple[int, int, int]:
+    """This host's CPU time so far, in ticks over all its cores: (busy, stolen, total). Busy is
+    user + nice + system + irq + softirq; stolen is time the hypervisor gave to other guests."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    user, nice, system, idle, iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    busy = user + nice + system + irq + softirq
+    return busy, steal, busy + steal + idle + iowait
+
+
+def cpu_share(before: tuple[int, int, int], after: tuple[int, int, int]) -> dict:
+    """Shares of the host's cores between two :func:`cpu_times`: busy (any process of this host:
+    trainer, engine, the wire's two ends) and stolen (by other guests of the machine)."""
+    busy, steal, total = (b - a for a, b in zip(before, after))
+    total = max(total, 1)
+    return {"busy": round(busy / total, 3), "stolen": round(steal / total, 3)}
+
+
 class RssSampler(threading.Thread):
     """Every ``interval`` s: the summed RSS of the engine's process tree and the RSS of every other
     descendant of this process (trainer ranks, helper processes). Timestamps are ``time.monotonic()``,
@@ -336,21 +357,22 @@ def _wire_rank(rank, world, port, files, bucket, reps, timeout_s):
                         ci, off = ci + 1, 0
         else:  # receive buffers touched once, so no page fault lands in the timing
             chunks = [torch.zeros(s, dtype=torch.uint8) for s in sizes]
-        times = []
+        times, cpu = [], []
         for _ in range(reps):
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), cpu_times()
             for c in chunks:
                 dist.broadcast(c, src=0)
             dist.barrier()
             times.append(time.perf_counter() - t0)
+            cpu.append(cpu_share(c0, cpu_times()))
         # the receiver got the model's bytes: compare a checksum of every chunk
         sums = torch.stack([c[::4099].sum(dtype=torch.int64) for c in chunks])
         ref = sums.clone()
         dist.broadcast(ref, src=0)
         if not torch.equal(ref, sums):
             raise RuntimeError("wire: received bytes differ from the sent ones")
-        return {"bytes": total, "chunks": len(chunks), "bucket_bytes": bucket, "times_s": times}
+        return {"bytes": total, "chunks": len(chunks), "bucket_bytes": bucket, "times_s": times, "cpu": cpu}
     finally:
         dist.destroy_process_group()
 
@@ -362,7 +384,7 @@ def _wire(files, bucket, reps, timeout):
     times = [max(a, b) for a, b in zip(res[0]["times_s"], res[1]["times_s"])]
     best = min(times)
     return dict(res[0], times_s=[round(t, 4) for t in times], seconds=round(best, 4),
-                gbps=round(res[0]["bytes"] / best / 1e9, 3))
+                gbps=round(res[0]["bytes"] / best / 1e9, 3), cpu_best=res[0]["cpu"][times.index(best)])
 
 
 # ---- vLLM's own load, bench apply, bench diff (each in its own process) -----------------------------
@@ -518,15 +540,15 @@ def _trainer_rank(rank, world, port, files, url, bucket, densities, lr, timeout_
             # before the sampler's last sample ahead of t0, which is the update's baseline
             time.sleep(5 * SAMPLE_S)
             dist.barrier()
-            t0 = time.monotonic()
+            t0, c0 = time.monotonic(), cpu_times()
             rep = sync.update(state.items())
-            t1 = time.monotonic()
+            t1, c1 = time.monotonic(), cpu_times()
             row = {"label": label, "kind": rep.kind, "density": density, "version": rep.version,
                    "total_s": rep.timings.get("total_s", t1 - t0), "timings": dict(rep.timings),
                    "pause_window_s": rep.pause_window_s, "payload_bytes": rep.payload_bytes,
                    "changed_fraction": rep.changed_fraction, "changed_elements": rep.changed_elements,
                    "total_elements": rep.total_elements, "buckets": rep.buckets, "verified": rep.verified,
-                   "t0": t0, "t1": t1, "repeat": repeat}
+                   "t0": t0, "t1": t1, "repeat": repeat, "cpu": cpu_share(c0, c1)}
             if rank == 0:  # the workers' own timings of this update (check_s: their digest checks)
                 workers = [w.get("timings") or {} for e in sync.engines for w in e.report()]
                 row["engine_check_s"] = max((w.get("check_s", 0.0) for w in workers), default=0.0)
@@ -534,6 +556,7 @@ def _trainer_rank(rank, world, port, files, url, bucket, densities, lr, timeout_
             rows.append(row)
             if rank == 0:
                 print(f"[e2e] {tag} {label} ({rep.kind}): {row['total_s']:.3f} s, pause {rep.pause_window_s:.3f} s, "
+                      f"cores busy {row['cpu']['busy']:.0%} (stolen {row['cpu']['stolen']:.0%}), "
                       f"changed {100 * rep.changed_fraction:.4f}%, payload {rep.payload_bytes / 1e6:.2f} MB, "
                       f"stages {rep.timings}", flush=True)
 
@@ -780,6 +803,10 @@ def _pass_summary(rows: list[dict], wire_s: float, digest_marginal_s: float = 0.
         # the engine's, which travel back with the start call (no call of their own)
         "sweep_over_delta": _ratio(sum((head or {}).get("timings", {}).get(k, 0.0) for k in ("sweep_s", "sweep_engine_s")),
                                    head and head["total_s"]),
+        # how busy the host's cores were (see cpu_share): CPU-bound updates read near 1
+        "seed_cores_busy": seed and seed.get("cpu", {}).get("busy"),
+        "full_cores_busy": full and full.get("cpu", {}).get("busy"),
+        "delta_cores_busy": head and head.get("cpu", {}).get("busy"),
         "engine_seed_peak_over_bucket": worst(seeds, lambda r: r.get("engine_growth_over_bucket")),
         # memory: the worst of the repeated runs (the first one allocates what the others reuse)
         "engine_full_peak_over_bucket": worst(fulls, lambda r: r.get("engine_growth_over_bucket")),
@@ -872,7 +899,8 @@ def _measure(args, result: dict, path: Path, files: list[Path], size: dict, buck
     result["wire"] = wire
     result["wire_s"] = wire["seconds"]
     _say(f"wire: {wire['seconds']:.3f} s for {size['bytes'] / 1e9:.3f} GB ({wire['gbps']} GB/s, "
-         f"{wire['chunks']} chunks, times {wire['times_s']})")
+         f"{wire['chunks']} chunks, times {wire['times_s']}; cores busy {wire['cpu_best']['busy']:.0%}, "
+         f"stolen {wire['cpu_best']['stolen']:.0%})")
     # 2. vLLM's own full load from memory
     env = {"VLLM_LOGGING_LEVEL": "WARNING"}
     if "vllm_load" not in skip:
@@ -1051,6 +1079,9 @@ def main(argv: list[str]) -> dict:
         "trainer_delta_peak_over_model": s.get("trainer_delta_peak_over_model"),
         "apply_over_native": result.get("apply_over_native"), "write_over_native": result.get("write_over_native"),
         "diff_over_copy": result.get("diff_over_copy"),
+        # the host's cores busy during the best wire run and during the headline updates
+        "cores_busy": {"wire": result["wire"]["cpu_best"]["busy"], "seed": s.get("seed_cores_busy"),
+                       "full": s.get("full_cores_busy"), "delta": s.get("delta_cores_busy")},
         "two_ranks": {k: two.get(k) for k in ("seed_s", "full_s", "reseed_s", "reseed_pause_s", "delta_s",
                                               "adam_s", "adam_density",
                                               "seed_over_wire", "reseed_over_wire", "full_over_wire",

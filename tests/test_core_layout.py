@@ -1,6 +1,7 @@
 """The core library stays engine-agnostic, picks backends in one place, and its bench runs."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -62,3 +63,22 @@ def test_tensors_bench_prints_json_last_line(path):
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["bench"] == "tensors" and result["tensors"] == 40 and result["delta_ms_per_tensor"] > 0
     assert result["stages_s"]["diff_s"] > 0 and result["batched_over_one_by_one"] > 0 and result["path"] == path
+
+
+def test_e2e_bench_counts_busy_cores():
+    """The e2e bench's core accounting: a thread spinning for 0.3 s on this host keeps at least
+    one of its cores busy meanwhile (busy >= 1 / cores, up to noise), and an idle wait less so."""
+    import time
+
+    from launchers.bench_e2e import cpu_share, cpu_times
+
+    cores = os.cpu_count() or 1
+    c0, t0 = cpu_times(), time.perf_counter()
+    while time.perf_counter() - t0 < 0.3:
+        pass
+    spun = cpu_share(c0, cpu_times())
+    c0 = cpu_times()
+    time.sleep(0.3)
+    slept = cpu_share(c0, cpu_times())
+    assert 0.8 / cores <= spun["busy"] <= 1.0 and 0.0 <= spun["stolen"] <= 1.0
+    assert slept["busy"] < spun["busy"]
