@@ -95,7 +95,10 @@ def merge_shards(parts: list[Patch]) -> Patch:
 
 
 class PatchGather:
-    """Reusable gatherer: keeps its receive buffer across updates."""
+    """Reusable gatherer. On the host it keeps its receive buffer across updates (freed host memory
+    comes back as fresh pages that fault on first touch); on a device it lets it go after each
+    gather, as the channel's bucket arenas do: the caching allocator reuses the block, and the
+    largest delta ever gathered must not stay resident on rank 0's device between updates."""
 
     def __init__(self, groups: TrainerGroups | None = None, dst: int = 0):
         self.groups = groups or TrainerGroups.around(None)
@@ -142,14 +145,21 @@ class PatchGather:
                 collectives.send(buf, self.dst, g.device_group)
             return None
         received = [Ordered(it.seq, it.patch.to(g.device)) for it in items]  # one device for the merge
-        for r in range(world):
-            n, mb = int(sizes[r, 1]), int(sizes[r, 2])
-            if r == self.dst or n == 0:
-                continue
-            rb = self._buffer(n)
-            collectives.recv(rb, r, g.device_group)
-            received.extend(_unpack(rb, mb))
+        try:
+            for r in range(world):
+                n, mb = int(sizes[r, 1]), int(sizes[r, 2])
+                if r == self.dst or n == 0:
+                    continue
+                rb = self._buffer(n)
+                collectives.recv(rb, r, g.device_group)
+                received.extend(_unpack(rb, mb))  # copies out of the buffer
+        finally:
+            self._release()
         return order_and_merge(received)
+
+    def _release(self) -> None:
+        if self._recv is not None and self._recv.device.type != "cpu":
+            self._recv = None
 
 
 def order_and_merge(items: list[Ordered]) -> list[Patch]:

@@ -121,3 +121,19 @@ def _fail_on(rank, world, port, bad_rank, calls):
 def test_failure_on_one_rank_fails_all_ranks_without_hang(bad_rank):
     results = run_ranks(_fail_on, 4, bad_rank, 3, timeout=90)
     assert all(r == ["ok", "failed", "ok"] for r in results), results
+
+
+def test_receive_buffer_kept_on_the_host_only():
+    """A host gatherer keeps its receive buffer for the next update (no fresh pages); one on a
+    device lets it go after each gather, so the largest delta gathered so far does not stay
+    resident on the sender's device ("meta" stands in for a device here)."""
+    from delta_sync.collectives import TrainerGroups
+
+    host = PatchGather(TrainerGroups(None, None, torch.device("cpu")))
+    host._buffer(1 << 10)
+    host._release()
+    assert host._recv is not None and host._recv.numel() == 1 << 10
+    dev = PatchGather(TrainerGroups(None, None, torch.device("meta")))
+    assert dev._buffer(1 << 10).device.type == "meta"
+    dev._release()
+    assert dev._recv is None
