@@ -91,7 +91,7 @@ class BitwiseDiff:
             for i, (old, new) in enumerate(pairs):
                 if whole[i]:  # split over the threads by words, whatever the tensors' sizes
                     batch.setdefault(old.element_size(), []).append(i)
-                elif not whole[i] and self._flat(old, new):
+                elif self._flat(old, new):
                     flat.setdefault((old.element_size(), old.device), []).append(i)
                 else:
                     out[i] = self.absorb(old, new)

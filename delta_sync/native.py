@@ -341,8 +341,7 @@ def changed_many(olds: list[torch.Tensor], news: list[torch.Tensor], lanes: int,
     for (lo, *_), res in zip(runs, results):
         for i, piece in enumerate(res):
             out[lo + i].append(piece)
-    # a tensor cut between runs: its pieces in order (indices increase from run to run)
-    return [p[0] if len(p) == 1 else tuple(torch.cat(c) for c in zip(*p)) for p in out]
+    return [_joined(p) for p in out]  # a tensor cut between runs: its pieces in run order
 
 
 def _scan_many(fn, width: int, olds: list[torch.Tensor], news: list[torch.Tensor], lanes: int,
@@ -391,7 +390,12 @@ def _scan_many(fn, width: int, olds: list[torch.Tensor], news: list[torch.Tensor
                 for piece in pieces:
                     put_back(olds[lo + j], piece[0], piece[2])
         raise
-    return [p[0] if len(p) == 1 else tuple(torch.cat(c) for c in zip(*p)) for p in parts]
+    return [_joined(p) for p in parts]
+
+
+def _joined(pieces: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+    """One tensor's ``(indices, values[, old bits])`` pieces, in scan order (indices increasing), as one."""
+    return pieces[0] if len(pieces) == 1 else tuple(torch.cat(c) for c in zip(*pieces))
 
 
 def put_back(old: torch.Tensor, idx: torch.Tensor, prev: torch.Tensor) -> None:
