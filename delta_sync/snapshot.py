@@ -163,6 +163,14 @@ class SnapshotStore:
         self._base.clear()
         self.version = None
 
+    def clear(self) -> None:
+        """Forget the snapshot and let its memory go (another owner, a sharded source's shard
+        snapshots, backs the deltas)."""
+        self._staged.clear()
+        self._base.clear()
+        self._spare.clear()
+        self.version = None
+
     def snapshot_of(self, name: str) -> torch.Tensor | None:
         return self._base.get(name)
 

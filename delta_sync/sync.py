@@ -101,6 +101,12 @@ class ShardedSource(Protocol):
         """The reference stream of a seed or full update was just consumed (before its last bucket,
         inside the engines' pause): settle whether its shard snapshots can be taken."""
 
+    def will_serve(self) -> bool:
+        """After :meth:`seeded` of a seed or full update: :meth:`commit` takes the shard snapshots
+        and, unless that fails, the next delta comes from :meth:`local_patches` (the same answer
+        on every rank). WeightSync's own snapshot store then keeps nothing of this version (it
+        would only go stale); should the shard snapshots fail, the next update is a seed."""
+
     def local_patches(self) -> list[Ordered]:
         """This rank's changed entries since the committed version, staged for :meth:`commit`."""
 
@@ -195,6 +201,7 @@ class WeightSync:
         self.version = -1
         self.needs_seed = True
         self.sharded: ShardedSource | None = None  # the source whose shard snapshots back the deltas
+        self._store_skipped = False  # this update's seed staged no plain snapshot (see ShardedSource.will_serve)
         self._busy = threading.Lock()  # one update at a time
 
     # ---- channel ---------------------------------------------------------------------------------
@@ -250,6 +257,7 @@ class WeightSync:
 
     def _update(self, named_tensors) -> UpdateReport:
         t_start = time.perf_counter()
+        self._store_skipped = False
         if not self.needs_seed and self._from_rank0(self.rank == 0 and self._engines_lost_base()):
             self.needs_seed = True  # an engine restarted or lost its base: only a seed can repair it
             self._drop_channel()  # a restarted engine also left the channel: rejoin everyone
@@ -284,8 +292,16 @@ class WeightSync:
             raise DeltaSyncError(f"update v{version} failed on trainer rank 0: {outcome.error}", kept=kept)
         self.store.commit(version)
         if sharded is not None:
-            sharded.commit()
+            sharded.commit()  # a seed's shard snapshots are taken here (collective)
         self.version, self.needs_seed = version, False
+        if sharded is not None and sharded.ready():
+            self.store.clear()  # the shard snapshots back the deltas: a plain one would only go stale
+        elif kind != "delta" and self._store_skipped:
+            # the source expected to serve the deltas, so this seed staged no plain snapshot, and
+            # then its shard snapshots failed: nothing on the trainer holds v any more
+            self.needs_seed = True
+            log.warning("delta-sync: the shard snapshots of v%d could not be taken; the next update is a "
+                        "seed (through the reference export)", version)
         rep = UpdateReport(version, kind, **outcome.report)
         rep.verified = kind != "delta"  # every bulk entry's digest was checked by the engines
         rep.checked = outcome.checked
@@ -469,8 +485,9 @@ class WeightSync:
         into its snapshot before the engines pause; several stage their shares outside the pause
         window and then agree that each did."""
         snapshots = self.mode == "delta"
-        # one rank owns every tensor: the packer's buckets become its snapshot (one copy, no spare buckets)
-        keep = snapshots and self.world == 1
+        # one rank owns every tensor: the packer's buckets become its snapshot (one copy, no spare
+        # buckets); not for a sharded source, whose shard snapshots usually back the deltas instead
+        keep = snapshots and self.world == 1 and self.sharded is None
         # several ranks stage their shares once the stream is read (the tensors keep their values
         # while update runs): rank 0 once the engines resumed, the others while it publishes. The
         # seed's pause window then holds only the send and the apply, never a snapshot copy.
@@ -521,12 +538,14 @@ class WeightSync:
             agreed.append(True)
 
         def stage_later(publish_ok: bool) -> str | None:
-            """Stage this rank's share (unless the update failed already), then every rank agrees
-            (collective). The first rank's failure, or None."""
+            """Stage this rank's share (unless the update failed already, or a sharded source's own
+            snapshots will back the deltas), then every rank agrees (collective). The first rank's
+            failure, or None."""
             t0 = time.perf_counter()
             mine = None
+            self._store_skipped = self.sharded is not None and self.sharded.will_serve()  # same on every rank
             try:
-                if publish_ok:
+                if publish_ok and not self._store_skipped:
                     self.store.prepare_many(later, full=True)
             except Exception as e:
                 mine = e

@@ -629,8 +629,10 @@ def _megatron_rank(rank, world, port, path, ep, steps, lr, seq, bucket, timeout_
 
         def sync(updater, source, label):
             dist.barrier()
+            held = _rss(os.getpid())
             rep = updater.update_weights(source)
-            rows.append({"label": label, "kind": rep.kind, "total_s": rep.timings.get("total_s"),
+            held = _rss(os.getpid()) - held  # what this rank still holds once the update returned
+            rows.append({"label": label, "kind": rep.kind, "total_s": rep.timings.get("total_s"), "held_bytes": held,
                          "timings": dict(rep.timings), "pause_window_s": rep.pause_window_s,
                          "payload_bytes": rep.payload_bytes, "changed_fraction": rep.changed_fraction,
                          "changed_elements": rep.changed_elements, "total_elements": rep.total_elements})
@@ -638,7 +640,8 @@ def _megatron_rank(rank, world, port, path, ep, steps, lr, seq, bucket, timeout_
                 r = rows[-1]
                 print(f"[e2e] [megatron] {label} ({rep.kind}): {r['total_s']:.3f} s, pause "
                       f"{rep.pause_window_s:.3f} s, changed {100 * rep.changed_fraction:.4f}%, payload "
-                      f"{rep.payload_bytes / 1e6:.2f} MB, stages {rep.timings}", flush=True)
+                      f"{rep.payload_bytes / 1e6:.2f} MB, rank 0 holds {held / 1e6:+.0f} MB after it, "
+                      f"stages {rep.timings}", flush=True)
 
         # the fast path: its seed learns the shard map, then every delta is shard-local
         source = MegatronShardDelta(trainer.bridge, trainer.model)
@@ -670,7 +673,8 @@ def _megatron_rank(rank, world, port, path, ep, steps, lr, seq, bucket, timeout_
                 bad += [f"export seed: {n}" for n in full_rx.mismatched(receiver.tensors.items())]
         finally:
             full.close()
-        return {"rows": rows, "mismatched": bad, "fast_path": fast_on, "load_s": round(load_s, 2)}
+        return {"rows": rows, "mismatched": bad, "fast_path": fast_on, "load_s": round(load_s, 2),
+                "seed_held_bytes": rows[0]["held_bytes"]}
     finally:
         dist.destroy_process_group()
 
@@ -705,7 +709,9 @@ def _megatron(kind, ranks, ep, steps, lr, seq, reps, timeout):
            "delta_payload_bytes": deltas[-1]["payload_bytes"] if deltas else None,
            "seed_over_wire": _ratio(seed["total_s"], wire["seconds"]),
            "export_seed_over_wire": _ratio(export and export["total_s"], wire["seconds"]),
-           "delta_over_wire": _ratio(delta_s, wire["seconds"]), "exact": True}
+           "delta_over_wire": _ratio(delta_s, wire["seconds"]),
+           # per rank: memory still held after the seed (shard snapshots, map) over the model's bytes
+           "seed_held_over_model": [_ratio(r["seed_held_bytes"], size["bytes"]) for r in res], "exact": True}
     _say(f"megatron: seed {out['seed_s']:.3f} s ({out['seed_over_wire']} x wire; export-only seed "
          f"{out['export_seed_s']} s), delta "
          f"{delta_s if delta_s is None else round(delta_s, 3)} s ({out['delta_over_wire']} x wire), changed "
@@ -1089,7 +1095,8 @@ def main(argv: list[str]) -> dict:
                                               "delta_pause_over_wire", "trainer_seed_peak_over_model",
                                               "engine_seed_peak_over_bucket")} if two else None,
         "megatron": {k: result["megatron"][k] for k in ("model", "params", "seed_s", "export_seed_s", "delta_s",
-                                                        "changed_fraction", "seed_over_wire", "delta_over_wire")}
+                                                        "changed_fraction", "seed_over_wire", "delta_over_wire",
+                                                        "seed_held_over_model")}
         | {"wire_s": result["megatron"]["wire"]["seconds"]} if result.get("megatron") else None,
         "wall_s": result["wall_s"], "out": str(out),
     }

@@ -261,10 +261,15 @@ def _failures_on_megatron(rank, world, port, path, fast):
         updater.sync.needs_seed = True
         with _snapshots_fail_on(source, rank, 2):
             attempt("reseed, shard snapshots fail", source)
-        fell_back = [not source.ready()]  # on every rank alike
+        # on every rank alike: the fast path is off, and as the reseed kept no plain snapshot (the
+        # source expected to serve), the next update is a seed
+        fell_back = [not source.ready(), updater.sync.needs_seed]
         trainer.step(BATCH)
-        attempt("delta on the reference export", source)  # exact; its commit takes the snapshots again
+        attempt("seed again: plain and shard snapshots", source)  # exact; its commit takes them again
         fell_back.append(source.ready())
+        trainer.step(BATCH)
+        attempt("delta on the fast path again", source)
+        fell_back.append(source.ready() and not dict(updater.sync.store.snapshots()))  # the plain one let go
     exported = list(BridgeExportSource(trainer.bridge, trainer.model))  # independent export, every rank
     mismatched = receiver.mismatched(exported) if rank == 0 else []
     version = updater.sync.version
@@ -306,8 +311,9 @@ def test_failure_contract_on_four_megatron_ranks():
     failure mid-send, receiver failure; no rank hangs, every rank sees the same outcome, and the
     next update is exact against an independent export. On the fast path, a reseed whose shard
     snapshots (taken at commit, after the engines resumed) cannot be taken on one rank turns the
-    fast path off on every rank; the next delta, through the reference export, is exact, and its
-    commit takes the shard snapshots again."""
+    fast path off on every rank; that reseed kept no plain snapshot either (the source expected to
+    serve the deltas), so the next update is a seed: exact, and its commit takes the shard snapshots
+    again, after which the plain snapshot is let go and deltas take the fast path."""
     from .test_sender_failures import check_outcomes
 
     results = run_ranks(_failures_both_paths, 4, str(build("dense")), timeout=600)
@@ -315,7 +321,7 @@ def test_failure_contract_on_four_megatron_ranks():
         per_rank = [r[i] for r in results]
         log, mismatched, version, fast_used, fell_back = per_rank[0]
         check_outcomes(per_rank, 2)
-        assert len(log) == (10 if fast else 8) and mismatched == [], (fast, log, mismatched)
+        assert len(log) == (11 if fast else 8) and mismatched == [], (fast, log, mismatched)
         assert all(r[2] == version for r in per_rank)
         assert fast_used == fast
-        assert all(r[4] == ([True, True] if fast else None) for r in per_rank)  # every rank fell back, and recovered
+        assert all(r[4] == ([True] * 4 if fast else None) for r in per_rank)  # every rank fell back, and recovered

@@ -267,6 +267,9 @@ class ShardedStandIn:
     def seeded(self):
         self._staged = {n: t.clone() for n, t in self.state.items()}
 
+    def will_serve(self):
+        return True
+
     def local_patches(self):
         from delta_sync.gather import Ordered
 
@@ -303,6 +306,7 @@ def test_switching_the_source_forces_a_seed_and_stays_exact():
         sync.update(state.items())  # plain stream: seed, plain snapshots at v0
         source = ShardedStandIn(state)
         assert sync.update(source).kind == "seed"  # switch: a seed, the source's snapshots start
+        assert not dict(sync.store.snapshots())  # and no plain snapshot beside them
         old = state["layers.1.w"].view(-1)[0].clone()
         state["layers.1.w"].view(-1)[0] = old + 1
         rep = sync.update(source)

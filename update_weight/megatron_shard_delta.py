@@ -98,6 +98,9 @@ class MegatronShardDelta(BridgeExportSource):
         self._aliases: dict[str, list[str]] = {}  # tensor -> exported copies (tied lm_head)
         self._ok = False
         self._seed_ok = self._warned = False
+        #: the last seed's shard snapshots could not be taken: the next seed keeps WeightSync's plain
+        #: snapshot too (it backs the deltas until shard snapshots are taken again)
+        self._snap_failed = False
         self._position: dict[str, int] = {}
         self._snap: dict[int, torch.Tensor] = {}
         #: a delta's advanced shard snapshots: run index -> (int32 flat indices, old bits there)
@@ -142,6 +145,9 @@ class MegatronShardDelta(BridgeExportSource):
         # the copy runs after the engines resumed (the parameters keep their values while update
         # runs), not inside the seed's pause window
         self._seed_ok = ok
+
+    def will_serve(self) -> bool:
+        return self._seed_ok and not self._snap_failed
 
     def local_patches(self) -> list[Ordered]:
         per_seq: dict[int, list[tuple[torch.Tensor, torch.Tensor, bool]]] = {}  # (targets, bits, in order)
@@ -190,6 +196,7 @@ class MegatronShardDelta(BridgeExportSource):
                 snap, problem = {}, f"{type(e).__name__}: {e}"
             self._ok = self._agree(problem is None)  # collective: every rank commits
             self._snap = snap if self._ok else {}
+            self._snap_failed = not self._ok
             if not self._ok:
                 log.warning("delta-sync fast path off, deltas use the reference export: taking the shard "
                             "snapshots failed (%s)", problem or "on another rank")
