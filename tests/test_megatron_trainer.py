@@ -35,7 +35,10 @@ def _train_and_sync(rank, world, port, path, tp, steps, transport, pp=1, ep=1):
 
     trainer = MegatronTrainer.from_hf(path, tp=tp, pp=pp, ep=ep, lr=1e-4)
     sources = {"reference": BridgeExportSource(trainer.bridge, trainer.model),
-               "fast": MegatronShardDelta(trainer.bridge, trainer.model)}
+               "fast": MegatronShardDelta(trainer.bridge, trainer.model),
+               # the fast path with every change located among its runs element by element (what a
+               # parameter of many runs takes), not run by run
+               "fast, per element": MegatronShardDelta(trainer.bridge, trainer.model)}
     # the load itself is exact: before training, the export is the checkpoint (row-parallel
     # weights used to load wrong at TP>1 over gloo, silently)
     ckpt = load_file(f"{path}/model.safetensors")
@@ -52,6 +55,9 @@ def _train_and_sync(rank, world, port, path, tp, steps, transport, pp=1, ep=1):
         for k, source in sources.items():
             rep = updaters[k].update_weights(source)
             kinds[k].append((rep.kind, rep.changed_elements, rep.total_elements))
+            if k == "fast, per element":
+                for runs in source._runs or []:
+                    runs.few = None
     fast_ready = sources["fast"].ready()
     # an independent full export, consumed by every rank, compared on rank 0 bit for bit
     exported = list(BridgeExportSource(trainer.bridge, trainer.model))
@@ -78,8 +84,8 @@ def test_trainer_reconstruction_equals_independent_export(kind, world, tp, pp, e
     assert all(r[4] for r in results), "the fast path did not switch on (see the log)"
     assert [k for k, _, _ in kinds["reference"]] == ["seed", "delta", "delta"]
     assert all(0 < c < total for _, c, total in kinds["reference"][1:]), kinds
-    assert kinds["fast"] == kinds["reference"]
-    assert n_tensors == tensors and mismatched == {"reference": [], "fast": []}
+    assert kinds["fast"] == kinds["fast, per element"] == kinds["reference"]
+    assert n_tensors == tensors and mismatched == {"reference": [], "fast": [], "fast, per element": []}
     assert all(r[0] == kinds for r in results)  # every rank reports the same updates
 
 
@@ -101,8 +107,12 @@ def _digests_both_ways(rank, world, port, path, ep):
                             [MemoryReceiver()] if rank == 0 else [])
     updater.update_weights(source)
     digests = {}
-    for way, threshold in (("runs", 1), ("elements", 1 << 62)):
+    few = [runs.few for runs in source._runs]
+    assert any(f is not None for f in few)  # parameters of few runs digest those one by one
+    for way, threshold, keep_few in (("few", fast._LONG_RUNS, True), ("runs", 1, False), ("elements", 1 << 62, False)):
         fast._LONG_RUNS = threshold
+        for runs, f in zip(source._runs, few):
+            runs.few = f if keep_few else None
         digests[way] = {n: d.hex() for n, d in source.local_digests().items()}
     exported = {n: digest_tensor(t).hex() for n, t in BridgeExportSource(trainer.bridge, trainer.model)}
     updater.close()
@@ -111,11 +121,12 @@ def _digests_both_ways(rank, world, port, path, ep):
 
 
 def test_shard_digests_run_by_run_equal_element_by_element():
-    """The drift sweep digests long runs as contiguous ranges (the compiled kernel) and short ones
-    element by element: both give each EP rank's share, and the shares add up to the export's."""
+    """The drift sweep digests a parameter of few runs, or of long runs, run by run as contiguous
+    ranges (the compiled kernel) and short ones element by element: each gives each EP rank's
+    share, and the shares add up to the export's."""
     path = str(build("moe-wide"))
     (d0, exported), (d1, _) = run_ranks(_digests_both_ways, 2, path, 2, timeout=600)
-    assert d0["runs"] == d0["elements"] and d1["runs"] == d1["elements"]
+    assert d0["few"] == d0["runs"] == d0["elements"] and d1["few"] == d1["runs"] == d1["elements"]
     from delta_sync.digest import Digest
 
     total = {n: (Digest.parse(d0["runs"].get(n, Digest().hex())) + Digest.parse(d1["runs"].get(n, Digest().hex()))).hex()

@@ -116,14 +116,45 @@ def test_runs_know_when_a_delta_needs_no_sort():
     from update_weight.megatron_shard_delta import _order
 
     local, length = torch.tensor([0, 4, 8]), torch.tensor([4, 4, 4])
-    assert _order(local, length, torch.tensor([5, 5, 5]), torch.tensor([0, 10, 20])) == {
-        "single": 5, "ascending": frozenset({5})}
-    assert _order(local, length, torch.tensor([5, 5, 5]), torch.tensor([20, 10, 0])) == {
-        "single": 5, "ascending": frozenset()}  # rows reversed
-    assert _order(local, length, torch.tensor([5, 5, 5]), torch.tensor([0, 2, 20])) == {
-        "single": 5, "ascending": frozenset()}  # runs overlap in the checkpoint
-    assert _order(local, length, torch.tensor([1, 2, 1]), torch.tensor([0, 0, 4])) == {
-        "single": None, "ascending": frozenset({1, 2})}  # fused: q and k halves
+
+    def order(seq, target):
+        got = _order(local, length, torch.tensor(seq), torch.tensor(target))
+        return got["single"], got["ascending"]
+    assert order([5, 5, 5], [0, 10, 20]) == (5, frozenset({5}))
+    assert order([5, 5, 5], [20, 10, 0]) == (5, frozenset())  # rows reversed
+    assert order([5, 5, 5], [0, 2, 20]) == (5, frozenset())  # runs overlap in the checkpoint
+    assert order([1, 2, 1], [0, 0, 4]) == (None, frozenset({1, 2}))  # fused: q and k halves
+
+
+def test_few_runs_map_changes_as_the_per_element_lookup_does():
+    """A parameter of few runs maps a delta's changed offsets run by run (slices of the changed
+    offsets, one add each): the same checkpoint indices and bits, per tensor, as locating every
+    change among the runs, changes outside every run (another rank's elements) dropped."""
+    import torch
+
+    from update_weight.megatron_shard_delta import _FEW_RUNS, _by_runs, _locate, _order, _place
+
+    g = torch.Generator().manual_seed(0)
+    # fused q/k/v-like blocks with gaps (elements owned elsewhere): runs in local order
+    local = torch.tensor([0, 100, 250, 300, 520])
+    length = torch.tensor([100, 50, 50, 200, 80])
+    seq = torch.tensor([7, 8, 7, 9, 8])
+    target = torch.tensor([0, 500, 100, 40, 550])
+    param = torch.zeros(600, dtype=torch.bfloat16)
+    runs = _place(param, local, length, seq, target, **_order(local, length, seq, target))
+    assert runs.few is not None and len(runs.few[1]) == 5 and runs.few[1][1] == (100, 50, 500, 8)
+    idx = torch.randperm(600, generator=g)[:150].sort().values.to(torch.int32)
+    bits = torch.randint(-2**15, 2**15, (150,), generator=g, dtype=torch.int16)
+    got = _by_runs(runs.few, idx, bits)
+    inside, tgt, seqs = _locate(runs, idx.long())
+    want = {s: (tgt[inside & (seqs == s)], bits[inside & (seqs == s)]) for s in (7, 8, 9)}
+    assert sorted(got) == sorted(s for s, (t, _) in want.items() if t.numel())
+    for s, (t, b) in got.items():
+        assert t.dtype == torch.int32 and torch.equal(t.long(), want[s][0]) and torch.equal(b, want[s][1])
+    assert _by_runs(runs.few, idx[:0], bits[:0]) == {}
+    many = torch.arange(_FEW_RUNS + 1) * 2  # more runs than that: the per-element lookup
+    ones = torch.ones_like(many)
+    assert _order(many, ones, ones, many)["few"] is None
 
 
 def test_probe_ids_are_int32_where_every_rank_fits_and_name_their_rank():

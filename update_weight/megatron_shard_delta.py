@@ -58,6 +58,9 @@ _EMBED = "model.embed_tokens.weight"
 _RUN_CHUNK = 1 << 22
 #: mean run length from which digests go run by run (contiguous ranges) instead of element by element
 _LONG_RUNS = 1 << 12
+#: a parameter of at most this many runs maps a delta's changes run by run (a slice and an add per
+#: run) instead of locating every changed element among its runs
+_FEW_RUNS = 64
 
 
 @dataclass
@@ -74,6 +77,9 @@ class _Runs:
     #: checkpoint tensors whose runs, taken in local order, also ascend in the checkpoint: changed
     #: elements found in local order are then already in checkpoint order (no sort)
     ascending: frozenset = frozenset()
+    #: a parameter of few runs (at most ``_FEW_RUNS``: whole tensors, gate/up halves, q/k/v blocks):
+    #: ``(int32 [2R] run starts and ends on its device, [(local, length, target, seq)] on the host)``
+    few: tuple[torch.Tensor, list[tuple[int, int, int, int]]] | None = None
 
 
 class MegatronShardDelta(BridgeExportSource):
@@ -159,6 +165,10 @@ class MegatronShardDelta(BridgeExportSource):
             idx, bits, _ = found[k]
             if idx.numel() == 0:
                 continue
+            if runs.few is not None:
+                for s, (target, got) in _by_runs(runs.few, idx, bits).items():
+                    per_seq.setdefault(s, []).append((target, got, s in runs.ascending))
+                continue
             pos = idx.to(torch.int64)
             inside, target, seqs = _locate(runs, pos)
             if not bool(inside.all()):  # elements another rank owns, or padding
@@ -216,8 +226,21 @@ class MegatronShardDelta(BridgeExportSource):
         wanted = None
         if names is not None:  # only the runs of those tensors are expanded (the drift sweep's window)
             wanted = [s for s, n in enumerate(self._plan_names) if {n, *self._aliases.get(n, [])} & names]
+        chosen = set(wanted) if wanted is not None else None
+
+        def add(loc: int, tgt: int, ln: int, s: int) -> None:
+            name = self._plan_names[s]
+            d = digest_range(snap.narrow(0, loc, ln).view(self._dtypes[name]), tgt)
+            for n in [name, *self._aliases.get(name, [])]:
+                out[n] = out.get(n, Digest()) + d
+
         for k, runs in enumerate(self._runs or []):
             snap = int_view(self._snap[k])
+            if runs.few is not None:  # few runs: one contiguous digest each, chosen on the host
+                for loc, ln, tgt, s in runs.few[1]:
+                    if chosen is None or s in chosen:
+                        add(loc, tgt, ln, s)
+                continue
             run_local, run_target, run_length, run_seq = runs.local, runs.target, runs.length, runs.seq
             if wanted is not None:
                 keep = torch.isin(run_seq, torch.tensor(wanted, dtype=run_seq.dtype, device=run_seq.device))
@@ -227,10 +250,7 @@ class MegatronShardDelta(BridgeExportSource):
                 # long runs (whole rows or tensors): one contiguous digest per run, at memory speed
                 for loc, tgt, ln, s in zip(run_local.tolist(), run_target.tolist(), run_length.tolist(),
                                            run_seq.tolist()):
-                    name = self._plan_names[s]
-                    d = digest_range(snap.narrow(0, loc, ln).view(self._dtypes[name]), tgt)
-                    for n in [name, *self._aliases.get(name, [])]:
-                        out[n] = out.get(n, Digest()) + d
+                    add(loc, tgt, ln, s)
                 continue
             local, target = _expand(run_local, run_length), _expand(run_target, run_length)
             seqs = torch.repeat_interleave(run_seq, run_length)
@@ -465,6 +485,9 @@ def _place(param: torch.Tensor, local, length, seq, target, **order) -> _Runs:
     """The runs on the parameter's device: where the diffs they map are computed. ``order``: what
     :func:`_order` found on the host copy (without it, every delta sorts their targets)."""
     dev = param.device
+    if order.get("few") is not None:
+        bounds, runs = order["few"]
+        order = {**order, "few": (bounds.to(dev), runs)}
     return _Runs(param, local.to(dev), length.to(dev), seq.to(dev), target.to(dev), **order)
 
 
@@ -477,7 +500,11 @@ def _order(local, length, seq, target) -> dict:
         t, n = target[sel], length[sel]
         if bool((t[1:] >= t[:-1] + n[:-1]).all()):
             ascending.append(s)
-    return {"single": seqs[0] if len(seqs) == 1 else None, "ascending": frozenset(ascending)}
+    few = None
+    if local.numel() <= _FEW_RUNS:
+        few = (torch.stack([local, local + length], 1).reshape(-1).to(torch.int32),
+               list(zip(local.tolist(), length.tolist(), target.tolist(), seq.tolist())))
+    return {"single": seqs[0] if len(seqs) == 1 else None, "ascending": frozenset(ascending), "few": few}
 
 
 def _locate(runs: _Runs, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -487,6 +514,24 @@ def _locate(runs: _Runs, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
     start = runs.local.take(r)
     inside = (pos >= start) & (pos < start + runs.length.take(r))
     return inside, runs.target.take(r) + (pos - start), runs.seq.take(r)
+
+
+def _by_runs(few: tuple[torch.Tensor, list[tuple[int, int, int, int]]], idx: torch.Tensor, bits: torch.Tensor
+             ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`_locate` for a parameter of few runs (:attr:`_Runs.few`): changed local offsets
+    ``idx`` (increasing) and their ``bits`` per checkpoint tensor, as ``(checkpoint flat indices,
+    bits)`` in local order. Each run's changes are a slice of ``idx``, found by one ``searchsorted``
+    of the runs' bounds, and shifted by one add: no per-element lookup of runs. Changes outside
+    every run (elements another rank owns) fall between the slices."""
+    bounds, runs = few
+    cuts = torch.searchsorted(idx, bounds.to(idx.dtype)).tolist()
+    parts: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for r, (local, _, target, s) in enumerate(runs):
+        lo, hi, shift = cuts[2 * r], cuts[2 * r + 1], target - local
+        if lo < hi:
+            parts.setdefault(s, []).append((idx[lo:hi] + shift if shift else idx[lo:hi], bits[lo:hi]))
+    return {s: ((torch.cat([t for t, _ in sl]), torch.cat([b for _, b in sl])) if len(sl) > 1 else sl[0])
+            for s, sl in parts.items()}
 
 
 def _long(length: torch.Tensor) -> bool:
