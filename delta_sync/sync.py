@@ -442,10 +442,7 @@ class WeightSync:
                 # whole); the engines stage every bucket and apply nothing before finish, as for a
                 # gathered delta, so a failure found later aborts the buckets sent so far
                 def stream(sender: BucketSender) -> SendStats:
-                    stats = sender.close(p for ready in diffed() for p in checked([o.patch for o in ready]))
-                    # the packer's clock ran while it pulled: packing alone is what is left of it
-                    stats.pack_s = max(0.0, stats.pack_s - timings["diff_s"] - timings.get("validate_s", 0.0))
-                    return stats
+                    return sender.close(p for ready in diffed() for p in checked([o.patch for o in ready]))
 
                 published, early = early, None
                 outcome, error = self._publish(version, "delta", timings, stream, kept=kept, early=published)

@@ -44,7 +44,10 @@ class SendStats:
     tensors: int = 0
     elements: int = 0
     payload_bytes: int = 0
+    #: the packer's own work (the time its source took to yield the patches is ``source_s``)
     pack_s: float = 0.0
+    #: waiting on the patches' source while packing pulled them (a delta's diff, an export)
+    source_s: float = 0.0
     send_s: float = 0.0
     #: the packer's pass over dense ranges: copy into the bucket, digest, Inf/NaN check (fused)
     digest_s: float = 0.0
@@ -182,7 +185,15 @@ class BucketSender:
             self._put(bucket, arena)
 
     def _count(self, patches: Iterable[Patch]) -> Iterator[Patch]:
-        for p in patches:
+        it = iter(patches)
+        while True:
+            t0 = time.perf_counter()
+            try:
+                p = next(it)
+            except StopIteration:
+                return
+            finally:  # the packer's clock runs meanwhile: _finish takes this back out of pack_s
+                self.stats.source_s += time.perf_counter() - t0
             self.stats.elements += p.count
             if p.count or p.dense:
                 self._names.add(p.name)
@@ -203,6 +214,7 @@ class BucketSender:
         self._thread.join()
         self._raise()
         self.stats.tensors = len(self._names)
+        self.stats.pack_s = max(0.0, self.stats.pack_s - self.stats.source_s)
         self.stats.digest_s = self.packer.digest_s
         self.stats.peak_buckets = self._slots.peak
         return self.stats

@@ -524,3 +524,23 @@ def test_a_two_rank_seed_with_its_engine_down_fails_on_every_rank_at_once():
     for error, seconds, needs_seed, kind, exact in run_ranks(_seed_with_engine_down, 2, timeout=120):
         assert error.startswith("GatherError") and "rank 0: ConnectionError: engine unreachable" in error
         assert seconds < 30 and needs_seed and kind == "seed" and exact
+
+
+def test_pack_time_is_the_packers_own():
+    """``pack_s`` is the packer's own work: the time its source takes to yield the tensors (an
+    export, and a one-rank delta's diff, which the packer pulls as it fills buckets) is not in it."""
+    receiver = MemoryReceiver()
+    sync = WeightSync([receiver], bucket_bytes=4 << 10, timeout_s=60)
+
+    def slow(items, pause: float = 0.6):
+        for i, item in enumerate(items):
+            if i == 1:
+                time.sleep(pause)
+            yield item
+    try:
+        for v in (0, 1):  # a seed (packed whole into the snapshot), then a streamed delta
+            rep = sync.update(slow(model_at(v).items()))
+            assert rep.timings["total_s"] >= 0.6 and rep.timings["pack_s"] < 0.3, (rep.kind, rep.timings)
+        assert receiver.mismatched(model_at(1).items()) == []
+    finally:
+        sync.close()
