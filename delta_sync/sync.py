@@ -87,7 +87,13 @@ class ShardedSource(Protocol):
     snapshot and returns the changed entries already in checkpoint coordinates (disjoint across
     ranks; the gather merges them per tensor). ``seq`` of an entry is the tensor's position in the
     reference stream. Every method is called on every trainer rank at the same point (they may be
-    collective)."""
+    collective).
+
+    Optional, ``will_serve() -> bool``: after :meth:`seeded` of a seed, :meth:`commit` will take the
+    shard snapshots and, unless that fails, the next delta comes from :meth:`local_patches` (the
+    same answer on every rank). Several trainer ranks then stage no snapshot of their own in
+    WeightSync's store (it would only go stale); should the shard snapshots fail, the next update
+    is a seed. Without it, they stage one (and let it go once the source is :meth:`ready`)."""
 
     #: elements of all checkpoint tensors (the denominator of a report's changed fraction)
     total_elements: int
@@ -100,12 +106,6 @@ class ShardedSource(Protocol):
     def seeded(self) -> None:
         """The reference stream of a seed or full update was just consumed (before its last bucket,
         inside the engines' pause): settle whether its shard snapshots can be taken."""
-
-    def will_serve(self) -> bool:
-        """After :meth:`seeded` of a seed or full update: :meth:`commit` takes the shard snapshots
-        and, unless that fails, the next delta comes from :meth:`local_patches` (the same answer
-        on every rank). WeightSync's own snapshot store then keeps nothing of this version (it
-        would only go stale); should the shard snapshots fail, the next update is a seed."""
 
     def local_patches(self) -> list[Ordered]:
         """This rank's changed entries since the committed version, staged for :meth:`commit`."""
@@ -121,6 +121,12 @@ class ShardedSource(Protocol):
     def local_digests(self, names: set[str] | None = None) -> dict[str, Digest]:
         """Digests of this rank's share of each committed tensor (they add up over ranks), or of
         those in ``names`` only."""
+
+
+def _will_serve(source: ShardedSource | None) -> bool:
+    """The source's :class:`ShardedSource` ``will_serve()``, False where it has none."""
+    will_serve = getattr(source, "will_serve", None)
+    return bool(will_serve()) if callable(will_serve) else False
 
 
 def default_name_map(name: str) -> str | None:
@@ -483,8 +489,8 @@ class WeightSync:
         window and then agree that each did."""
         snapshots = self.mode == "delta"
         # one rank owns every tensor: the packer's buckets become its snapshot (one copy, no spare
-        # buckets); not for a sharded source, whose shard snapshots usually back the deltas instead
-        keep = snapshots and self.world == 1 and self.sharded is None
+        # buckets; a sharded source that then serves the deltas lets them go at commit)
+        keep = snapshots and self.world == 1
         # several ranks stage their shares once the stream is read (the tensors keep their values
         # while update runs): rank 0 once the engines resumed, the others while it publishes. The
         # seed's pause window then holds only the send and the apply, never a snapshot copy.
@@ -540,7 +546,7 @@ class WeightSync:
             failure, or None."""
             t0 = time.perf_counter()
             mine = None
-            self._store_skipped = self.sharded is not None and self.sharded.will_serve()  # same on every rank
+            self._store_skipped = _will_serve(self.sharded)  # the same on every rank
             try:
                 if publish_ok and not self._store_skipped:
                     self.store.prepare_many(later, full=True)
@@ -815,6 +821,9 @@ class WeightSync:
         counts as a mismatch. A mismatch is drift: raises :class:`DriftDetected` on every rank and
         the next update is a full seed.
         """
+        if self.needs_seed:  # every rank alike: nothing committed to compare against
+            raise DeltaSyncError("nothing to verify: the trainer holds no committed snapshot (the next update "
+                                 "is a seed)", kept="engines serving their current weights until the seed")
         want = self._trainer_digests(names)
         problem = None
         if self.rank == 0:

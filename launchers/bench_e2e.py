@@ -627,11 +627,17 @@ def _megatron_rank(rank, world, port, path, ep, steps, lr, seq, bucket, timeout_
         load_s = time.perf_counter() - t0
         rows = []
 
+        def rx_bytes():
+            return sum(t.numel() * t.element_size() for rx in (receiver, full_rx) if rx is not None
+                       for t in rx.tensors.values())
+
         def sync(updater, source, label):
             dist.barrier()
-            held = _rss(os.getpid())
+            held = (_rss(os.getpid()) or 0) - rx_bytes()
             rep = updater.update_weights(source)
-            held = _rss(os.getpid()) - held  # what this rank still holds once the update returned
+            # what this rank still holds once the update returned (host memory: snapshots, the map,
+            # allocator caches), without the in-process receiver's copy of the model on rank 0
+            held = (_rss(os.getpid()) or 0) - rx_bytes() - held
             rows.append({"label": label, "kind": rep.kind, "total_s": rep.timings.get("total_s"), "held_bytes": held,
                          "timings": dict(rep.timings), "pause_window_s": rep.pause_window_s,
                          "payload_bytes": rep.payload_bytes, "changed_fraction": rep.changed_fraction,
@@ -645,6 +651,7 @@ def _megatron_rank(rank, world, port, path, ep, steps, lr, seq, bucket, timeout_
 
         # the fast path: its seed learns the shard map, then every delta is shard-local
         source = MegatronShardDelta(trainer.bridge, trainer.model)
+        receiver = full_rx = None
         receiver = MemoryReceiver() if rank == 0 else None
         updater = build_updater(UpdateWeightConfig("delta", "sparse_gloo", "gloo", bucket, 0),
                                 [receiver] if rank == 0 else [])

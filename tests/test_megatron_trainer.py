@@ -58,7 +58,7 @@ def _train_and_sync(rank, world, port, path, tp, steps, transport, pp=1, ep=1):
             if k == "fast, per element":
                 for runs in source._runs or []:
                     runs.few = None
-    fast_ready = sources["fast"].ready()
+    fast_ready = sources["fast"].ready() and any(r.few is not None for r in sources["fast"]._runs)  # run by run
     # an independent full export, consumed by every rank, compared on rank 0 bit for bit
     exported = list(BridgeExportSource(trainer.bridge, trainer.model))
     mismatched = {k: receivers[k].mismatched(exported) if rank == 0 else [] for k in sources}
@@ -81,7 +81,7 @@ def test_trainer_reconstruction_equals_independent_export(kind, world, tp, pp, e
     results = run_ranks(_train_and_sync, world, path, tp, 3, "sparse_gloo", pp, ep, timeout=600)
     kinds, mismatched, n_tensors, load_errors, fast_ready = results[0]
     assert all(r[3] == [] for r in results)  # every rank loaded exactly
-    assert all(r[4] for r in results), "the fast path did not switch on (see the log)"
+    assert all(r[4] for r in results), "the fast path did not switch on (see the log), or mapped nothing run by run"
     assert [k for k, _, _ in kinds["reference"]] == ["seed", "delta", "delta"]
     assert all(0 < c < total for _, c, total in kinds["reference"][1:]), kinds
     assert kinds["fast"] == kinds["fast, per element"] == kinds["reference"]

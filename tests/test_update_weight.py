@@ -132,7 +132,7 @@ def test_few_runs_map_changes_as_the_per_element_lookup_does():
     change among the runs, changes outside every run (another rank's elements) dropped."""
     import torch
 
-    from update_weight.megatron_shard_delta import _FEW_RUNS, _by_runs, _locate, _order, _place
+    from update_weight.megatron_shard_delta import _FEW_RUNS, _by_runs, _locate, _order, _place, _run_cuts
 
     g = torch.Generator().manual_seed(0)
     # fused q/k/v-like blocks with gaps (elements owned elsewhere): runs in local order
@@ -152,6 +152,18 @@ def test_few_runs_map_changes_as_the_per_element_lookup_does():
     for s, (t, b) in got.items():
         assert t.dtype == torch.int32 and torch.equal(t.long(), want[s][0]) and torch.equal(b, want[s][1])
     assert _by_runs(runs.few, idx[:0], bits[:0]) == {}
+    # a delta cuts every parameter's changes at its runs' bounds with one host read in all (on a
+    # device, each read waits for it)
+    reads = []
+    real = torch.Tensor.tolist
+    torch.Tensor.tolist = lambda self: reads.append(1) or real(self)
+    try:
+        cuts = _run_cuts([(runs.few, idx), (runs.few, idx[:40]), (runs.few, idx[::3].contiguous())])
+    finally:
+        torch.Tensor.tolist = real
+    assert len(reads) == 1 and len(cuts) == 3
+    assert cuts[1] == torch.searchsorted(idx[:40], runs.few[0]).tolist()
+    assert _by_runs(runs.few, idx, bits, cuts[0]).keys() == got.keys()
     many = torch.arange(_FEW_RUNS + 1) * 2  # more runs than that: the per-element lookup
     ones = torch.ones_like(many)
     assert _order(many, ones, ones, many)["few"] is None

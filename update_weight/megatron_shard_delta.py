@@ -161,12 +161,14 @@ class MegatronShardDelta(BridgeExportSource):
         # of them); rollback puts the old bits back
         found = self.differ.absorb_many([(self._snap[k], runs.param.detach()) for k, runs in enumerate(self._runs)])
         self._undo = {k: (idx, old) for k, (idx, _, old) in enumerate(found) if idx.numel()}
+        few = [k for k, runs in enumerate(self._runs) if runs.few is not None and found[k][0].numel()]
+        cuts = dict(zip(few, _run_cuts([(self._runs[k].few, found[k][0]) for k in few])))
         for k, runs in enumerate(self._runs):
             idx, bits, _ = found[k]
             if idx.numel() == 0:
                 continue
             if runs.few is not None:
-                for s, (target, got) in _by_runs(runs.few, idx, bits).items():
+                for s, (target, got) in _by_runs(runs.few, idx, bits, cuts[k]).items():
                     per_seq.setdefault(s, []).append((target, got, s in runs.ascending))
                 continue
             pos = idx.to(torch.int64)
@@ -501,7 +503,7 @@ def _order(local, length, seq, target) -> dict:
         if bool((t[1:] >= t[:-1] + n[:-1]).all()):
             ascending.append(s)
     few = None
-    if local.numel() <= _FEW_RUNS:
+    if 0 < local.numel() <= _FEW_RUNS and int((local + length).max()) < 2**31:  # int32 bounds, as the diff's
         few = (torch.stack([local, local + length], 1).reshape(-1).to(torch.int32),
                list(zip(local.tolist(), length.tolist(), target.tolist(), seq.tolist())))
     return {"single": seqs[0] if len(seqs) == 1 else None, "ascending": frozenset(ascending), "few": few}
@@ -516,15 +518,32 @@ def _locate(runs: _Runs, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
     return inside, runs.target.take(r) + (pos - start), runs.seq.take(r)
 
 
-def _by_runs(few: tuple[torch.Tensor, list[tuple[int, int, int, int]]], idx: torch.Tensor, bits: torch.Tensor
-             ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+def _run_cuts(items: list[tuple[tuple[torch.Tensor, list], torch.Tensor]]) -> list[list[int]]:
+    """Per ``(few runs, changed local offsets)`` (increasing): where each run's bounds fall among the
+    offsets (``searchsorted``), for every parameter at once: one host read in all, not one per
+    parameter (each is a wait for the device)."""
+    found = [torch.searchsorted(idx, bounds.to(idx.dtype)) for (bounds, _), idx in items]
+    by_device: dict[torch.device, list[int]] = {}  # one read per device (a rank's shards share one)
+    for i, f in enumerate(found):
+        by_device.setdefault(f.device, []).append(i)
+    out: list[list[int]] = [[] for _ in found]
+    for members in by_device.values():
+        flat, at = torch.cat([found[i] for i in members]).tolist(), 0
+        for i in members:
+            out[i] = flat[at:at + found[i].numel()]
+            at += found[i].numel()
+    return out
+
+
+def _by_runs(few: tuple[torch.Tensor, list[tuple[int, int, int, int]]], idx: torch.Tensor, bits: torch.Tensor,
+             cuts: list[int] | None = None) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """:func:`_locate` for a parameter of few runs (:attr:`_Runs.few`): changed local offsets
     ``idx`` (increasing) and their ``bits`` per checkpoint tensor, as ``(checkpoint flat indices,
-    bits)`` in local order. Each run's changes are a slice of ``idx``, found by one ``searchsorted``
-    of the runs' bounds, and shifted by one add: no per-element lookup of runs. Changes outside
-    every run (elements another rank owns) fall between the slices."""
-    bounds, runs = few
-    cuts = torch.searchsorted(idx, bounds.to(idx.dtype)).tolist()
+    bits)`` in local order. Each run's changes are a slice of ``idx`` (``cuts``: where the runs'
+    bounds fall among them, see :func:`_run_cuts`), shifted by one add: no per-element lookup of
+    runs. Changes outside every run (elements another rank owns) fall between the slices."""
+    _, runs = few
+    cuts = cuts if cuts is not None else _run_cuts([(few, idx)])[0]
     parts: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     for r, (local, _, target, s) in enumerate(runs):
         lo, hi, shift = cuts[2 * r], cuts[2 * r + 1], target - local
