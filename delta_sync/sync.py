@@ -89,11 +89,13 @@ class ShardedSource(Protocol):
     reference stream. Every method is called on every trainer rank at the same point (they may be
     collective).
 
-    Optional, ``will_serve() -> bool``: after :meth:`seeded` of a seed, :meth:`commit` will take the
-    shard snapshots and, unless that fails, the next delta comes from :meth:`local_patches` (the
-    same answer on every rank). Several trainer ranks then stage no snapshot of their own in
-    WeightSync's store (it would only go stale); should the shard snapshots fail, the next update
-    is a seed. Without it, they stage one (and let it go once the source is :meth:`ready`)."""
+    Optional, ``expects_to_serve() -> bool``, asked during a seed once the stream yielded its first
+    tensor (a source plans before that): the same answer on every rank, True where its shard
+    snapshots should back the next deltas. Several trainer ranks then neither hold their shares of
+    the exported tensors until the stream ends nor stage snapshots of them in WeightSync's store
+    (which would only go stale); should the source then not serve (its map disagrees with the
+    export, its shard snapshots fail), the next update is a seed. Without it, they stage one (and
+    let it go once the source is :meth:`ready`)."""
 
     #: elements of all checkpoint tensors (the denominator of a report's changed fraction)
     total_elements: int
@@ -123,10 +125,10 @@ class ShardedSource(Protocol):
         those in ``names`` only."""
 
 
-def _will_serve(source: ShardedSource | None) -> bool:
-    """The source's :class:`ShardedSource` ``will_serve()``, False where it has none."""
-    will_serve = getattr(source, "will_serve", None)
-    return bool(will_serve()) if callable(will_serve) else False
+def _expects_to_serve(source: ShardedSource | None) -> bool:
+    """The source's :class:`ShardedSource` ``expects_to_serve()``, False where it has none."""
+    expects = getattr(source, "expects_to_serve", None)
+    return bool(expects()) if callable(expects) else False
 
 
 def default_name_map(name: str) -> str | None:
@@ -207,7 +209,7 @@ class WeightSync:
         self.version = -1
         self.needs_seed = True
         self.sharded: ShardedSource | None = None  # the source whose shard snapshots back the deltas
-        self._store_skipped = False  # this update's seed staged no plain snapshot (see ShardedSource.will_serve)
+        self._store_skipped = False  # this seed staged no plain snapshot (see ShardedSource.expects_to_serve)
         self._busy = threading.Lock()  # one update at a time
 
     # ---- channel ---------------------------------------------------------------------------------
@@ -304,10 +306,10 @@ class WeightSync:
             self.store.clear()  # the shard snapshots back the deltas: a plain one would only go stale
         elif kind != "delta" and self._store_skipped:
             # the source expected to serve the deltas, so this seed staged no plain snapshot, and
-            # then its shard snapshots failed: nothing on the trainer holds v any more
+            # then it could not (map, shard snapshots): nothing on the trainer holds v any more
             self.needs_seed = True
-            log.warning("delta-sync: the shard snapshots of v%d could not be taken; the next update is a "
-                        "seed (through the reference export)", version)
+            log.warning("delta-sync: the sharded source cannot serve the deltas after v%d (see above); the "
+                        "next update is a seed (through the reference export)", version)
         rep = UpdateReport(version, kind, **outcome.report)
         rep.verified = kind != "delta"  # every bulk entry's digest was checked by the engines
         rep.checked = outcome.checked
@@ -501,6 +503,9 @@ class WeightSync:
         agreed: list[bool] = []  # the ranks agreed that the stream was read without failure
         stream = self._tensors(named_tensors, elements, self._catalog)
         kept = f"engines and trainer snapshot at v{self.version}"
+        # a sharded source that expects to serve the deltas: no rank holds or stages its exported
+        # shares (asked once the stream started: the source plans first; the same on every rank)
+        expects: list[bool] = []
 
         def full_patches() -> Iterator[Patch]:
             """The stream as full patches (rank 0); ``prepare_s``: reading it and staging snapshots."""
@@ -508,13 +513,17 @@ class WeightSync:
             while True:
                 t0 = time.perf_counter()
                 item = next(stream, None)
+                if not expects:
+                    expects.append(snapshots and not keep and _expects_to_serve(self.sharded))
+                    self._store_skipped = expects[0]
                 if item is None:
                     return
                 _, name, t = item
                 try:
                     if isinstance(t, Exception):
                         raise t
-                    if snapshots and not keep and self.store.owns(name, t.numel() * t.element_size()):
+                    if (snapshots and not keep and not expects[0]
+                            and self.store.owns(name, t.numel() * t.element_size())):
                         later.append((name, t))
                     if self.rank == 0:
                         check_indexable(name, t.numel())
@@ -541,12 +550,11 @@ class WeightSync:
             agreed.append(True)
 
         def stage_later(publish_ok: bool) -> str | None:
-            """Stage this rank's share (unless the update failed already, or a sharded source's own
-            snapshots will back the deltas), then every rank agrees (collective). The first rank's
-            failure, or None."""
+            """Stage this rank's share (unless the update failed already, or a sharded source expects
+            its own snapshots to back the deltas), then every rank agrees (collective). The first
+            rank's failure, or None."""
             t0 = time.perf_counter()
             mine = None
-            self._store_skipped = _will_serve(self.sharded)  # the same on every rank
             try:
                 if publish_ok and not self._store_skipped:
                     self.store.prepare_many(later, full=True)

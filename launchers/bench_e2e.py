@@ -137,6 +137,24 @@ def _rss(pid: int) -> int | None:
     return 0  # a zombie has no VmRSS line
 
 
+def _own_peak_reset() -> None:
+    """Start this process's peak RSS (``VmHWM``) over from its current RSS (Linux ``clear_refs``)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _own_peak() -> int:
+    """This process's peak RSS since the last :func:`_own_peak_reset` (bytes; 0 where unknown)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")), 0)
+    except OSError:
+        return 0
+
+
 def _children(pid: int) -> list[int]:
     out = []
     try:
@@ -633,12 +651,16 @@ def _megatron_rank(rank, world, port, path, ep, steps, lr, seq, bucket, timeout_
 
         def sync(updater, source, label):
             dist.barrier()
-            held = (_rss(os.getpid()) or 0) - rx_bytes()
+            start, rx0 = _rss(os.getpid()) or 0, rx_bytes()
+            _own_peak_reset()
             rep = updater.update_weights(source)
-            # what this rank still holds once the update returned (host memory: snapshots, the map,
-            # allocator caches), without the in-process receiver's copy of the model on rank 0
-            held = (_rss(os.getpid()) or 0) - rx_bytes() - held
+            # growth at the peak while it ran (on rank 0 with the in-process receiver's copy), and
+            # what stays once it returned (host memory: snapshots, the map, allocator caches),
+            # without that copy
+            peak = _own_peak() - start
+            held = (_rss(os.getpid()) or 0) - start - (rx_bytes() - rx0)
             rows.append({"label": label, "kind": rep.kind, "total_s": rep.timings.get("total_s"), "held_bytes": held,
+                         "peak_bytes": peak,
                          "timings": dict(rep.timings), "pause_window_s": rep.pause_window_s,
                          "payload_bytes": rep.payload_bytes, "changed_fraction": rep.changed_fraction,
                          "changed_elements": rep.changed_elements, "total_elements": rep.total_elements})
@@ -646,7 +668,7 @@ def _megatron_rank(rank, world, port, path, ep, steps, lr, seq, bucket, timeout_
                 r = rows[-1]
                 print(f"[e2e] [megatron] {label} ({rep.kind}): {r['total_s']:.3f} s, pause "
                       f"{rep.pause_window_s:.3f} s, changed {100 * rep.changed_fraction:.4f}%, payload "
-                      f"{rep.payload_bytes / 1e6:.2f} MB, rank 0 holds {held / 1e6:+.0f} MB after it, "
+                      f"{rep.payload_bytes / 1e6:.2f} MB, rank 0 peak {peak / 1e6:+.0f} MB, holds {held / 1e6:+.0f} MB after, "
                       f"stages {rep.timings}", flush=True)
 
         # the fast path: its seed learns the shard map, then every delta is shard-local
@@ -681,7 +703,7 @@ def _megatron_rank(rank, world, port, path, ep, steps, lr, seq, bucket, timeout_
         finally:
             full.close()
         return {"rows": rows, "mismatched": bad, "fast_path": fast_on, "load_s": round(load_s, 2),
-                "seed_held_bytes": rows[0]["held_bytes"]}
+                "seed_held_bytes": rows[0]["held_bytes"], "seed_peak_bytes": rows[0]["peak_bytes"]}
     finally:
         dist.destroy_process_group()
 
@@ -718,7 +740,9 @@ def _megatron(kind, ranks, ep, steps, lr, seq, reps, timeout):
            "export_seed_over_wire": _ratio(export and export["total_s"], wire["seconds"]),
            "delta_over_wire": _ratio(delta_s, wire["seconds"]),
            # per rank: memory still held after the seed (shard snapshots, map) over the model's bytes
-           "seed_held_over_model": [_ratio(r["seed_held_bytes"], size["bytes"]) for r in res], "exact": True}
+           "seed_held_over_model": [_ratio(r["seed_held_bytes"], size["bytes"]) for r in res],
+           # per rank: growth at the seed's peak over the model's bytes (rank 0: with the receiver's copy)
+           "seed_peak_over_model": [_ratio(r["seed_peak_bytes"], size["bytes"]) for r in res], "exact": True}
     _say(f"megatron: seed {out['seed_s']:.3f} s ({out['seed_over_wire']} x wire; export-only seed "
          f"{out['export_seed_s']} s), delta "
          f"{delta_s if delta_s is None else round(delta_s, 3)} s ({out['delta_over_wire']} x wire), changed "
@@ -1103,7 +1127,7 @@ def main(argv: list[str]) -> dict:
                                               "engine_seed_peak_over_bucket")} if two else None,
         "megatron": {k: result["megatron"][k] for k in ("model", "params", "seed_s", "export_seed_s", "delta_s",
                                                         "changed_fraction", "seed_over_wire", "delta_over_wire",
-                                                        "seed_held_over_model")}
+                                                        "seed_held_over_model", "seed_peak_over_model")}
         | {"wire_s": result["megatron"]["wire"]["seconds"]} if result.get("megatron") else None,
         "wall_s": result["wall_s"], "out": str(out),
     }

@@ -281,11 +281,37 @@ def _failures_on_megatron(rank, world, port, path, fast):
         trainer.step(BATCH)
         attempt("delta on the fast path again", source)
         fell_back.append(source.ready() and not dict(updater.sync.store.snapshots()))  # the plain one let go
+        # a reseed whose map check fails on rank 1 (a conversion that computes instead of moving):
+        # the engines get the seed, the fast path turns off for good on every rank, and as the seed
+        # kept no plain snapshot (the source expected to serve), the next update is a seed that
+        # does; the deltas after it take the reference export
+        updater.sync.needs_seed = True
+        with _map_disagrees_on(source, rank, 1):
+            attempt("reseed, map disagrees", source)
+        fell_back += [not source.ready(), updater.sync.needs_seed]
+        trainer.step(BATCH)
+        attempt("seed through the reference path", source)
+        trainer.step(BATCH)
+        attempt("delta on the reference export", source)
+        fell_back += [not source.ready(), bool(dict(updater.sync.store.snapshots())) or rank != 0]
     exported = list(BridgeExportSource(trainer.bridge, trainer.model))  # independent export, every rank
     mismatched = receiver.mismatched(exported) if rank == 0 else []
     version = updater.sync.version
     updater.close()
     return attempt.log, mismatched, version, fast_used, fell_back
+
+
+@contextlib.contextmanager
+def _map_disagrees_on(source, rank: int, bad_rank: int):
+    """``bad_rank``'s seed check finds exported tensors its shard map does not reproduce."""
+    if rank != bad_rank:
+        yield
+        return
+    source._matches = lambda name, tensor: False
+    try:
+        yield
+    finally:
+        del source._matches  # the class's check again
 
 
 @contextlib.contextmanager
@@ -324,7 +350,9 @@ def test_failure_contract_on_four_megatron_ranks():
     snapshots (taken at commit, after the engines resumed) cannot be taken on one rank turns the
     fast path off on every rank; that reseed kept no plain snapshot either (the source expected to
     serve the deltas), so the next update is a seed: exact, and its commit takes the shard snapshots
-    again, after which the plain snapshot is let go and deltas take the fast path."""
+    again, after which the plain snapshot is let go and deltas take the fast path. A reseed whose map
+    check fails on one rank turns the fast path off for good: again the next update is a seed, and
+    the deltas after it go through the reference export, exactly."""
     from .test_sender_failures import check_outcomes
 
     results = run_ranks(_failures_both_paths, 4, str(build("dense")), timeout=600)
@@ -332,7 +360,7 @@ def test_failure_contract_on_four_megatron_ranks():
         per_rank = [r[i] for r in results]
         log, mismatched, version, fast_used, fell_back = per_rank[0]
         check_outcomes(per_rank, 2)
-        assert len(log) == (11 if fast else 8) and mismatched == [], (fast, log, mismatched)
+        assert len(log) == (14 if fast else 8) and mismatched == [], (fast, log, mismatched)
         assert all(r[2] == version for r in per_rank)
         assert fast_used == fast
-        assert all(r[4] == ([True] * 4 if fast else None) for r in per_rank)  # every rank fell back, and recovered
+        assert all(r[4] == ([True] * 8 if fast else None) for r in per_rank)  # every rank fell back, and recovered

@@ -267,7 +267,7 @@ class ShardedStandIn:
     def seeded(self):
         self._staged = {n: t.clone() for n, t in self.state.items()}
 
-    def will_serve(self):
+    def expects_to_serve(self):
         return True
 
     def local_patches(self):

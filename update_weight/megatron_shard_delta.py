@@ -107,6 +107,8 @@ class MegatronShardDelta(BridgeExportSource):
         #: the last seed's shard snapshots could not be taken: the next seed keeps WeightSync's plain
         #: snapshot too (it backs the deltas until shard snapshots are taken again)
         self._snap_failed = False
+        self._plan_ok = False  # every rank planned without a problem (agreed at the plan)
+        self._off = False  # a seed's map check failed on some rank (agreed): never expects to serve
         self._position: dict[str, int] = {}
         self._snap: dict[int, torch.Tensor] = {}
         #: a delta's advanced shard snapshots: run index -> (int32 flat indices, old bits there)
@@ -151,9 +153,10 @@ class MegatronShardDelta(BridgeExportSource):
         # the copy runs after the engines resumed (the parameters keep their values while update
         # runs), not inside the seed's pause window
         self._seed_ok = ok
+        self._off = self._off or not ok  # the map disagreed somewhere: the reference path from now on
 
-    def will_serve(self) -> bool:
-        return self._seed_ok and not self._snap_failed
+    def expects_to_serve(self) -> bool:
+        return self._plan_ok and not self._off and not self._snap_failed
 
     def local_patches(self) -> list[Ordered]:
         per_seq: dict[int, list[tuple[torch.Tensor, torch.Tensor, bool]]] = {}  # (targets, bits, in order)
@@ -340,6 +343,7 @@ class MegatronShardDelta(BridgeExportSource):
         self._plan_names = names
         self._plan_index = {n: i for i, n in enumerate(names)}
         self._problem = problem
+        self._plan_ok = self._agree(problem is None)  # collective: every rank plans at the same point
         self._runs = None if problem else [_build_runs(params[kk], plist) for kk, plist in sorted(pieces.items())]
         self._params_of = {}
         for k, runs in enumerate(self._runs or []):
