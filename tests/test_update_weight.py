@@ -10,6 +10,8 @@ import pytest
 from update_weight import UpdateWeightFromHCCL, UpdateWeightFromSparseHCCL, add_update_weight_args, build_updater
 from update_weight.args import resolve_update_weight_args
 
+from launchers.ranks import run_ranks
+
 from .engine_helpers import close_llm, evolve, load_state
 
 
@@ -213,3 +215,42 @@ def test_fast_path_seed_check_catches_one_differing_element(long_runs):
     bad = exported.clone()
     bad[0] += 1  # a row this rank does not own
     assert src._matches("w", bad)
+
+
+def _probe_gathers(rank, world, port):
+    import torch
+    import torch.distributed as dist
+
+    from update_weight.megatron_shard_delta import _peer_probes
+
+    shift = 10
+    probe = torch.arange(12, dtype=torch.int32).add_(rank << shift).reshape(3, 4).t().contiguous()  # re-laid
+    mixed = probe - (1 << shift) if rank == 1 else probe  # rank 1's holds rank 0's ids: not its own
+    real, moved = dist.all_gather, []
+
+    def counted(*args, **kwargs):
+        moved.append(1)
+        return real(*args, **kwargs)
+    out = {}
+    for label, t in (("own", probe), ("mixed", mixed)):
+        want = [torch.empty_like(t) for _ in range(world)]
+        real(want, t)
+        dist.all_gather = counted  # what _peer_probes falls back to
+        try:
+            with _peer_probes(rank, shift, None):
+                got = [torch.empty_like(t) for _ in range(world)]
+                dist.all_gather(got, t)
+        finally:
+            dist.all_gather = real
+        out[label] = (all(torch.equal(a, b) for a, b in zip(got, want)), len(moved))
+    return out
+
+
+def test_probe_gathers_are_computed_not_moved():
+    """While the shard map is learned, Bridge's TP/EP all-gathers of probe ids move no bytes: each
+    peer's tensor is this rank's with the peer's rank in the high bits. Where one rank's tensor is
+    not its own ids alone, every rank runs the real gather. The results equal the real gather's."""
+    results = run_ranks(_probe_gathers, 2, timeout=120)
+    for r in results:
+        assert r["own"] == (True, 0)  # computed: no gather moved the probe
+        assert r["mixed"] == (True, 1)  # one rank's tensor is not its own: the real gather, on both

@@ -31,6 +31,7 @@ moving, a dtype cast), the fast path stays off and every delta takes the referen
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Iterator
@@ -322,7 +323,8 @@ class MegatronShardDelta(BridgeExportSource):
                 shift, dtype = _id_layout(w.numel(), world)
                 probe = torch.arange(w.numel(), dtype=dtype).add_(rank << shift).reshape(w.shape).to(w.device)
             try:
-                converted = task.mapping.megatron_to_hf(probe, task.megatron_module)
+                with _peer_probes(rank, shift, self.group):
+                    converted = task.mapping.megatron_to_hf(probe, task.megatron_module)
                 converted = self.bridge._model_bridge.maybe_modify_converted_hf_weight(task, converted or {}, {})
             finally:  # mappings cache the (shape, dtype) they broadcast: forget the probe's
                 _clear_caches(task.mapping)
@@ -426,6 +428,40 @@ def _own_mask(ids: torch.Tensor, rank: int, shift: int) -> torch.Tensor | bool:
     if lo == hi or rank < lo or rank > hi:
         return lo == rank
     return (ids >> shift) == rank
+
+
+@contextlib.contextmanager
+def _peer_probes(rank: int, shift: int, trainer_group):
+    """While one task's probe converts: an ``all_gather`` (Bridge's TP and EP gathers) of a tensor
+    that holds only this rank's own ids (``rank << shift | offset``: the probe, or a piece or
+    re-layout of it) moves no bytes. Its peers convert the same task with probes of the same size
+    and shift, laid out alike, so peer ``i``'s tensor is this one with peer ``i``'s trainer rank
+    in the high bits: computed here. Every rank of the gather's group first says whether its
+    tensor is such (one all-reduce of a flag); if any is not (e.g. a TP gather already mixed
+    ranks' ids), the real ``all_gather`` runs, on every rank alike. A wrong computation cannot go
+    unnoticed: the seed checks the map against the export bit for bit."""
+    real = dist.all_gather
+
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        if async_op or tensor.dtype not in (torch.int32, torch.int64) or tensor.numel() == 0:
+            return real(tensor_list, tensor, group=group, async_op=async_op)  # alike on every peer
+        lo, hi = (int(x) >> shift for x in torch.aminmax(tensor))
+        own = torch.tensor([1 if lo == hi == rank else 0], dtype=torch.int32, device=tensor.device)
+        collectives.all_reduce(own, group, op=dist.ReduceOp.MIN)
+        if not own.item():
+            return real(tensor_list, tensor, group=group, async_op=async_op)
+        for i, out in enumerate(tensor_list):
+            peer = collectives.global_rank(group, i)
+            if trainer_group is not None:
+                peer = dist.get_group_rank(trainer_group, peer)
+            out.copy_(tensor).add_((peer - rank) << shift)
+        return None
+
+    dist.all_gather = all_gather
+    try:
+        yield
+    finally:
+        dist.all_gather = real
 
 
 def _clear_caches(mapping, seen=None) -> None:
