@@ -42,7 +42,7 @@ import torch.distributed as dist
 from delta_sync import collectives
 from delta_sync.collectives import TrainerGroups
 from delta_sync.diff import BitwiseDiff, int_view, restore
-from delta_sync.digest import Digest, digest_elements, digest_range
+from delta_sync.digest import Digest, digest_elements, digest_ranges
 from delta_sync.gather import Ordered
 from delta_sync.patch import Patch
 
@@ -233,12 +233,10 @@ class MegatronShardDelta(BridgeExportSource):
         if names is not None:  # only the runs of those tensors are expanded (the drift sweep's window)
             wanted = [s for s, n in enumerate(self._plan_names) if {n, *self._aliases.get(n, [])} & names]
         chosen = set(wanted) if wanted is not None else None
+        ranges: list[tuple[int, torch.Tensor, int]] = []  # (plan index, snapshot range, its first target)
 
-        def add(loc: int, tgt: int, ln: int, s: int) -> None:
-            name = self._plan_names[s]
-            d = digest_range(snap.narrow(0, loc, ln).view(self._dtypes[name]), tgt)
-            for n in [name, *self._aliases.get(name, [])]:
-                out[n] = out.get(n, Digest()) + d
+        def add(loc: int, tgt: int, ln: int, s: int) -> None:  # digested together below
+            ranges.append((s, snap.narrow(0, loc, ln).view(self._dtypes[self._plan_names[s]]), tgt))
 
         for k, runs in enumerate(self._runs or []):
             snap = int_view(self._snap[k])
@@ -266,6 +264,10 @@ class MegatronShardDelta(BridgeExportSource):
                 d = digest_elements(target[sel], snap.take(local[sel]).view(self._dtypes[name]))
                 for n in [name, *self._aliases.get(name, [])]:
                     out[n] = out.get(n, Digest()) + d
+        for (s, _, _), d in zip(ranges, digest_ranges([(values, tgt) for _, values, tgt in ranges])):
+            name = self._plan_names[s]
+            for n in [name, *self._aliases.get(name, [])]:
+                out[n] = out.get(n, Digest()) + d
         return out
 
     # ---- the map ----------------------------------------------------------------------------------
