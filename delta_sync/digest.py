@@ -343,25 +343,6 @@ def digest_range(values: torch.Tensor, start: int = 0) -> Digest:
     return Digest(*lanes)
 
 
-def digest_ranges(items: list[tuple[torch.Tensor, int]]) -> list[Digest]:
-    """:func:`digest_range` of many ``(values, start)``: host values through the kernel, one by one;
-    device values' lane sums stay on their device and are read back together, one host sync per
-    device instead of one per range."""
-    out: list[Digest | None] = [None] * len(items)
-    pending: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
-    for i, (values, start) in enumerate(items):
-        words = _words(values)
-        if _native_ok(words, None):
-            out[i] = digest_range(values, start)
-            continue
-        w = _words_per_element(values)
-        pending.setdefault(words.device, []).append((i, lane_sums(words, start * w, len(_LANES), 0, w)))
-    for members in pending.values():
-        for (i, _), row in zip(members, torch.stack([s for _, s in members]).tolist()):
-            out[i] = Digest(*row[:len(_LANES)])
-    return out
-
-
 def digest_elements(indices: torch.Tensor, values: torch.Tensor) -> Digest:
     """Digest of the elements ``values[k]`` standing at flat index ``indices[k]``."""
     return Digest(*element_sums(indices, values).tolist())

@@ -42,7 +42,7 @@ import torch.distributed as dist
 from delta_sync import collectives
 from delta_sync.collectives import TrainerGroups
 from delta_sync.diff import BitwiseDiff, int_view, restore
-from delta_sync.digest import Digest, digest_elements, digest_ranges
+from delta_sync.digest import Digest, digest_elements, scan_many
 from delta_sync.gather import Ordered
 from delta_sync.patch import Patch
 
@@ -264,7 +264,8 @@ class MegatronShardDelta(BridgeExportSource):
                 d = digest_elements(target[sel], snap.take(local[sel]).view(self._dtypes[name]))
                 for n in [name, *self._aliases.get(name, [])]:
                     out[n] = out.get(n, Digest()) + d
-        for (s, _, _), d in zip(ranges, digest_ranges([(values, tgt) for _, values, tgt in ranges])):
+        # one pass for all ranges: host ones spread over the threads, device ones read back at once
+        for (s, _, _), (d, _) in zip(ranges, scan_many([(values, tgt, None) for _, values, tgt in ranges])):
             name = self._plan_names[s]
             for n in [name, *self._aliases.get(name, [])]:
                 out[n] = out.get(n, Digest()) + d
