@@ -132,6 +132,21 @@ def synchronize(device: torch.device | str | None = None) -> None:
     device_module(device).synchronize(device)
 
 
+def read_back(tensors: list[torch.Tensor]) -> list[list]:
+    """Each tensor's values, flattened, as a list: one host read per device for all of them (each
+    read of a device tensor waits for the device), not one per tensor."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    out: list[list] = [[] for _ in tensors]
+    for members in by_device.values():
+        flat, at = torch.cat([tensors[i].reshape(-1) for i in members]).tolist(), 0
+        for i in members:
+            out[i] = flat[at:at + tensors[i].numel()]
+            at += tensors[i].numel()
+    return out
+
+
 def memory_allocated(device: torch.device | str) -> int:
     device = torch.device(device)
     if device.type == "cpu":

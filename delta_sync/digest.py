@@ -29,6 +29,7 @@ import functools
 import torch
 
 from . import native
+from .accelerator import read_back
 
 #: (P, a, c) per lane.
 _LANES = ((32749, 7919, 101), (32719, 20011, 7), (32717, 12347, 3571), (32713, 28657, 1597))
@@ -321,12 +322,8 @@ def _scan_device(items: list[tuple[torch.Tensor, int, torch.Tensor | None]], ind
             part = members[lo:hi]
             rows = _lane_sums_many([(words, word0) for _, words, word0 in part], len(_LANES), mask, w)
             sums.update((i, row) for (i, _, _), row in zip(part, rows.unbind(0)))
-    by_device: dict[torch.device, list[int]] = {}
-    for i in sums:
-        by_device.setdefault(sums[i].device, []).append(i)
-    for members in by_device.values():
-        for i, row in zip(members, torch.stack([sums[i] for i in members]).tolist()):  # the one sync
-            out[i] = (Digest(*row[:len(_LANES)]), row[len(_LANES)])
+    for i, row in zip(sums, read_back(list(sums.values()))):  # the one sync per device
+        out[i] = (Digest(*row[:len(_LANES)]), row[len(_LANES)])
 
 
 def nonfinite_count(values: torch.Tensor) -> int:

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from delta_sync import collectives
+from delta_sync.accelerator import read_back
 from delta_sync.collectives import TrainerGroups
 from delta_sync.diff import BitwiseDiff, int_view, restore
 from delta_sync.digest import Digest, digest_elements, scan_many
@@ -565,17 +566,7 @@ def _run_cuts(items: list[tuple[tuple[torch.Tensor, list], torch.Tensor]]) -> li
     """Per ``(few runs, changed local offsets)`` (increasing): where each run's bounds fall among the
     offsets (``searchsorted``), for every parameter at once: one host read in all, not one per
     parameter (each is a wait for the device)."""
-    found = [torch.searchsorted(idx, bounds.to(idx.dtype)) for (bounds, _), idx in items]
-    by_device: dict[torch.device, list[int]] = {}  # one read per device (a rank's shards share one)
-    for i, f in enumerate(found):
-        by_device.setdefault(f.device, []).append(i)
-    out: list[list[int]] = [[] for _ in found]
-    for members in by_device.values():
-        flat, at = torch.cat([found[i] for i in members]).tolist(), 0
-        for i in members:
-            out[i] = flat[at:at + found[i].numel()]
-            at += found[i].numel()
-    return out
+    return read_back([torch.searchsorted(idx, bounds.to(idx.dtype)) for (bounds, _), idx in items])
 
 
 def _by_runs(few: tuple[torch.Tensor, list[tuple[int, int, int, int]]], idx: torch.Tensor, bits: torch.Tensor,
