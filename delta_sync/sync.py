@@ -209,7 +209,8 @@ class WeightSync:
         self.version = -1
         self.needs_seed = True
         self.sharded: ShardedSource | None = None  # the source whose shard snapshots back the deltas
-        self._store_skipped = False  # this seed staged no plain snapshot (see ShardedSource.expects_to_serve)
+        #: this seed stages no plain snapshot (see ShardedSource.expects_to_serve); None: not asked yet
+        self._store_skipped: bool | None = False
         self._busy = threading.Lock()  # one update at a time
 
     # ---- channel ---------------------------------------------------------------------------------
@@ -505,7 +506,7 @@ class WeightSync:
         kept = f"engines and trainer snapshot at v{self.version}"
         # a sharded source that expects to serve the deltas: no rank holds or stages its exported
         # shares (asked once the stream started: the source plans first; the same on every rank)
-        expects: list[bool] = []
+        self._store_skipped = None
 
         def full_patches() -> Iterator[Patch]:
             """The stream as full patches (rank 0); ``prepare_s``: reading it and staging snapshots."""
@@ -513,16 +514,15 @@ class WeightSync:
             while True:
                 t0 = time.perf_counter()
                 item = next(stream, None)
-                if not expects:
-                    expects.append(snapshots and not keep and _expects_to_serve(self.sharded))
-                    self._store_skipped = expects[0]
+                if self._store_skipped is None:
+                    self._store_skipped = snapshots and not keep and _expects_to_serve(self.sharded)
                 if item is None:
                     return
                 _, name, t = item
                 try:
                     if isinstance(t, Exception):
                         raise t
-                    if (snapshots and not keep and not expects[0]
+                    if (snapshots and not keep and not self._store_skipped
                             and self.store.owns(name, t.numel() * t.element_size())):
                         later.append((name, t))
                     if self.rank == 0:

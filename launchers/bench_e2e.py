@@ -126,11 +126,12 @@ def _bucket_for(nbytes: int) -> int:
 # ---- RSS of process trees --------------------------------------------------------------------------
 
 
-def _rss(pid: int) -> int | None:
+def _rss(pid: int, field: str = "VmRSS:") -> int | None:
+    """Resident bytes of ``pid`` (``field``: another kB line of its status, e.g. ``VmHWM:``)."""
     try:
         with open(f"/proc/{pid}/status") as f:
             for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith(field):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError):
         return None
@@ -148,11 +149,7 @@ def _own_peak_reset() -> None:
 
 def _own_peak() -> int:
     """This process's peak RSS since the last :func:`_own_peak_reset` (bytes; 0 where unknown)."""
-    try:
-        with open("/proc/self/status") as f:
-            return next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")), 0)
-    except OSError:
-        return 0
+    return _rss(os.getpid(), "VmHWM:") or 0
 
 
 def _children(pid: int) -> list[int]:

@@ -147,13 +147,13 @@ def test_few_runs_map_changes_as_the_per_element_lookup_does():
     assert runs.few is not None and len(runs.few[1]) == 5 and runs.few[1][1] == (100, 50, 500, 8)
     idx = torch.randperm(600, generator=g)[:150].sort().values.to(torch.int32)
     bits = torch.randint(-2**15, 2**15, (150,), generator=g, dtype=torch.int16)
-    got = _by_runs(runs.few, idx, bits)
+    got = _by_runs(runs.few, idx, bits, _run_cuts([(runs.few, idx)])[0])
     inside, tgt, seqs = _locate(runs, idx.long())
     want = {s: (tgt[inside & (seqs == s)], bits[inside & (seqs == s)]) for s in (7, 8, 9)}
     assert sorted(got) == sorted(s for s, (t, _) in want.items() if t.numel())
     for s, (t, b) in got.items():
         assert t.dtype == torch.int32 and torch.equal(t.long(), want[s][0]) and torch.equal(b, want[s][1])
-    assert _by_runs(runs.few, idx[:0], bits[:0]) == {}
+    assert _by_runs(runs.few, idx[:0], bits[:0], _run_cuts([(runs.few, idx[:0])])[0]) == {}
     # a delta cuts every parameter's changes at its runs' bounds with one host read in all (on a
     # device, each read waits for it)
     reads = []

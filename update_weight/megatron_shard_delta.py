@@ -570,14 +570,13 @@ def _run_cuts(items: list[tuple[tuple[torch.Tensor, list], torch.Tensor]]) -> li
 
 
 def _by_runs(few: tuple[torch.Tensor, list[tuple[int, int, int, int]]], idx: torch.Tensor, bits: torch.Tensor,
-             cuts: list[int] | None = None) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+             cuts: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """:func:`_locate` for a parameter of few runs (:attr:`_Runs.few`): changed local offsets
     ``idx`` (increasing) and their ``bits`` per checkpoint tensor, as ``(checkpoint flat indices,
     bits)`` in local order. Each run's changes are a slice of ``idx`` (``cuts``: where the runs'
     bounds fall among them, see :func:`_run_cuts`), shifted by one add: no per-element lookup of
     runs. Changes outside every run (elements another rank owns) fall between the slices."""
     _, runs = few
-    cuts = cuts if cuts is not None else _run_cuts([(few, idx)])[0]
     parts: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     for r, (local, _, target, s) in enumerate(runs):
         lo, hi, shift = cuts[2 * r], cuts[2 * r + 1], target - local
