@@ -1,6 +1,6 @@
 """Ordered gather of patches from every trainer rank to one rank (the sender).
 
-Protocol, per call, over the trainer's groups (:class:`~delta_sync.collectives.TrainerGroups`):
+Protocol, per exchange, over the trainer's groups (:class:`~delta_sync.collectives.TrainerGroups`):
 
 1. **status + sizes** (host group, one ``all_gather`` of 3 int64 per rank): ``[failed,
    payload_bytes, meta_bytes]``. A rank whose local work raised reports ``failed=1``; then every
@@ -12,16 +12,23 @@ Protocol, per call, over the trainer's groups (:class:`~delta_sync.collectives.T
    sends it once; empty ranks send nothing. The destination receives into one reused buffer,
    grown only when needed.
 
-The destination returns the patches in export order (``seq``); a tensor whose changes come from
+The destination gets the patches in export order (``seq``); a tensor whose changes come from
 several ranks (shards of one tensor) is merged into one patch with increasing indices.
+
+:meth:`PatchGather.gather` is one exchange of everything. :meth:`PatchGather.stream` cuts the
+export order into *rounds* of about ``round_bytes`` of payload over all ranks (every part of one
+tensor in the same round) and runs one exchange per round, as the destination's consumer (the
+bucket packer) asks for them: the destination then holds its own patches and one round of the
+others', not the whole delta of every rank.
 """
 
 from __future__ import annotations
 
 import json
 import traceback
+from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -104,6 +111,8 @@ class PatchGather:
         self.groups = groups or TrainerGroups.around(None)
         self.dst = dst
         self._recv: torch.Tensor | None = None
+        #: payload bytes the last exchange brought to ``dst`` from the other ranks
+        self.received_bytes = 0
 
     def _buffer(self, n: int) -> torch.Tensor:
         if self._recv is None or self._recv.numel() < n:
@@ -116,30 +125,63 @@ class PatchGather:
         Returns the ordered, merged patches on ``dst`` and ``None`` elsewhere; raises
         :class:`GatherError` on every rank if any rank failed.
         """
+        items, failure = self._produce(produce)
+        return self._exchange(items, failure)
+
+    def stream(self, produce: Callable[[], list[Ordered]] | list[Ordered], round_bytes: int) -> "GatherStream":
+        """Run ``produce`` on every rank and plan the rounds that gather the patches to ``dst``,
+        each of about ``round_bytes`` of payload over all ranks (a tensor whose patches are larger
+        is a round of its own). Collective; raises :class:`GatherError` on every rank if any rank's
+        ``produce`` failed. The rounds run as :class:`GatherStream` is read (``dst``) or finished."""
+        items, failure = self._produce(produce)
+        rows = self._agree([sum(it.patch.nbytes for it in items), round_bytes], failure)
+        round_bytes = int(rows[self.dst, 2])  # the destination's, should the ranks' settings differ
+        items.sort(key=lambda it: it.seq)
+        if self.groups.world == 1 or int(rows[:, 1].sum()) <= round_bytes:
+            return GatherStream(self, items, [None])
+        sizes = collectives.all_gather_object([(it.seq, it.patch.nbytes) for it in items], self.groups.host_group)
+        return GatherStream(self, items, round_bounds([x for rank in sizes for x in rank], round_bytes))
+
+    @staticmethod
+    def _produce(produce) -> tuple[list[Ordered], tuple[str, str] | None]:
+        try:
+            return (produce() if callable(produce) else list(produce)), None
+        except Exception as e:  # becomes the same GatherError on every rank
+            return [], (f"{type(e).__name__}: {e}", traceback.format_exc(limit=4))
+
+    def _agree(self, values: list[int], failure: tuple[str, str] | None,
+               kept: str | None = "trainer snapshot at the last committed version") -> torch.Tensor:
+        """``[failed, *values]`` of every rank as a ``(world, 1 + len(values))`` tensor; the same
+        :class:`GatherError` on every rank if any rank brought a failure (``kept``: None where the
+        caller knows better, e.g. a round of a delta whose engines had started)."""
+        g = self.groups
+        status = torch.tensor([1 if failure else 0, *values], dtype=torch.int64)
+        rows = torch.empty(g.world * status.numel(), dtype=torch.int64)
+        collectives.all_gather_into_tensor(rows, status, g.host_group)
+        rows = rows.view(g.world, status.numel())
+        if int(rows[:, 0].sum()):
+            msgs = collectives.all_gather_object(failure[0] if failure else None, g.host_group)
+            err = GatherError({r: m for r, m in enumerate(msgs) if m is not None}, kept=kept)
+            if failure and failure[1]:
+                err.__notes__ = [failure[1]]  # type: ignore[attr-defined]
+            raise err
+        return rows
+
+    def _exchange(self, items: list[Ordered], failure: tuple[str, str] | None = None,
+                  kept: str | None = "trainer snapshot at the last committed version") -> list[Patch] | None:
+        """One exchange of ``items`` (this rank's) to ``dst``: the ordered, merged patches there."""
         g = self.groups
         rank, world = g.rank, g.world
-        error = None
-        items: list[Ordered] = []
         buf = torch.empty(0, dtype=torch.uint8, device=g.device)
         meta_bytes = 0
-        try:
-            items = produce() if callable(produce) else list(produce)
-            if rank != self.dst and items:
+        if failure is None and rank != self.dst and items:
+            try:
                 buf, meta_bytes = _pack(items, g.device)
-        except Exception as e:  # becomes the same GatherError on every rank
-            error = f"{type(e).__name__}: {e}"
-            tb = traceback.format_exc(limit=4)
-        status = torch.tensor([1 if error else 0, buf.numel(), meta_bytes], dtype=torch.int64)
-        sizes = torch.empty(world * 3, dtype=torch.int64)
-        collectives.all_gather_into_tensor(sizes, status, g.host_group)
-        sizes = sizes.view(world, 3)
-        if int(sizes[:, 0].sum()):
-            msgs = collectives.all_gather_object(error, g.host_group)
-            failures = {r: m for r, m in enumerate(msgs) if m is not None}
-            err = GatherError(failures, kept="trainer snapshot at the last committed version")
-            if error:
-                err.__notes__ = [tb]  # type: ignore[attr-defined]
-            raise err
+            except Exception as e:
+                failure = (f"{type(e).__name__}: {e}", traceback.format_exc(limit=4))
+        sizes = self._agree([buf.numel(), meta_bytes], failure, kept)
+        payload = sizes[:, 1] - sizes[:, 2]  # each rank's buffer less its JSON meta
+        self.received_bytes = int(payload.sum()) - int(payload[self.dst])
         if rank != self.dst:
             if buf.numel():
                 collectives.send(buf, self.dst, g.device_group)
@@ -167,3 +209,63 @@ def order_and_merge(items: list[Ordered]) -> list[Patch]:
     for it in items:
         by_seq.setdefault(it.seq, []).append(it.patch)
     return [merge_shards(by_seq[s]) for s in sorted(by_seq)]
+
+
+def round_bounds(sizes: list[tuple[int, int]], round_bytes: int) -> list[int | None]:
+    """Rounds of a streamed gather from every rank's ``(seq, payload bytes)``: the exclusive upper
+    ``seq`` of each round, ``None`` for the last. A round closes before the tensor that would take
+    it past ``round_bytes``; the parts of one tensor (``seq``) on several ranks share a round."""
+    per_seq: dict[int, int] = {}
+    for seq, n in sizes:
+        per_seq[seq] = per_seq.get(seq, 0) + n
+    bounds: list[int | None] = []
+    held = 0
+    for seq in sorted(per_seq):
+        if held and held + per_seq[seq] > round_bytes:
+            bounds.append(seq)
+            held = 0
+        held += per_seq[seq]
+    return bounds + [None]
+
+
+class GatherStream:
+    """The rounds of :meth:`PatchGather.stream`. On ``dst``, iterating yields the merged patches in
+    export order, one exchange per round; every other rank calls :meth:`finish`, which runs its
+    sends. ``dst`` calls :meth:`finish` too once it stops reading (done, or its consumer failed):
+    with ``failure`` the next round carries it, so every rank raises the same :class:`GatherError`
+    there instead of sending the rest. A :class:`GatherError` ends the stream on every rank at once
+    (it came out of the same collective)."""
+
+    def __init__(self, gatherer: PatchGather, items: list[Ordered], bounds: list[int | None]):
+        self._g = gatherer
+        self._items = deque(items)  # this rank's, by seq
+        self._bounds = deque(bounds)
+        self.rounds = len(bounds)
+        #: most payload bytes one round brought to ``dst`` from the other ranks
+        self.peak_round_bytes = 0
+
+    def _round(self, failure: tuple[str, str] | None = None) -> list[Patch] | None:
+        bound = self._bounds.popleft()
+        mine = []
+        while self._items and (bound is None or self._items[0].seq < bound):
+            mine.append(self._items.popleft())  # sent (or merged) once: not held past its round
+        try:
+            got = self._g._exchange(mine, failure, kept=None)  # the caller says what was kept
+        except GatherError:
+            self._bounds.clear()
+            self._items.clear()
+            raise
+        self.peak_round_bytes = max(self.peak_round_bytes, self._g.received_bytes)
+        return got
+
+    def __iter__(self) -> Iterator[Patch]:
+        while self._bounds:
+            yield from self._round() or []
+
+    def finish(self, failure: BaseException | None = None) -> None:
+        """Run the rounds not read yet (what arrives on ``dst`` is dropped); with ``failure``, end
+        the stream with it on every rank (raises the :class:`GatherError` here too)."""
+        if failure is not None and self._bounds:
+            self._round((f"{type(failure).__name__}: {failure}", ""))
+        while self._bounds:
+            self._round()

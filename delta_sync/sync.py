@@ -166,8 +166,9 @@ class WeightSync:
     finish -> resume) and *settle* (every rank learns rank 0's :class:`Outcome` and commits, rolls
     back, or resets its snapshots). Seeds and full updates stream: prepare and publish overlap,
     rank 0 packs buckets straight from the stream while the engines apply the previous bucket,
-    and no process holds more than two buckets of payload. Deltas are gathered whole (their
-    payload is the changed elements), validated, then published.
+    and no process holds more than two buckets of payload. A delta streams too (its payload is
+    the changed elements): one rank packs while it diffs; with several, each rank diffs its share
+    and rank 0 gathers them round by round, about a bucket at a time, while it packs and sends.
     """
 
     def __init__(self, engines: Iterable, *, mode: str = "delta", bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -459,9 +460,12 @@ class WeightSync:
                 if "send_s" in timings:  # what the send added to the diff it overlapped
                     timings["send_s"] = max(0.0, timings["send_s"] - timings["diff_s"])
                 return outcome, error, elements[0]
+            # several ranks: each diffs its share, then rank 0 gathers the patches round by round
+            # (about a bucket of them over all ranks each) as its packer asks for them, so it never
+            # holds the other ranks' whole deltas; the engines stage every bucket, as above
             t0 = time.perf_counter()
             try:
-                patches = self.gatherer.gather(lambda: [o for ready in diffed() for o in ready])
+                stream = self.gatherer.stream(lambda: [o for ready in diffed() for o in ready], self.bucket_bytes)
             except GatherError:
                 self._rollback()  # every rank raises the same error
                 raise
@@ -469,14 +473,21 @@ class WeightSync:
                 return Outcome(False, f"{type(e).__name__}: {e}"), e, elements[0]
             timings["prepare_s"] = time.perf_counter() - t0
             if self.rank != 0:
+                try:
+                    stream.finish()  # this rank's sends; a failure on any rank ends them on all
+                except GatherError as e:
+                    return None, e, elements[0]
                 return None, None, elements[0]
-            try:
-                patches = checked(patches)
-            except Exception as e:
-                return Outcome(False, f"{type(e).__name__}: {e}"), e, elements[0]
             published, early = early, None  # from here on, _publish ends the sessions it started
-            outcome, error = self._publish(version, "delta", timings, lambda sender: sender.close(patches),
+            outcome, error = self._publish(version, "delta", timings,
+                                           lambda sender: sender.close(q for p in stream for q in checked([p])),
                                            kept=kept, early=published)
+            try:  # the rounds not read (the publish failed first) end with its failure on every rank
+                stream.finish(None if outcome.ok else (error or DeltaSyncError(outcome.error)))
+            except GatherError:
+                pass  # rank 0's own failure, raised with the outcome below
+            # rounds, and the most bytes of the other ranks' patches rank 0 held at once
+            timings["gather_rounds"], timings["gather_peak_bytes"] = stream.rounds, stream.peak_round_bytes
             return outcome, error, elements[0]
         finally:
             if early is not None:

@@ -137,3 +137,95 @@ def test_receive_buffer_kept_on_the_host_only():
     assert dev._buffer(1 << 10).device.type == "meta"
     dev._release()
     assert dev._recv is None
+
+
+def _stream_cases(rank, world, port, round_bytes):
+    """Every case through the streamed gather in rounds of ``round_bytes``: the same patches as one
+    exchange, and no round brings more than ``round_bytes`` to rank 0 unless one tensor's parts do."""
+    gatherer = PatchGather()
+    rounds, checked = [], 0
+    for case in range(CASES):
+        stream = gatherer.stream(lambda: _case_items(case, rank, world), round_bytes)
+        rounds.append(stream.rounds)
+        if rank != 0:
+            stream.finish()
+            continue
+        got = list(stream)
+        stream.finish()  # nothing left: a no-op
+        want = _expected(case, world)
+        assert [p.name for p in got] == [p.name for p in want], case
+        for a, b in zip(got, want):
+            assert _same(a, b), (case, a.name)
+        largest = max((p.nbytes for p in want), default=0)
+        assert stream.peak_round_bytes <= max(round_bytes, largest), (case, stream.peak_round_bytes)
+        checked += 1
+    return checked, rounds
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_streamed_gather_equals_one_exchange_in_bounded_rounds(world):
+    results = run_ranks(_stream_cases, world, 4096)
+    assert results[0][0] == CASES
+    assert all(r[1] == results[0][1] for r in results)  # every rank ran the same rounds
+    assert max(results[0][1]) > 3  # the cases did need several rounds
+
+
+def test_round_bounds_keep_a_tensors_parts_together():
+    from delta_sync.gather import round_bounds
+
+    # seq 5 has parts on two ranks (60 + 60 bytes): one round, even past the limit
+    sizes = [(1, 40), (5, 60), (7, 30), (5, 60), (9, 100), (12, 10)]
+    assert round_bounds(sizes, 100) == [5, 7, 9, 12, None]
+    assert round_bounds(sizes, 1000) == [None]
+    assert round_bounds([], 10) == [None]
+
+
+def _stream_failures(rank, world, port, bad_rank):
+    """A rank's pack fails in the second round; then the destination ends a stream with its own
+    failure after one round: each time every rank raises the same GatherError, nobody hangs, and
+    the next stream is whole."""
+    from delta_sync import gather as gather_mod
+
+    g = PatchGather()
+    out = []
+    real = gather_mod._pack
+    calls = [0]
+
+    def failing_pack(items, device):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise MemoryError(f"no room for round 2 on rank {rank}")
+        return real(items, device)
+
+    for attempt in ("pack fails", "dst fails", "whole"):
+        stream = g.stream(lambda: _case_items(4, rank, world), 2048)
+        if attempt == "pack fails" and rank == bad_rank:
+            gather_mod._pack = failing_pack
+        try:
+            if rank == 0:
+                got = []
+                for p in stream:
+                    got.append(p)
+                    if attempt == "dst fails" and len(got) == 1:
+                        break
+                stream.finish(RuntimeError("engine refused the update") if attempt == "dst fails" else None)
+                out.append(("ok", len(got)))
+            else:
+                stream.finish()
+                out.append(("ok", None))
+        except GatherError as e:
+            out.append(("failed", sorted(e.failures)))
+        finally:
+            gather_mod._pack = real
+        dist.barrier()  # nobody is stuck in a collective
+    return out, stream.rounds
+
+
+def test_a_failure_in_a_round_ends_the_stream_on_every_rank():
+    results = run_ranks(_stream_failures, 3, 1, timeout=90)
+    rounds = results[0][1]
+    assert rounds > 2
+    for out, _ in results:
+        assert out[0] == ("failed", [1]) and out[1] == ("failed", [0]), out
+        assert out[2][0] == "ok"
+    assert results[0][0][2][1] == len(_expected(4, 3))

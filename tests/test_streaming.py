@@ -560,3 +560,77 @@ def test_verify_without_a_committed_snapshot_refuses():
         assert len(sync.verify()) == len(model_at(0))
     finally:
         sync.close()
+
+
+def _three_rank_deltas(rank, world, port):
+    """Deltas of 48 tensors over three ranks in 8 KiB buckets: rank 0 gathers the other ranks'
+    patches a round (about a bucket) at a time while it packs; then rank 2 fails packing its second
+    round of a delta: every rank raises it, the engine keeps v-1, and the next delta is exact."""
+    from delta_sync import gather as gather_mod
+    from delta_sync.errors import DeltaSyncError
+
+    state = _many_tensors()
+    receiver = MemoryReceiver() if rank == 0 else None
+    sync = WeightSync([receiver] if rank == 0 else [], mode="delta", bucket_bytes=8 << 10, timeout_s=60,
+                      drift_sweep=0)
+    out = {"kinds": [], "rounds": [], "peaks": [], "largest": 0}
+    g = torch.Generator().manual_seed(3)
+
+    def step(frac):
+        for t in state.values():  # the same step on every rank (same generator)
+            flat = t.view(-1)
+            pos = torch.randint(0, flat.numel(), (max(1, int(flat.numel() * frac)),), generator=g)
+            flat[pos] = (flat[pos].float() * 1.5 + 0.25).to(t.dtype)
+
+    try:
+        out["kinds"].append(sync.update(state.items()).kind)
+        for frac in (0.05, 0.3):
+            step(frac)
+            rep = sync.update(state.items())
+            out["kinds"].append(rep.kind)
+            out["rounds"].append(rep.timings.get("gather_rounds"))
+            out["peaks"].append(rep.timings.get("gather_peak_bytes"))
+            out["largest"] = max(out["largest"], max(t.numel() * 6 for t in state.values()))  # int32 + bf16
+            if rank == 0:
+                out["exact"] = receiver.mismatched(state.items()) == []
+        real, calls = gather_mod._pack, [0]
+
+        def failing_pack(items, device):
+            calls[0] += 1
+            if calls[0] == 2:
+                raise MemoryError("no room to pack round 2 on rank 2")
+            return real(items, device)
+
+        before = {n: t.clone() for n, t in state.items()}
+        step(0.3)
+        if rank == 2:
+            gather_mod._pack = failing_pack
+        try:
+            sync.update(state.items())
+            out["failed"] = None
+        except DeltaSyncError as e:
+            out["failed"] = str(e)
+        finally:
+            gather_mod._pack = real
+        if rank == 0:
+            out["kept"] = receiver.mismatched(before.items()) == [] and receiver.version == sync.version
+        out["kinds"].append(sync.update(state.items()).kind)
+        if rank == 0:
+            out["exact_after"] = receiver.mismatched(state.items()) == []
+    finally:
+        sync.close()
+    return out
+
+
+def test_a_multi_rank_delta_is_gathered_in_bounded_rounds():
+    from launchers.ranks import run_ranks
+
+    r0, r1, r2 = run_ranks(_three_rank_deltas, 3, timeout=180)
+    assert r0["kinds"] == r1["kinds"] == ["seed", "delta", "delta", "delta"]
+    assert r0["exact"] and r0["kept"] and r0["exact_after"]
+    assert all(n > 3 for n in r0["rounds"]), r0["rounds"]  # ~90-260 KiB of patches in 8 KiB rounds
+    # rank 0 never held more of the other ranks' patches than a round: a bucket, or one tensor's
+    assert all(0 < p <= max(8 << 10, r0["largest"]) for p in r0["peaks"]), r0["peaks"]
+    for r in (r0, r1, r2):  # the same error on every rank, saying the engines kept v2
+        assert "no room to pack round 2 on rank 2" in r["failed"], r["failed"]
+        assert "kept: engines and trainer snapshot at v2" in r["failed"], r["failed"]
