@@ -254,3 +254,36 @@ def test_probe_gathers_are_computed_not_moved():
     for r in results:
         assert r["own"] == (True, 0)  # computed: no gather moved the probe
         assert r["mixed"] == (True, 1)  # one rank's tensor is not its own: the real gather, on both
+
+
+def test_probe_gathers_leave_other_threads_alone():
+    """The probe interception answers only the thread whose probe converts: another thread's
+    all_gather meanwhile (of int32 ids, the kind it would intercept) reaches the function it
+    replaced, and once the last probe is done torch.distributed.all_gather is that function again."""
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    from update_weight.megatron_shard_delta import _peer_probes
+
+    real, seen = dist.all_gather, []
+
+    def recorder(tensor_list, tensor, group=None, async_op=False):
+        seen.append((threading.current_thread().name, tensor.clone()))
+        for out in tensor_list:
+            out.copy_(tensor)
+
+    dist.all_gather = recorder
+    try:
+        with _peer_probes(0, 10, None):
+            assert dist.all_gather is not recorder  # the probe's gathers are intercepted on this thread
+            ids = torch.arange(4, dtype=torch.int32)  # rank 0's own ids: a probe would compute it
+            got = [torch.empty_like(ids) for _ in range(2)]
+            t = threading.Thread(target=lambda: dist.all_gather(got, ids), name="trainer-side")
+            t.start()
+            t.join()
+        assert [name for name, _ in seen] == ["trainer-side"] and torch.equal(got[1], ids)
+        assert dist.all_gather is recorder
+    finally:
+        dist.all_gather = real

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -434,21 +435,47 @@ def _own_mask(ids: torch.Tensor, rank: int, shift: int) -> torch.Tensor | bool:
     return (ids >> shift) == rank
 
 
-@contextlib.contextmanager
-def _peer_probes(rank: int, shift: int, trainer_group):
-    """While one task's probe converts: an ``all_gather`` (Bridge's TP and EP gathers) of a tensor
-    that holds only this rank's own ids (``rank << shift | offset``: the probe, or a piece or
-    re-layout of it) moves no bytes. Its peers convert the same task with probes of the same size
-    and shift, laid out alike, so peer ``i``'s tensor is this one with peer ``i``'s trainer rank
-    in the high bits: computed here. Every rank of the gather's group first says whether its
-    tensor is such (one all-reduce of a flag); if any is not (e.g. a TP gather already mixed
-    ranks' ids), the real ``all_gather`` runs, on every rank alike. A wrong computation cannot go
-    unnoticed: the seed checks the map against the export bit for bit."""
-    real = dist.all_gather
+class _ProbeGathers:
+    """``torch.distributed.all_gather`` while shard-map probes convert (:func:`_peer_probes`).
 
-    def all_gather(tensor_list, tensor, group=None, async_op=False):
-        if async_op or tensor.dtype not in (torch.int32, torch.int64) or tensor.numel() == 0:
+    Installed while at least one thread is inside :func:`_peer_probes` and removed after the last
+    leaves; it answers only the threads inside (each with its own rank and id shift, kept
+    thread-local), and hands every other caller (a trainer thread of its own, a data loader) to
+    the function it replaced, unchanged."""
+
+    _lock = threading.Lock()
+    _users = 0
+    _real = None
+    _installed = None
+    _local = threading.local()
+
+    @classmethod
+    @contextlib.contextmanager
+    def active(cls, rank: int, shift: int, trainer_group):
+        with cls._lock:
+            if cls._users == 0:
+                cls._real = dist.all_gather
+                dist.all_gather = cls._installed = cls.all_gather
+            cls._users += 1
+        cls._local.probe = (rank, shift, trainer_group)
+        try:
+            yield
+        finally:
+            cls._local.probe = None
+            with cls._lock:
+                cls._users -= 1
+                if cls._users == 0:
+                    if dist.all_gather is cls._installed:  # (unless someone replaced it meanwhile)
+                        dist.all_gather = cls._real
+                    cls._real = cls._installed = None
+
+    @classmethod
+    def all_gather(cls, tensor_list, tensor, group=None, async_op=False):
+        real = cls._real
+        probe = getattr(cls._local, "probe", None)
+        if probe is None or async_op or tensor.dtype not in (torch.int32, torch.int64) or tensor.numel() == 0:
             return real(tensor_list, tensor, group=group, async_op=async_op)  # alike on every peer
+        rank, shift, trainer_group = probe
         lo, hi = (int(x) >> shift for x in torch.aminmax(tensor))
         own = torch.tensor([1 if lo == hi == rank else 0], dtype=torch.int32, device=tensor.device)
         collectives.all_reduce(own, group, op=dist.ReduceOp.MIN)
@@ -461,11 +488,18 @@ def _peer_probes(rank: int, shift: int, trainer_group):
             out.copy_(tensor).add_((peer - rank) << shift)
         return None
 
-    dist.all_gather = all_gather
-    try:
-        yield
-    finally:
-        dist.all_gather = real
+
+def _peer_probes(rank: int, shift: int, trainer_group):
+    """While one task's probe converts on this thread: an ``all_gather`` (Bridge's TP and EP
+    gathers) of a tensor that holds only this rank's own ids (``rank << shift | offset``: the probe,
+    or a piece or re-layout of it) moves no bytes. Its peers convert the same task with probes of
+    the same size and shift, laid out alike, so peer ``i``'s tensor is this one with peer ``i``'s
+    trainer rank in the high bits: computed here. Every rank of the gather's group first says
+    whether its tensor is such (one all-reduce of a flag); if any is not (e.g. a TP gather already
+    mixed ranks' ids), the real ``all_gather`` runs, on every rank alike. A wrong computation
+    cannot go unnoticed: the seed checks the map against the export bit for bit. Other threads'
+    gathers are not touched (:class:`_ProbeGathers`)."""
+    return _ProbeGathers.active(rank, shift, trainer_group)
 
 
 def _clear_caches(mapping, seen=None) -> None:
