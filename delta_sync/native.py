@@ -237,28 +237,36 @@ def _scan(fn, width: int, old64: torch.Tensor, new64: torch.Tensor, first: int, 
           lanes: int, absorb: bool) -> list[tuple[torch.Tensor, ...]]:
     # a small tensor needs no more room than its own elements (>= one 8-word block: progress)
     room = min(SCRATCH_ENTRIES, max(8 * lanes, (stop - first) * lanes))
-    idx = torch.empty(room, dtype=torch.int32)
-    val = torch.empty(room, dtype=_VALUE_DTYPE[width])
-    prev = torch.empty(room, dtype=_VALUE_DTYPE[width]) if absorb else None
+    idx, val, prev = _outputs(room, width, absorb)
     done = ctypes.c_int64()
     out = []
     a, b = old64.data_ptr(), new64.data_ptr()
     w = first
-    while w < stop:
-        k = fn(a + 8 * w, b + 8 * w, stop - w, w * lanes, idx.data_ptr(), val.data_ptr(),
-               prev.data_ptr() if absorb else None, room, ctypes.byref(done))
-        if k:
-            try:
-                out.append((idx[:k].clone(), val[:k].clone()) + ((prev[:k].clone(),) if absorb else ()))
-            except BaseException:
-                if absorb:  # this range goes back to its old bits before the error leaves
-                    for piece in [*out, (idx[:k], None, prev[:k])]:
-                        put_back(old64, piece[0], piece[2])
-                raise
-        if done.value == 0:  # cannot happen with room for 8 words of lanes
-            raise RuntimeError(f"diff kernel made no progress at word {w} (scratch {room})")
-        w += done.value
+    try:
+        while w < stop:
+            k = fn(a + 8 * w, b + 8 * w, stop - w, w * lanes, idx.data_ptr(), val.data_ptr(),
+                   prev.data_ptr() if absorb else None, room, ctypes.byref(done))
+            if k:  # the output is the scratch itself (a copy into fresh pages cost as much as the scan)
+                out.append((idx[:k], val[:k]) + ((prev[:k],) if absorb else ()))
+            if done.value == 0:  # cannot happen with room for 8 words of lanes
+                raise RuntimeError(f"diff kernel made no progress at word {w} (scratch {room})")
+            w += done.value
+            if k and w < stop:
+                idx, val, prev = _outputs(room, width, absorb)
+    except BaseException:
+        if absorb:  # this range goes back to its old bits before the error leaves
+            for piece in out:
+                put_back(old64, piece[0], piece[2])
+        raise
     return out
+
+
+def _outputs(room: int, width: int, absorb: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Output of one diff kernel call: ``room`` entries of indices, values and (absorb) old bits.
+    Callers hand views of them on as the result: only the pages the kernel wrote are touched."""
+    vdt = _VALUE_DTYPE[width]
+    return (torch.empty(room, dtype=torch.int32), torch.empty(room, dtype=vdt),
+            torch.empty(room, dtype=vdt) if absorb else None)
 
 
 def changed_words(old64: torch.Tensor, new64: torch.Tensor, lanes: int, absorb: bool = False
@@ -347,21 +355,17 @@ def changed_many(olds: list[torch.Tensor], news: list[torch.Tensor], lanes: int,
 def _scan_many(fn, width: int, olds: list[torch.Tensor], news: list[torch.Tensor], lanes: int,
                absorb: bool, lo: int, first: int, hi: int, last: int) -> list[tuple[torch.Tensor, ...]]:
     """Tensors ``lo:hi`` through ``diff_many``, from word ``first`` of tensor ``lo`` to word ``last``
-    of tensor ``hi - 1`` (see :func:`word_shares`): a few calls, one scratch, per-tensor views of
-    the output."""
+    of tensor ``hi - 1`` (see :func:`word_shares`): a few calls, per-tensor views of their outputs."""
     n = hi - lo
     ends = [t.numel() // lanes for t in olds[lo:hi]]
     ends[-1] = last
     addr = torch.tensor([[t.data_ptr() for t in olds[lo:hi]], [t.data_ptr() for t in news[lo:hi]], ends],
                         dtype=torch.int64)
     room = min(SCRATCH_ENTRIES, max(8 * lanes, (sum(ends) - first) * lanes))
-    vdt = _VALUE_DTYPE[width]
-    idx, val = torch.empty(room, dtype=torch.int32), torch.empty(room, dtype=vdt)
-    prev = torch.empty(room, dtype=vdt) if absorb else None
+    idx, val, prev = _outputs(room, width, absorb)
     done = torch.empty(n, dtype=torch.int64)
     stop_t, stop_w = ctypes.c_int64(), ctypes.c_int64()
     parts: list[list[tuple[torch.Tensor, ...]]] = [[] for _ in range(n)]
-    scratch = (idx, val, prev) if absorb else (idx, val)
     t, w = 0, first
     try:
         while t < n:
@@ -372,18 +376,14 @@ def _scan_many(fn, width: int, olds: list[torch.Tensor], news: list[torch.Tensor
             cuts = done[t:st].tolist() + ([k] if st < n else [])  # the stopped array's share comes last
             spans = [(j, a, b) for j, a, b in zip(range(t, t + len(cuts)), [0] + cuts[:-1], cuts)
                      if b > a or not parts[j]]
-            try:
-                got = [b[:k].clone() for b in scratch]
-            except BaseException:
-                if absorb:  # this call's advance, from the scratch; the calls before it below
-                    for j, a, b in spans:
-                        put_back(olds[lo + j], idx[a:b], prev[a:b])
-                raise
+            got = (idx[:k], val[:k]) + ((prev[:k],) if absorb else ())  # views: see _outputs
             for j, a, b in spans:
                 parts[j].append(tuple(g[a:b] for g in got))
             if (st, sw) == (t, w):  # cannot happen with room for 8 words of lanes
                 raise RuntimeError(f"diff kernel made no progress at array {lo + t}, word {w} (scratch {room})")
             t, w = st, sw
+            if k and t < n:
+                idx, val, prev = _outputs(room, width, absorb)
     except BaseException:
         if absorb:  # put this run back before the error leaves
             for j, pieces in enumerate(parts):
