@@ -45,16 +45,25 @@ def _train_and_sync(rank, world, port, path, tp, steps, transport, pp=1, ep=1):
     load_errors = [n for n, t in sources["reference"]
                    if not torch.equal(t.view(torch.int16), ckpt[n].view(torch.int16))]
     receivers = {k: MemoryReceiver() if rank == 0 else None for k in sources}
-    args = add_update_weight_args(argparse.ArgumentParser()).parse_args(
-        ["--update-weight-transport", transport, "--update-weight-mode", "delta" if transport.startswith("sparse")
-         else "full", "--update-weight-verify-every", "1"])
-    updaters = {k: build_updater(args, [receivers[k]] if rank == 0 else []) for k in sources}
+    def cli(transport):
+        return ["--update-weight-transport", transport, "--update-weight-mode",
+                "delta" if transport.startswith("sparse") else "full", "--update-weight-verify-every", "1"]
+    args = add_update_weight_args(argparse.ArgumentParser()).parse_args(cli(transport))
+    # the per-element path also moves in 64 KiB buckets: several ranks' deltas reach rank 0 in many
+    # gather rounds, tensors split over TP ranks merged within theirs
+    small = add_update_weight_args(argparse.ArgumentParser()).parse_args(
+        [*cli(transport), "--update-weight-buffer-size", "64KiB"])
+    updaters = {k: build_updater(small if k == "fast, per element" else args, [receivers[k]] if rank == 0 else [])
+                for k in sources}
     kinds = {k: [] for k in sources}
+    rounds = []
     for _ in range(steps):
         trainer.step(BATCH)
         for k, source in sources.items():
             rep = updaters[k].update_weights(source)
             kinds[k].append((rep.kind, rep.changed_elements, rep.total_elements))
+            if k == "fast, per element" and rep.kind == "delta":
+                rounds.append(rep.timings.get("gather_rounds", 1))
             if k == "fast, per element":
                 for runs in source._runs or []:
                     runs.few = None
@@ -66,7 +75,7 @@ def _train_and_sync(rank, world, port, path, tp, steps, transport, pp=1, ep=1):
     for u in updaters.values():
         u.close()
     dist.barrier()
-    return kinds, mismatched, n_tensors, load_errors, fast_ready
+    return kinds, mismatched, n_tensors, load_errors, fast_ready, rounds
 
 
 @pytest.mark.parametrize("kind,world,tp,pp,ep,tensors", [
@@ -79,8 +88,9 @@ def test_trainer_reconstruction_equals_independent_export(kind, world, tp, pp, e
     and through the fast path (same changed elements per update, bit for bit)."""
     path = str(build(kind))
     results = run_ranks(_train_and_sync, world, path, tp, 3, "sparse_gloo", pp, ep, timeout=600)
-    kinds, mismatched, n_tensors, load_errors, fast_ready = results[0]
+    kinds, mismatched, n_tensors, load_errors, fast_ready, rounds = results[0]
     assert all(r[3] == [] for r in results)  # every rank loaded exactly
+    assert rounds and min(rounds) > 1, rounds  # the small-bucket deltas were gathered in rounds
     assert all(r[4] for r in results), "the fast path did not switch on (see the log), or mapped nothing run by run"
     assert [k for k, _, _ in kinds["reference"]] == ["seed", "delta", "delta"]
     assert all(0 < c < total for _, c, total in kinds["reference"][1:]), kinds
