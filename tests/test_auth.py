@@ -93,8 +93,12 @@ def _keyed_node(rank, world, port, chan_port, case):
                 chan._key = b"another key"  # a sender that does not hold the channel token
                 chan.send_bucket(Bucket({"version": 1, "seq": 0, "last": True, "kind": "delta", "entries": [],
                                          "value_counts": {}, "checksum": None}, torch.zeros(3, dtype=torch.int32), {}))
-            else:  # sizes that would make the receiver allocate without bound
-                chan.broadcast(torch.tensor([1 << 40, 5, 1], dtype=torch.int64))
+            else:  # a bucket's opening broadcast with sizes that would make the receiver allocate without bound
+                from delta_sync.channel import PREAMBLE_BYTES
+
+                pre = torch.zeros(PREAMBLE_BYTES, dtype=torch.uint8)
+                pre[:24] = torch.tensor([1 << 40, 5, 1], dtype=torch.int64).view(torch.uint8)
+                chan.broadcast(pre)
         except ChannelError:
             pass  # the receiver refused and left
         return "sent"

@@ -634,3 +634,44 @@ def test_a_multi_rank_delta_is_gathered_in_bounded_rounds():
     for r in (r0, r1, r2):  # the same error on every rank, saying the engines kept v2
         assert "no room to pack round 2 on rank 2" in r["failed"], r["failed"]
         assert "kept: engines and trainer snapshot at v2" in r["failed"], r["failed"]
+
+
+@pytest.mark.parametrize("preamble", [64 << 10, 100])
+def test_a_bucket_opens_with_one_small_broadcast(monkeypatch, preamble):
+    """A bucket's sizes and signed header travel in one fixed broadcast (the header's rest after it
+    when longer: here at 100 bytes, every time); a bucket without indices (every bulk one) sends
+    none. Seed and delta stay exact either way; the broadcasts per bucket are counted."""
+    from delta_sync import channel as channel_mod
+
+    monkeypatch.setattr(channel_mod, "PREAMBLE_BYTES", preamble)
+    sent = []
+    plain = channel_mod.Channel.broadcast_all
+
+    def counting(self, tensors, src=0):
+        if self.rank == src:
+            sent.append([t.numel() * t.element_size() for t in tensors])
+        return plain(self, tensors, src)
+
+    monkeypatch.setattr(channel_mod.Channel, "broadcast_all", counting)
+    state = _many_tensors(8)
+    receiver = MemoryReceiver()
+    sync = WeightSync([receiver], mode="delta", bucket_bytes=16 << 10, timeout_s=60)
+    try:
+        seed = sync.update(state.items())
+        per_seed = len(sent)
+        for t in state.values():
+            t.view(-1)[::11] = (t.view(-1)[::11].float() * 1.5 + 0.25).to(t.dtype)
+        sent.clear()
+        delta = sync.update(state.items())
+        assert seed.kind == "seed" and delta.kind == "delta"
+        assert receiver.mismatched(state.items()) == []
+        opening = [s for s in sent if s == [preamble]]
+        assert len(opening) == delta.buckets  # one opening broadcast per delta bucket
+        # a delta bucket: the opening, the header's rest where it did not fit, its indices, its values
+        assert len(sent) == delta.buckets * (3 if preamble == 64 << 10 else 4)
+        # a seed bucket (no indices): the opening, the header's rest where it did not fit, its values
+        # (the closing bucket may carry none)
+        k = 2 if preamble == 64 << 10 else 3
+        assert seed.buckets > 4 and per_seed in (k * seed.buckets - 1, k * seed.buckets), (per_seed, seed.buckets)
+    finally:
+        sync.close()
