@@ -52,7 +52,7 @@ _MAC_BYTES = 32
 #: one small collective before its payload instead of three (sizes, header, indices: each a round
 #: trip that waits for the receiver, 1-10 ms here while both sides' cores are busy with the stream)
 PREAMBLE_BYTES = 64 << 10
-_SIZES_BYTES = 24
+_SIZES = struct.Struct("<3q")  # header bytes, index count, value buffers
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -153,9 +153,9 @@ class Channel:
         names = sorted(bucket.values)
         nidx = bucket.indices.numel()
         pre = bytearray(PREAMBLE_BYTES)  # sizes | the header's first bytes (the rest follows if longer)
-        pre[:_SIZES_BYTES] = struct.pack("<3q", len(raw), nidx, len(names))
-        inline = min(len(raw), PREAMBLE_BYTES - _SIZES_BYTES)
-        pre[_SIZES_BYTES:_SIZES_BYTES + inline] = raw[:inline]
+        _SIZES.pack_into(pre, 0, len(raw), nidx, len(names))
+        inline = min(len(raw), PREAMBLE_BYTES - _SIZES.size)
+        pre[_SIZES.size:_SIZES.size + inline] = raw[:inline]
         self.broadcast(torch.frombuffer(pre, dtype=torch.uint8).to(self.device))
         if inline < len(raw):
             self.broadcast(torch.frombuffer(bytearray(raw[inline:]), dtype=torch.uint8).to(self.device))
@@ -172,13 +172,13 @@ class Channel:
         entry's dtype and count on this channel's device to receive its values into (they are then
         not in the bucket's value buffer: :attr:`Bucket.sources`)."""
         pre = bytes(self.broadcast(torch.empty(PREAMBLE_BYTES, dtype=torch.uint8, device=self.device)).cpu().numpy())
-        hlen, nidx, nval = struct.unpack("<3q", pre[:_SIZES_BYTES])
+        hlen, nidx, nval = _SIZES.unpack_from(pre)
         if not (_MAC_BYTES < hlen <= MAX_HEADER_BYTES and 0 <= nidx <= MAX_BUFFER_ELEMENTS
                 and 0 <= nval <= len(DTYPES)):
             raise ChannelError(f"rank {self.rank}: bucket sizes out of bounds (header {hlen} B of at most "
                                f"{MAX_HEADER_BYTES}, {nidx} indices, {nval} value buffers); nothing allocated")
-        inline = min(hlen, PREAMBLE_BYTES - _SIZES_BYTES)
-        raw = pre[_SIZES_BYTES:_SIZES_BYTES + inline]
+        inline = min(hlen, PREAMBLE_BYTES - _SIZES.size)
+        raw = pre[_SIZES.size:_SIZES.size + inline]
         if inline < hlen:
             raw += bytes(self.broadcast(torch.empty(hlen - inline, dtype=torch.uint8, device=self.device)).cpu().numpy())
         raw, tag = raw[:-_MAC_BYTES], raw[-_MAC_BYTES:]

@@ -38,6 +38,10 @@ from .errors import GatherError, PatchValidationError
 from .patch import DTYPES, Patch, dtype_name
 
 
+#: what a failed gather kept, unless its caller knows more
+_KEPT = "trainer snapshot at the last committed version"
+
+
 @dataclass
 class Ordered:
     """A patch with its position in the export order."""
@@ -111,8 +115,6 @@ class PatchGather:
         self.groups = groups or TrainerGroups.around(None)
         self.dst = dst
         self._recv: torch.Tensor | None = None
-        #: payload bytes the last exchange brought to ``dst`` from the other ranks
-        self.received_bytes = 0
 
     def _buffer(self, n: int) -> torch.Tensor:
         if self._recv is None or self._recv.numel() < n:
@@ -150,7 +152,7 @@ class PatchGather:
             return [], (f"{type(e).__name__}: {e}", traceback.format_exc(limit=4))
 
     def _agree(self, values: list[int], failure: tuple[str, str] | None,
-               kept: str | None = "trainer snapshot at the last committed version") -> torch.Tensor:
+               kept: str | None = _KEPT) -> torch.Tensor:
         """``[failed, *values]`` of every rank as a ``(world, 1 + len(values))`` tensor; the same
         :class:`GatherError` on every rank if any rank brought a failure (``kept``: None where the
         caller knows better, e.g. a round of a delta whose engines had started)."""
@@ -168,7 +170,7 @@ class PatchGather:
         return rows
 
     def _exchange(self, items: list[Ordered], failure: tuple[str, str] | None = None,
-                  kept: str | None = "trainer snapshot at the last committed version") -> list[Patch] | None:
+                  kept: str | None = _KEPT) -> list[Patch] | None:
         """One exchange of ``items`` (this rank's) to ``dst``: the ordered, merged patches there."""
         g = self.groups
         rank, world = g.rank, g.world
@@ -180,8 +182,6 @@ class PatchGather:
             except Exception as e:
                 failure = (f"{type(e).__name__}: {e}", traceback.format_exc(limit=4))
         sizes = self._agree([buf.numel(), meta_bytes], failure, kept)
-        payload = sizes[:, 1] - sizes[:, 2]  # each rank's buffer less its JSON meta
-        self.received_bytes = int(payload.sum()) - int(payload[self.dst])
         if rank != self.dst:
             if buf.numel():
                 collectives.send(buf, self.dst, g.device_group)
@@ -255,7 +255,9 @@ class GatherStream:
             self._bounds.clear()
             self._items.clear()
             raise
-        self.peak_round_bytes = max(self.peak_round_bytes, self._g.received_bytes)
+        if got is not None:  # dst: the round's patches less its own are what the others sent
+            others = sum(p.nbytes for p in got) - sum(it.patch.nbytes for it in mine)
+            self.peak_round_bytes = max(self.peak_round_bytes, others)
         return got
 
     def __iter__(self) -> Iterator[Patch]:
