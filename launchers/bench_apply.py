@@ -3,8 +3,7 @@
 A random checkpoint with Qwen3-0.6B shapes is served by a real CPU engine in checkpoint-layout
 mode; the same sparse patches (all tensors, one density at a time) are applied by both paths in
 the same run. Last line: JSON with ``apply_over_native`` = views / native time at 0.2% density (the
-whole apply with its undo log) and ``write_over_native``: only its writes, what a delta's pause window
-holds now that the engine prepares the rest before it pauses.
+whole apply with its undo log, what a delta's pause window holds).
 """
 
 from __future__ import annotations
@@ -86,27 +85,20 @@ def main(argv: list[str]) -> dict:
         changed = sum(p[2].numel() for p in patches)
         native = [CheckpointWeightPatch(n, tuple(t.shape), t.dtype, v, i) for n, t, i, v in patches]
         ours = [(name, idx, vals) for name, _, idx, vals in patches]
-        best_views = best_native = best_write = float("inf")
+        best_views = best_native = float("inf")
         with torch.no_grad():
             for _ in range(args.reps):
                 t0 = time.perf_counter()
                 undo = UndoLog()  # the whole apply: every tensor's patch at once, with its undo log
                 apply_sparse_many(views, params, ours, undo)
                 best_views = min(best_views, time.perf_counter() - t0)
-                # what the engine does in a delta's pause window: the writes, prepared beforehand
-                planned = UndoLog(deferred=True)
-                apply_sparse_many(views, params, ours, planned)
-                t0 = time.perf_counter()
-                planned.write()
-                best_write = min(best_write, time.perf_counter() - t0)
                 t0 = time.perf_counter()
                 load_checkpoint_weight_patches(model, native)
                 best_native = min(best_native, time.perf_counter() - t0)
         rows.append({"density": density, "changed_elements": changed, "views_s": round(best_views, 5),
-                     "write_s": round(best_write, 5), "native_s": round(best_native, 5),
-                     "ratio": round(best_views / best_native, 4), "write_ratio": round(best_write / best_native, 4)})
+                     "native_s": round(best_native, 5), "ratio": round(best_views / best_native, 4)})
         print(json.dumps(rows[-1]), flush=True)
     at = {r["density"]: r for r in rows}.get(0.002) or rows[0]
     total = sum(t.numel() for t in state.values())
     return {"bench": "apply", "model": f"Qwen3-0.6B shapes ({args.layers} layers, {total / 1e6:.0f}M params)",
-            "rows": rows, "apply_over_native": at["ratio"], "write_over_native": at["write_ratio"]}
+            "rows": rows, "apply_over_native": at["ratio"]}

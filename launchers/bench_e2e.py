@@ -37,7 +37,7 @@ Last line: one JSON object with the ratios (``seed_over_wire``: a full-mode
 trainer's first update; ``reseed_over_wire``: a delta-mode trainer's seed, which also builds its
 snapshot; ``full_over_wire``, ``delta_over_wire``, ``delta_pause_over_wire``, ``verify_over_seed``,
 ``sweep_over_delta``, ``engine_seed_peak_over_bucket``, ``trainer_seed_peak_over_model``,
-``apply_over_native`` and ``write_over_native``, ``diff_over_copy``) and the times behind them.
+``apply_over_native``, ``diff_over_copy``) and the times behind them.
 """
 
 from __future__ import annotations
@@ -567,7 +567,7 @@ def _trainer_rank(rank, world, port, files, url, bucket, densities, lr, timeout_
             if rank == 0:  # the workers' own timings of this update (check_s: their digest checks)
                 workers = [w.get("timings") or {} for e in sync.engines for w in e.report()]
                 row["engine_check_s"] = max((w.get("check_s", 0.0) for w in workers), default=0.0)
-                row["engine_timings"] = workers[0] if workers else {}  # e.g. plan_s / apply_s of a delta
+                row["engine_timings"] = workers[0] if workers else {}  # e.g. apply_s / undo_bytes of a delta
             rows.append(row)
             if rank == 0:
                 print(f"[e2e] {tag} {label} ({rep.kind}): {row['total_s']:.3f} s, pause {rep.pause_window_s:.3f} s, "
@@ -949,9 +949,7 @@ def _measure(args, result: dict, path: Path, files: list[Path], size: dict, buck
         apply = _spawned(_apply_bench, args.cache, args.layers, args.model, timeout=args.timeout, env=env)
         result["apply"] = apply
         result["apply_over_native"] = apply["apply_over_native"]
-        result["write_over_native"] = apply["write_over_native"]
-        _say(f"apply at {HEADLINE_DENSITY:g}: views / vLLM patch loader = {apply['apply_over_native']} "
-             f"(its writes alone, the pause window's part: {apply['write_over_native']})")
+        _say(f"apply at {HEADLINE_DENSITY:g}: views / vLLM patch loader = {apply['apply_over_native']}")
     if "diff" not in skip:
         diff = _spawned(_diff_bench, args.diff_gib, timeout=args.timeout)
         result["diff"] = diff
@@ -1111,7 +1109,7 @@ def main(argv: list[str]) -> dict:
         "engine_delta_peak_over_bucket": s.get("engine_delta_peak_over_bucket"),
         "trainer_seed_peak_over_model": s.get("trainer_seed_peak_over_model"),
         "trainer_delta_peak_over_model": s.get("trainer_delta_peak_over_model"),
-        "apply_over_native": result.get("apply_over_native"), "write_over_native": result.get("write_over_native"),
+        "apply_over_native": result.get("apply_over_native"),
         "diff_over_copy": result.get("diff_over_copy"),
         # the host's cores busy during the best wire run and during the headline updates
         "cores_busy": {"wire": result["wire"]["cpu_best"]["busy"], "seed": s.get("seed_cores_busy"),

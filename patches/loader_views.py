@@ -239,60 +239,27 @@ def probe_views(model: torch.nn.Module, names_shapes: list[tuple[str, tuple[int,
 class UndoLog:
     """Old values at every position an apply wrote, restorable in reverse order.
 
-    ``deferred``: an apply only records its writes (positions, values in the target's dtype) next
-    to the old values it reads now, and :meth:`write` performs them later. A delta is prepared so
-    while the engine still serves (reads only), and its pause window covers nothing but the writes.
-
     Positions are a 1-D target's element ``offset + pos[i]`` (``pos`` int32 or int64: a whole-run
     patch keeps its own int32 indices and the parameter offset of its tensor)."""
 
     #: (target, positions or None for the whole target, offset, old values)
     entries: list[tuple[torch.Tensor, torch.Tensor | None, int, torch.Tensor]] = field(default_factory=list)
-    deferred: bool = False
-    #: deferred writes, in order: (target, positions or None for the whole target, offset, new values)
-    pending: list[tuple[torch.Tensor, torch.Tensor | None, int, torch.Tensor]] = field(default_factory=list)
-
-    def write(self) -> None:
-        """Perform the deferred writes (on failure: :meth:`restore` puts back every recorded value).
-
-        Host writes to different parameters run on several threads (scattered writes are bound by
-        memory latency, not bandwidth); those to one parameter stay on one thread, in order: with
-        the host kernel, all of them in one foreign call per thread."""
-        pending, self.pending = self.pending, []
-        by_storage: dict[tuple, list] = {}
-        for w in pending:
-            by_storage.setdefault(_storage_key(w[0]), []).append(w)
-        device = pending[0][0].device if pending else None
-        # a parameter's writes go to the kernel if it takes all of them (a dense tensor's view
-        # write does not), else to torch ops; either way on one thread, in order
-        kernel, other = [], []
-        for g in by_storage.values():
-            (kernel if all(pos is not None and native.movable(t, pos, v) for t, pos, _, v in g) else other).append(g)
-        if kernel:
-            native.move_rows([(t, pos, off, v, None) for g in kernel for t, pos, off, v in g],
-                             _row_spans([len(g) for g in kernel], [sum(w[3].numel() for w in g) for g in kernel],
-                                        device))
-        spread([sum(w[3].numel() for w in g) for g in other],
-               lambda lo, hi: [_put(*w) for g in other[lo:hi] for w in g], device=device)
 
     def change_rows(self, rows: list[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]],
                     spans: list[tuple[int, int]]) -> None:
         """:meth:`change` of many ``(target, pos, offset, values)`` rows that the host kernel takes
         (:func:`delta_sync.native.movable`), in one foreign call per span of rows (``spans``:
-        concurrent row ranges, see :func:`delta_sync.native.move_rows`): the old values are read
-        (and, unless ``deferred``, the new written in the same visit) for all of them at once."""
+        concurrent row ranges, see :func:`delta_sync.native.move_rows`): each position's old value
+        is read and the new one written in the same visit."""
         if not rows:
             return
         olds = torch.empty(sum(r[1].numel() for r in rows), dtype=rows[0][0].dtype).split([r[1].numel() for r in rows])
-        native.move_rows([(t, pos, off, None if self.deferred else v, old)
-                          for (t, pos, off, v), old in zip(rows, olds)], spans)
+        native.move_rows([(t, pos, off, v, old) for (t, pos, off, v), old in zip(rows, olds)], spans)
         self.entries += [(t, pos, off, old) for (t, pos, off, _), old in zip(rows, olds)]
-        if self.deferred:
-            self.pending += rows
 
     def change(self, target: torch.Tensor, pos: torch.Tensor | None, values: torch.Tensor, offset: int = 0) -> None:
         """Record the old values at ``offset + pos`` of ``target`` (None: all of it), then write
-        ``values`` there: now (one visit per position on a host), or at :meth:`write` when ``deferred``."""
+        ``values`` there (one visit per position on a host)."""
         if pos is not None and native.movable(target, pos, values):
             self.change_rows([(target, pos, offset, values)], [(0, 1)])  # one visit per position
             return
@@ -300,10 +267,7 @@ class UndoLog:
             self.record_view(target)
         else:
             self.record_positions(target, pos, offset)
-        if self.deferred:
-            self.pending.append((target, pos, offset, values))
-        else:
-            _put(target, pos, offset, values)
+        _put(target, pos, offset, values)
 
     def record_positions(self, flat: torch.Tensor, pos: torch.Tensor, offset: int = 0) -> None:
         self.entries.append((flat, pos, offset, _take(flat, pos, offset)))
@@ -354,10 +318,6 @@ def spread(sizes: list[int], run, device: torch.device | None) -> None:
     _, error = native.run_spread([functools.partial(run, lo, hi) for lo, hi in spans])
     if error is not None:
         raise error
-
-
-def _storage_key(t: torch.Tensor) -> tuple:
-    return t.device, t.untyped_storage().data_ptr()
 
 
 def _positions(pos: torch.Tensor, offset: int) -> torch.Tensor:

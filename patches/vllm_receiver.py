@@ -8,15 +8,14 @@ Lifecycle (names match vLLM's wire protocol)::
                           were built
     update_weights        a delta: receive *all* buckets of version v, validate every patch (name,
                           shape, dtype, bounds, order, duplicates, finite values, checksum) and
-                          stage it, then prepare its apply (positions, old values for the undo
-                          log: weights are only read); nothing touches the weights yet.
+                          stage it; nothing touches the weights yet.
                           a seed or full update: check and apply each bucket as it arrives (the
                           next one is received meanwhile; each entry's digest and finiteness
                           checked in one pass), no undo copy: from the first write on, the worker
                           reports ``needs_seed`` until the version completes
-    finish_weight_update  a delta: perform the prepared writes (the pause window's only work), or
-                          apply from scratch if the parameters moved since; on failure restore
-                          v-1 from the undo log. a bulk update: take the version it completed
+    finish_weight_update  a delta: apply it, each position's old value read into the undo log in
+                          the visit that writes the new one; on failure restore v-1 from the undo
+                          log. a bulk update: take the version it completed
 
 Every lifecycle call must arrive through the worker's signed ``delta_sync_call`` (see
 ``patches/vllm_plugin.py`` and :mod:`delta_sync.auth`); vLLM's own unsigned routes reach these
@@ -170,9 +169,8 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         #: is what ``report`` can say for it: the loader's result cannot be read back)
         self.fallback_values: dict[str, torch.Tensor] = {}
         self.shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-        #: the received, not yet applied update and, for a delta, its prepared apply (its undo log with
-        #: the writes deferred, the parameters' fingerprint it was planned against) or None
-        self._staged: tuple[ReceivedUpdate, tuple[UndoLog, dict] | None] | None = None
+        #: the received, not yet applied update, or None
+        self._staged: ReceivedUpdate | None = None
         self._fingerprint: dict | None = None
         self.last_timings: dict[str, float] = {}
         self.last_error: str | None = None
@@ -307,21 +305,7 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         self.last_timings = {"receive_s": time.perf_counter() - t0, "peak_buckets": float(upd.peak_buckets),
                              "bulk_apply_s": self._bulk.apply_s, "placed_ranges": float(self._bulk.placed),
                              "check_s": upd.check_s}
-        self._staged = (upd, self._plan_delta(upd) if upd.kind not in BULK_KINDS else None)
-
-    def _plan_delta(self, upd) -> tuple[UndoLog, dict] | None:
-        """Everything of a delta's apply but its writes, while the engine still serves: positions,
-        values in the parameters' dtype, the undo log's old values (weights are only read meanwhile).
-        Finish then only writes, if the parameters are still the storages planned against. Names
-        without a view go through vLLM's loader at finish: such a delta is not planned (None)."""
-        if any(p.name not in self.views for p in upd.patches):
-            return None
-        t0 = time.perf_counter()
-        undo = UndoLog(deferred=True)
-        with torch.no_grad():
-            self._apply_delta(upd.patches, dict(self.model.named_parameters()), undo)
-        self.last_timings["plan_s"] = time.perf_counter() - t0
-        return undo, _fingerprint(self.model)
+        self._staged = upd
 
     def _in_place(self) -> bool:
         """Can large bulk ranges be received straight into the parameters? Where a worker holds
@@ -455,16 +439,15 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         p.validate(expected_shape=shape, expected_dtype=dtype, contents=False, kept=self._kept())
 
     def discard_staged(self) -> None:
-        """Drop a received, not yet applied delta and its prepared apply (nothing was written)."""
+        """Drop a received, not yet applied delta (nothing was written)."""
         self._staged = None
 
     def finish_weight_update(self) -> None:
         self.require_authorized("finish")
         version = self._call_version
-        staged, self._staged = self._staged, None
-        if staged is None:
+        upd, self._staged = self._staged, None
+        if upd is None:
             return  # start/finish with nothing received (e.g. the sender aborted before sending)
-        upd, planned = staged
         if version is not None and upd.version != version:
             self.last_error = f"finish of v{version} but v{upd.version} is staged"
             raise DeltaSyncError(self.last_error + "; the staged update was discarded", kept=self._kept())
@@ -474,23 +457,17 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
             self._fingerprint = _fingerprint(self.model)
             return
         t0 = time.perf_counter()
-        layout = _fingerprint(self.model)
+        undo = UndoLog()
         try:
             with torch.no_grad():
-                if planned is not None and planned[1] == layout:
-                    undo = planned[0]
-                    undo.write()  # in place: the layout stays the one just read
-                else:  # not planned, or the parameters moved since (e.g. reallocated): apply from scratch
-                    undo = UndoLog()
-                    self._apply_delta(upd.patches, dict(self.model.named_parameters()), undo)
-                    layout = _fingerprint(self.model)  # vLLM's loader, on the fallback path, may move storage
+                self._apply_delta(upd.patches, dict(self.model.named_parameters()), undo)
         except Exception as e:
             undo.restore()
             kept = self._kept() + " (undo log restored)"
             self.last_error = f"apply of v{upd.version} failed: {type(e).__name__}: {e}"
             raise DeltaSyncError(self.last_error, kept=kept) from e
         self.version, self.needs_seed, self.last_error = upd.version, False, None
-        self._fingerprint = layout
+        self._fingerprint = _fingerprint(self.model)  # vLLM's loader, on the fallback path, may move storage
         self.last_timings.update(apply_s=time.perf_counter() - t0, undo_bytes=float(undo.nbytes))
 
     # ---- apply ---------------------------------------------------------------------------------

@@ -256,10 +256,10 @@ class _Plain(torch.nn.Module):
 
 @pytest.mark.parametrize("host_kernel", [True, False], ids=["kernel", "torch-ops"])
 def test_host_writes_spread_over_threads_equal_one_thread(monkeypatch, host_kernel):
-    """A delta's planned writes (and its plan's old-value reads) run on several threads, one
-    parameter per thread at a time: the weights and the undo log equal a one-thread apply, and a
-    write that fails on one thread leaves everything restorable; through the host kernel (one
-    foreign call per thread) and through torch ops."""
+    """A delta's writes (each reading its old value for the undo log in the same visit) run on
+    several threads, one parameter per thread at a time: the weights and the undo log equal a
+    one-thread apply, through the host kernel (one foreign call per thread) and through torch ops;
+    a write that fails on one thread lets the others finish, and the undo log restores everything."""
     import threading
 
     from delta_sync import native
@@ -297,59 +297,70 @@ def test_host_writes_spread_over_threads_equal_one_thread(monkeypatch, host_kern
     for m, floor in zip(models, (lv.SPREAD_MIN_ELEMENTS, 1 << 40)):  # spread, then one thread
         monkeypatch.setattr(lv, "SPREAD_MIN_ELEMENTS", floor)
         threads.clear()
-        undo = UndoLog(deferred=True)
+        undo = UndoLog()
         lv.apply_sparse_many(views, dict(m.named_parameters()), patches, undo)
-        undo.write()
         undos.append(undo)
         assert (len(threads) >= 2) if floor < n else len(threads) == 1  # (pool threads may take turns)
     for name, p in models[0].named_parameters():
         assert torch.equal(p, getattr(models[1], name)), name
         assert not torch.equal(p, state[name])
+        expect = state[name].clone()
+        idx, vals = next((i, v) for pn, i, v in patches if pn == name)
+        expect[idx.long()] = vals
+        assert torch.equal(p, expect), name
     undos[0].restore()
     for name, p in models[0].named_parameters():
         assert torch.equal(p, state[name]), name
-    # a write failing on one thread: the other threads finish, the error leaves, restore repairs all
+    # a write failing on one thread (torch ops; the kernel checks every position before it writes
+    # any): the other threads finish, the error leaves, restore repairs all
+    monkeypatch.setattr(native, "kernel", lambda: None)
     monkeypatch.setattr(lv, "SPREAD_MIN_ELEMENTS", 1)
-    undo = UndoLog(deferred=True)
-    lv.apply_sparse_many(views, dict(models[0].named_parameters()), patches, undo)
-    undo.pending[-1] = (*undo.pending[-1][:3], undo.pending[-1][3][:5])  # wrong length
-    with pytest.raises(Exception):
-        undo.write()
+    last = dict(models[0].named_parameters())["w3"]
+    plain_put = lv._put
+
+    def failing_put(target, *a):
+        if target.data_ptr() == last.data_ptr():
+            raise RuntimeError("injected write failure")
+        plain_put(target, *a)
+
+    monkeypatch.setattr(lv, "_put", failing_put)
+    threads.clear()
+    undo = UndoLog()
+    with pytest.raises(RuntimeError, match="injected write failure"):
+        lv.apply_sparse_many(views, dict(models[0].named_parameters()), patches, undo)
+    assert not torch.equal(models[0].w0, state["w0"])  # the other threads wrote theirs
+    monkeypatch.setattr(lv, "_put", plain_put)
     undo.restore()
     for name, p in models[0].named_parameters():
         assert torch.equal(p, state[name]), name
 
 
-def test_a_deferred_write_mixing_dense_and_sparse_tensors_equals_applying_now():
+def test_an_apply_mixing_dense_and_sparse_tensors_is_restored_whole():
     """A delta whose tensors go partly dense (a view write the host kernel does not take) and
-    partly sparse: the deferred writes equal an apply done at once, through the kernel where it
-    takes a parameter's writes and torch ops elsewhere, and the undo log restores all of it."""
+    partly sparse: the apply writes each as the checkpoint says, through the kernel where it takes
+    a parameter's writes and torch ops elsewhere, and the undo log restores all of it."""
     from patches import loader_views as lv
 
     n = 4096
     g = torch.Generator().manual_seed(11)
     models, views, state = _plain_pair(n, g)
+    m = models[0]
     dense = torch.randn(n, generator=g).to(torch.bfloat16)
     sparse = []
     for i in range(1, 4):
         idx = torch.randperm(n, generator=g)[: n // 7].sort().values.to(torch.int32)
         sparse.append((f"w{i}", idx, torch.randn(idx.numel(), generator=g).to(torch.bfloat16)))
-    undos = []
-    for m, deferred in zip(models, (True, False)):
-        params = dict(m.named_parameters())
-        undo = UndoLog(deferred=deferred)
-        apply_dense(views["w0"], params, dense, undo)
-        lv.apply_sparse_many(views, params, sparse, undo)
-        if deferred:
-            assert all(torch.equal(p, state[k]) for k, p in params.items())  # nothing written yet
-            undo.write()
-        undos.append(undo)
-    for name, p in models[0].named_parameters():
-        assert torch.equal(p, getattr(models[1], name)), name
-    assert torch.equal(models[0].w0, dense) and not torch.equal(models[0].w1, state["w1"])
-    for m, undo in zip(models, undos):
-        undo.restore()
-        assert all(torch.equal(p, state[k]) for k, p in m.named_parameters())
+    params = dict(m.named_parameters())
+    undo = UndoLog()
+    apply_dense(views["w0"], params, dense, undo)
+    lv.apply_sparse_many(views, params, sparse, undo)
+    assert torch.equal(m.w0, dense)
+    for name, idx, vals in sparse:
+        expect = state[name].clone()
+        expect[idx.long()] = vals
+        assert torch.equal(params[name], expect), name
+    undo.restore()
+    assert all(torch.equal(p, state[k]) for k, p in m.named_parameters())
 
 
 def test_a_write_of_the_wrong_length_raises_and_leaves_nothing_to_restore_wrongly():

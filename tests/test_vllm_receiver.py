@@ -178,73 +178,67 @@ def _seeded(llm, path):
 
 
 def test_apply_failure_midway_restores_previous_version(engine, monkeypatch):
-    """A delta's apply is prepared while the engine serves and only written at finish. A failure
-    while preparing writes nothing; one midway through the writes is undone from the undo log.
-    Either way the engine stays on v1 and the trainer's next delta carries v1 -> v2 again."""
+    """A delta is staged while the engine serves and applied at finish. A failure before any write
+    (the kernel's position check) writes nothing; one after some writes is undone from the undo
+    log. Either way the engine stays on v1 and the trainer's next delta carries v1 -> v2 again."""
     kind, path, llm = engine
     state, sync = _seeded(llm, path)
     evolve(state, 1)
     sync.update(state.items())
     worker = _worker_engine(llm)
-    assert "plan_s" in worker.last_timings  # the delta was prepared before its pause
+    assert "apply_s" in worker.last_timings and worker.last_timings["undo_bytes"] > 0
     before = greedy(llm, PROMPTS)
-    import patches.loader_views as views
+    import patches.vllm_receiver as receiver
     from delta_sync import native
 
     calls = {"n": 0}
-    real = native.move_rows
 
-    def failing(rows, spans=None):  # prepares half of the tensors' writes (old values read), then fails
+    def refused(rows, spans=None):  # the kernel checks every position before it touches any
         calls["n"] += 1
-        real(rows[: len(rows) // 2])
-        raise RuntimeError("injected failure while preparing the apply")
-    monkeypatch.setattr(native, "move_rows", failing)
+        raise IndexError("injected failure before any write")
+    monkeypatch.setattr(native, "move_rows", refused)
     evolve(state, 2)
-    with pytest.raises(EngineError, match="injected failure while preparing"):
+    with pytest.raises(EngineError, match="injected failure before any write"):
         sync.update(state.items())
     assert calls["n"] == 1 and sync.version == 1 and not sync.needs_seed and worker.version == 1
     assert greedy(llm, PROMPTS) == before
-    monkeypatch.setattr(native, "move_rows", real)
+    monkeypatch.undo()
 
-    real_write = views.UndoLog.write
+    real = receiver.apply_sparse_many
 
-    def write_half_then_fail(self):  # writes some parameters for real, then fails
-        self.pending[len(self.pending) // 2:] = []
-        assert self.pending
-        real_write(self)
-        raise RuntimeError("injected failure in the middle of the writes")
-    monkeypatch.setattr(views.UndoLog, "write", write_half_then_fail)
-    with pytest.raises(EngineError, match="injected failure in the middle.*undo log restored"):
+    def write_then_fail(views, params, patches, undo):  # every sparse write done for real, then a failure
+        assert real(views, params, patches, undo) > 0 and undo.entries
+        raise RuntimeError("injected failure after the writes")
+    monkeypatch.setattr(receiver, "apply_sparse_many", write_then_fail)
+    with pytest.raises(EngineError, match="injected failure after the writes.*undo log restored"):
         sync.update(state.items())
     assert sync.version == 1 and not sync.needs_seed and worker.version == 1
     assert greedy(llm, PROMPTS) == before
-    monkeypatch.setattr(views.UndoLog, "write", real_write)
+    monkeypatch.undo()
     rep = sync.update(state.items())  # the snapshot stayed at v1: this delta carries v1 -> v2 again
     assert rep.kind == "delta" and rep.version == 2
     sync.verify()
     sync.close()
 
 
-def test_a_prepared_apply_is_dropped_when_parameters_moved_before_finish(engine, monkeypatch):
+def test_a_delta_is_applied_into_the_parameters_as_they_are_at_finish(engine, monkeypatch):
     """Parameters reallocated between a delta's update call and its finish (a wake from sleep,
-    say): the writes prepared against the old storages are not used; finish applies from scratch
-    into the new ones, and the engine's digests equal the trainer's."""
+    say): finish writes into the new storages, the engine's digests equal the trainer's, and the
+    next update's start finds the layout finish recorded."""
     kind, path, llm = engine
     state, sync = _seeded(llm, path)
     worker = _worker_engine(llm)
-    real_plan = type(worker)._plan_delta
+    real_receive = type(worker).receive_weights
 
-    def plan_then_move(self, upd):
-        plan = real_plan(self, upd)
-        assert plan is not None
+    def receive_then_move(self, info):
+        real_receive(self, info)
         for p in self.model.parameters():
             p.data = p.data.clone()
-        return plan
-    monkeypatch.setattr(type(worker), "_plan_delta", plan_then_move)
+    monkeypatch.setattr(type(worker), "receive_weights", receive_then_move)
     evolve(state, 1)
     assert sync.update(state.items()).kind == "delta"
     assert len(sync.verify()) == len(state)  # every tensor, read back through the new storages
-    monkeypatch.setattr(type(worker), "_plan_delta", real_plan)
+    monkeypatch.undo()
     evolve(state, 2)  # the layout finish recorded is the new storages': no "layout changed" at start
     assert sync.update(state.items()).kind == "delta" and len(sync.verify()) == len(state)
     sync.close()
