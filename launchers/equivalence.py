@@ -86,9 +86,10 @@ def compare(synced: list[dict], fresh: list[dict]) -> dict:
     return {"equal": equal, "fields": fields, "max_abs_logprob_error": worst, "first_difference": first_diff}
 
 
-#: vLLM's shm readers spin this long after a read on CPU hosts (vLLM: 1 s, which cost a 0.2% delta's
-#: diff a third of its speed here). 0 stalled the engine ~5 s per update here (a read that found its
-#: notification already taken waits for the next one): keep a short spin.
+#: vLLM's shm readers poll (sleeping between checks, see ``patches.vllm_plugin``) this long after a
+#: read on CPU hosts instead of spinning 1 s (which cost a 0.2% delta's diff a third of its speed
+#: here). 0 stalled the engine ~5 s per update here (a read that found its notification already
+#: taken waits for vLLM's 5 s recheck): keep a short window.
 CPU_HOST_SPIN_S = "0.05"
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -461,9 +462,10 @@ def test_a_second_trainer_is_refused_while_the_first_holds_the_engine(engine):
         second.close()
 
 
-def test_shm_readers_spin_at_most_the_capped_time(monkeypatch):
-    """vLLM's shm queue readers spin 1 s after every read; the plugin caps that (CPU engines started
-    by ``start_engine`` share the host's cores with the trainer), and ``start_engine`` asks for it."""
+def test_shm_readers_poll_for_at_most_the_capped_time_instead_of_spinning(monkeypatch):
+    """vLLM's shm queue readers spin 1 s after every read; the plugin caps that window and sleeps
+    between checks within it (CPU engines started by ``start_engine`` share the host's cores with
+    the trainer), and ``start_engine`` asks for it."""
     import subprocess as sp
 
     import zmq
@@ -481,6 +483,22 @@ def test_shm_readers_spin_at_most_the_capped_time(monkeypatch):
     writer.notify()
     reader.wait(timeout_ms=1000)
     assert reader.busy_loop_s == 0.05
+    # within the window the reader sleeps between its checks of the queue instead of spinning
+    import vllm.distributed.device_communicators.shm_broadcast as shm
+
+    from patches.vllm_plugin import SPIN_POLL_S
+
+    yields = []
+    monkeypatch.setattr(shm, "sched_yield", lambda: yields.append(1))
+    reader.record_read()
+    t0 = time.monotonic()
+    for _ in range(5):
+        reader.wait(timeout_ms=1000)
+    assert not yields and time.monotonic() - t0 >= 5 * SPIN_POLL_S
+    reader.last_read -= 1  # past the window: vLLM's socket wait, woken by the writer's notification
+    writer.notify()
+    reader.wait(timeout_ms=1000)
+    assert not yields
     seen, popen = {}, sp.Popen
     monkeypatch.setattr(equivalence.subprocess, "Popen", lambda cmd, env, **kw: seen.update(env) or popen(["true"]))
     monkeypatch.delenv(SPIN_ENV, raising=False)
