@@ -10,10 +10,11 @@ in-process client duck-types the ``LLM`` object. Every engine-side failure surfa
 
 from __future__ import annotations
 
+import http.client
 import json
-import urllib.error
+import threading
+import time
 import urllib.parse
-import urllib.request
 from typing import Protocol
 
 from .auth import Signer, load_secret
@@ -78,24 +79,80 @@ class HttpEngine(_SignedEngine):
     """A vLLM OpenAI server started with ``VLLM_SERVER_DEV_MODE=1`` (RL + collective_rpc routes) and
     ``DELTA_SYNC_SECRET``; ``secret`` defaults to this process's ``DELTA_SYNC_SECRET``."""
 
+    #: a call reuses an idle connection that its last call left less than this ago; the server
+    #: must keep idle connections open longer (uvicorn, vLLM's server: 5 s)
+    KEEPALIVE_S = 2.0
+    #: idle connections kept (the sync's calls overlap at most two at a time: start / update and the main thread's)
+    MAX_IDLE = 4
+
     def __init__(self, url: str, timeout_s: float = 600.0, secret: str | None = None):
         super().__init__(secret)
         self.url = url.rstrip("/")
         self.name = self.url
         self.timeout_s = timeout_s
         self._cleared = False  # the last pause emptied the caches (see pause)
+        parts = urllib.parse.urlsplit(self.url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"engine URL {url!r}: expected http(s)://host[:port][/prefix]")
+        self._conn_cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        self._netloc, self._prefix = parts.netloc, parts.path.rstrip("/")
+        #: idle connections and when their last call ended: the calls of one update (report, start,
+        #: update, pause, finish, resume) share them instead of a TCP connection each
+        self._idle: list[tuple[http.client.HTTPConnection, float]] = []
+        self._lock = threading.Lock()
+
+    def _connection(self) -> tuple[http.client.HTTPConnection, bool]:
+        """An idle connection young enough to reuse (True), or a new one (False)."""
+        now, stale, conn = time.monotonic(), [], None
+        with self._lock:
+            while self._idle:
+                c, used = self._idle.pop()
+                if now - used <= self.KEEPALIVE_S:
+                    conn = c
+                    break
+                stale.append(c)
+        for c in stale:
+            c.close()
+        return (conn, True) if conn is not None else (self._conn_cls(self._netloc, timeout=self.timeout_s), False)
+
+    def _release(self, conn: http.client.HTTPConnection) -> None:
+        with self._lock:
+            if len(self._idle) < self.MAX_IDLE:
+                self._idle.append((conn, time.monotonic()))
+                return
+        conn.close()
+
+    def close(self) -> None:
+        """Close the idle connections (a later call opens a new one)."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for conn, _ in idle:
+            conn.close()
 
     def _post(self, path: str, body: dict | None = None, query: dict | None = None):
-        url = self.url + path + ("?" + urllib.parse.urlencode(query) if query else "")
+        url = self._prefix + path + ("?" + urllib.parse.urlencode(query) if query else "")
         data = json.dumps(body or {}).encode()
-        req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method="POST")
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
+        conn, reused = self._connection()
+        while True:
+            try:
+                conn.request("POST", url, body=data, headers={"Content-Type": "application/json"})
+                r = conn.getresponse()
                 raw = r.read()
-        except urllib.error.HTTPError as e:
-            raise EngineError(self.name, _server_message(e.read()), kind=f"HTTP {e.code} on {path}") from None
-        except urllib.error.URLError as e:
-            raise EngineError(self.name, str(e.reason), kind=f"unreachable on {path}") from None
+                break
+            except (OSError, http.client.HTTPException) as e:
+                conn.close()
+                if reused and isinstance(e, _CLOSED_BY_PEER):
+                    # the server closed the idle connection before reading this request: once more on a
+                    # new one (a signed call that did arrive would be refused as a replay, not run twice)
+                    conn, reused = self._conn_cls(self._netloc, timeout=self.timeout_s), False
+                    continue
+                raise EngineError(self.name, f"{type(e).__name__}: {e}", kind=f"unreachable on {path}") from None
+        if r.will_close:
+            conn.close()
+        else:
+            self._release(conn)
+        if r.status >= 400:
+            raise EngineError(self.name, _server_message(raw), kind=f"HTTP {r.status} on {path}")
         return json.loads(raw) if raw else None
 
     def _invoke(self, what: str, request: str) -> list:
@@ -121,6 +178,11 @@ class HttpEngine(_SignedEngine):
         if self._cleared:
             return
         self._post("/reset_prefix_cache")
+
+
+#: how a reused connection that the server closed while it idled fails (not a timeout: the server
+#: may still be working on a long call)
+_CLOSED_BY_PEER = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError, ConnectionAbortedError)
 
 
 def _server_message(raw: bytes) -> str:

@@ -872,6 +872,9 @@ class WeightSync:
                 except Exception as err:  # best effort: an unreachable engine's claim lapses by itself
                     log.warning("delta-sync: releasing %s failed (%s); its claim lapses after the engine's "
                                 "DELTA_SYNC_CLAIM_S seconds of silence (default 60)", getattr(e, "name", e), err)
+            close = getattr(e, "close", None)
+            if callable(close):
+                close()  # an HTTP client's idle connections
         self._drop_channel()
 
 
