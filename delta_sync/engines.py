@@ -21,6 +21,11 @@ from .auth import Signer, load_secret
 from .errors import EngineError
 
 
+#: ``collective_rpc`` keyword that asks the API server to pause before the call and resume after
+#: it succeeds (the delta-sync plugin takes it off before the workers see the call)
+COMMIT_KWARG = "delta_sync_pause"
+
+
 class EngineClient(Protocol):
     name: str
 
@@ -155,13 +160,25 @@ class HttpEngine(_SignedEngine):
             raise EngineError(self.name, _server_message(raw), kind=f"HTTP {r.status} on {path}")
         return json.loads(raw) if raw else None
 
-    def _invoke(self, what: str, request: str) -> list:
+    def _invoke(self, what: str, request: str, kwargs: dict | None = None) -> list:
+        body = {"method": "delta_sync_call", "args": [request]}
+        if kwargs:
+            body["kwargs"] = kwargs
         try:
-            out = self._post("/collective_rpc", {"method": "delta_sync_call", "args": [request]})
+            out = self._post("/collective_rpc", body)
         except EngineError as e:
             e.kind = f"{what} ({e.kind})"
             raise
         return (out or {}).get("results", [])
+
+    def commit(self, version: int, mode: str = "wait") -> None:
+        """A delta's pause -> finish -> resume in one HTTP call: the API server (delta-sync plugin)
+        pauses generation with ``mode``, runs the workers' signed finish, resets the prefix cache
+        after a ``keep`` pause, and resumes. A failed finish leaves the engine paused, as
+        :meth:`finish` after :meth:`pause` would; the caller decides what serves next."""
+        request = json.dumps(self._signer.sign("finish", {"version": version}))
+        self._invoke("commit", request, {COMMIT_KWARG: mode})
+        self._cleared = False
 
     def pause(self, mode: str = "wait") -> None:
         self._post("/pause", query={"mode": mode})

@@ -666,18 +666,26 @@ class WeightSync:
 
         try:
             stats = self._send(version, kind, timings, send, kept, open_engines)
-            if not bulk:
-                t_pause[0] = time.perf_counter()
+            one = self.engines[0] if not bulk and len(self.engines) == 1 else None
+            if one is not None and callable(getattr(one, "commit", None)):
+                # one engine: pause -> finish -> resume in one call (HttpEngine.commit)
+                t_pause[0] = t2 = time.perf_counter()
+                one.commit(version, self.pause_mode)
+                finished.append(one)
+                timings["finish_s"] = time.perf_counter() - t2
+            else:
+                if not bulk:
+                    t_pause[0] = time.perf_counter()
+                    for e in self.engines:
+                        e.pause(self.pause_mode)
+                t2 = time.perf_counter()
                 for e in self.engines:
-                    e.pause(self.pause_mode)
-            t2 = time.perf_counter()
-            for e in self.engines:
-                e.finish(version)
-                finished.append(e)
-            timings["finish_s"] = time.perf_counter() - t2
-            for e in self.engines:
-                e.reset_prefix_cache()
-                e.resume()
+                    e.finish(version)
+                    finished.append(e)
+                timings["finish_s"] = time.perf_counter() - t2
+                for e in self.engines:
+                    e.reset_prefix_cache()
+                    e.resume()
         except Exception as err:
             # Engines left on different versions, or a bulk update they started writing, can only
             # be repaired by a seed; they report it themselves.

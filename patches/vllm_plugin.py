@@ -301,17 +301,46 @@ def _lease_methods(cls) -> None:
 
     @functools.wraps(rpc)
     async def collective_rpc(self, *args, **kwargs):
+        mode = _commit_mode(args, kwargs)
+        if mode is not None:  # pause here, in this process, rather than in a call of its own
+            await self.pause_generation(mode=mode, clear_cache=True)
         st = _lease_state(self)
         st["in_flight"] = st.get("in_flight", 0) + 1
         try:
-            return await rpc(self, *args, **kwargs)
+            out = await rpc(self, *args, **kwargs)
         finally:
             st["in_flight"] -= 1
             st["last"] = time.monotonic()
+        if mode is not None:  # the workers took the version: serve it (a failure above stays paused)
+            if mode == "keep":  # frozen requests kept their KV of the old weights
+                await self.reset_prefix_cache()
+            await self.resume_generation()
+        return out
 
     cls.pause_generation = pause_generation
     cls.resume_generation = resume_generation
     cls.collective_rpc = collective_rpc
+
+
+def _commit_mode(args: tuple, kwargs: dict) -> str | None:
+    """Pops ``COMMIT_KWARG`` from the workers' keyword arguments of a ``collective_rpc`` call
+    (``kwargs["kwargs"]``, as vLLM's route passes them): a delta's finish that asks this API server
+    to pause before it and resume after it (``delta_sync.engines.HttpEngine.commit``, its whole
+    pause window in one HTTP call instead of three). Its pause mode, or None."""
+    from delta_sync.engines import COMMIT_KWARG
+
+    rpc_kwargs = kwargs.get("kwargs")
+    if not isinstance(rpc_kwargs, dict) or COMMIT_KWARG not in rpc_kwargs:
+        return None
+    rpc_kwargs = dict(rpc_kwargs)
+    mode = rpc_kwargs.pop(COMMIT_KWARG)
+    kwargs["kwargs"] = rpc_kwargs
+    method = kwargs.get("method", args[0] if args else None)
+    if method != "delta_sync_call":  # only a (signed) weight-transfer call may ask for it
+        raise ValueError(f"{COMMIT_KWARG} is for delta_sync_call, not {method!r}")
+    if mode not in ("wait", "abort", "keep"):
+        raise ValueError(f"{COMMIT_KWARG}={mode!r}: expected wait, abort or keep")
+    return mode
 
 
 def _delta_sync_engine(llm) -> bool:

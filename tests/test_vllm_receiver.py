@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -534,8 +535,14 @@ class _FakeAsyncLLM:
     async def resume_generation(self):
         self.calls.append(("resume",))
 
-    async def collective_rpc(self, method, *args, **kwargs):
+    async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        self.calls.append(("rpc", method, dict(kwargs or {})))
+        if getattr(self, "fail_rpc", False):
+            raise RuntimeError("the workers refused the finish")
         return []
+
+    async def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache",))
 
     async def is_paused(self):
         return True
@@ -567,6 +574,54 @@ def test_an_idle_delta_sync_engine_pauses_without_vllms_settling_sleep(backend, 
         assert llm.calls == [("clear_mm_cache",), ("scheduler_pause", "wait", True), ("resume",)]
     else:
         assert llm.calls == [("vllm_pause", "wait", True), ("resume",)]
+
+
+@pytest.mark.parametrize("mode", ["wait", "keep"])
+def test_a_commit_call_pauses_finishes_and_resumes_in_the_api_server(mode, monkeypatch):
+    """``HttpEngine.commit`` sends a delta's finish with a keyword the API server's wrapper takes
+    off: it pauses (the idle fast path), passes the call on without it, resets the prefix cache
+    after a "keep" pause, and resumes. A finish the workers refuse leaves the engine paused (the
+    trainer decides what serves next); a call without the keyword is passed on untouched."""
+    import asyncio
+
+    from delta_sync.engines import COMMIT_KWARG, HttpEngine
+    from patches.vllm_plugin import _lease_methods
+
+    class Fake(_FakeAsyncLLM):
+        pass
+
+    _lease_methods(Fake)
+    llm = Fake("delta_sync", False)
+    sent = {}
+    engine = HttpEngine("http://127.0.0.1:1", secret="s" * 32)
+    monkeypatch.setattr(engine, "_post", lambda path, body=None, query=None: sent.update(path=path, body=body))
+    engine.commit(3, mode)
+    body = sent["body"]
+    assert sent["path"] == "/collective_rpc" and body["kwargs"] == {COMMIT_KWARG: mode}
+    assert json.loads(body["args"][0])["method"] == "finish"
+
+    def route():  # what vLLM's /collective_rpc route does with the body
+        return llm.collective_rpc(method=body["method"], timeout=None, args=tuple(body["args"]),
+                                  kwargs=body["kwargs"])
+
+    asyncio.run(route())
+    pause = [("clear_mm_cache",), ("scheduler_pause", mode, True)]
+    rpc = [("rpc", "delta_sync_call", {})]
+    assert llm.calls == pause + rpc + ([("reset_prefix_cache",)] if mode == "keep" else []) + [("resume",)]
+    llm.calls.clear()
+    llm.fail_rpc = True
+    with pytest.raises(RuntimeError, match="refused the finish"):
+        asyncio.run(route())
+    assert llm.calls == pause + rpc  # paused, not resumed
+    llm.calls.clear()
+    llm.fail_rpc = False
+    asyncio.run(llm.collective_rpc(method="delta_sync_call", timeout=None, args=("x",), kwargs={"other": "1"}))
+    assert llm.calls == [("rpc", "delta_sync_call", {"other": "1"})]
+    with pytest.raises(ValueError, match="expected wait, abort or keep"):
+        asyncio.run(llm.collective_rpc(method="delta_sync_call", args=("x",), kwargs={COMMIT_KWARG: "later"}))
+    with pytest.raises(ValueError, match="for delta_sync_call, not 'load_weights'"):
+        asyncio.run(llm.collective_rpc(method="load_weights", kwargs={COMMIT_KWARG: "wait"}))
+    assert llm.calls == [("rpc", "delta_sync_call", {"other": "1"})]  # nothing paused or called
 
 
 def test_http_engine_skips_the_cache_reset_a_clearing_pause_made(monkeypatch):
