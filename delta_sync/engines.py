@@ -27,6 +27,9 @@ COMMIT_KWARG = "delta_sync_pause"
 
 
 class EngineClient(Protocol):
+    """What a sender drives. A client may also offer ``commit(version, mode)``: a delta's pause ->
+    finish -> resume in one call (:meth:`HttpEngine.commit`); a sync with one engine uses it."""
+
     name: str
 
     def pause(self, mode: str) -> None: ...

@@ -3,9 +3,10 @@ sender. ``python -m tests.fault_trainer URL MODEL_DIR send|finish``
 
 It seeds the engine with the checkpoint, syncs version 1 (``evolve(state, 1)``) and prints
 ``SYNCED 1``, then starts a 30%-dense version 2 and kills itself: ``send`` after the second
-bucket left (the workers are receiving a staged delta; the engine still serves), ``finish`` right
-before the finish call (the engine is paused with v2 staged). The kill is the test's doing, in
-this script; the library has no hook for it."""
+bucket left (the workers are receiving a staged delta; the engine still serves), ``finish`` with
+the engine paused and v2 staged, right before the finish call (where the one-call commit would
+pause and finish, it pauses alone, then dies). The kill is the test's doing, in this script; the
+library has no hook for it."""
 
 from __future__ import annotations
 
@@ -51,7 +52,11 @@ def main() -> None:
         def finish(self, version):
             print("KILL finish", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
-        HttpEngine.finish = finish
+
+        def commit(self, version, mode="wait"):
+            self.pause(mode)
+            finish(self, version)
+        HttpEngine.finish, HttpEngine.commit = finish, commit
     sync.update(state.items())
     print("NOT KILLED", flush=True)
 
