@@ -660,8 +660,7 @@ class WeightSync:
             opened.append(True)
             if bulk:
                 t_pause[0] = time.perf_counter()
-                for e in self.engines:
-                    e.pause(self.pause_mode)
+                _each(self.engines, lambda e: e.pause(self.pause_mode))
             sweep.update(early.result() if early is not None else self._start_engines(kind, started))
 
         try:
@@ -673,31 +672,24 @@ class WeightSync:
                 one.commit(version, self.pause_mode)
                 finished.append(one)
                 timings["finish_s"] = time.perf_counter() - t2
-            else:
+            else:  # every engine paused before any applies, all applied before any serves v
                 if not bulk:
                     t_pause[0] = time.perf_counter()
-                    for e in self.engines:
-                        e.pause(self.pause_mode)
+                    _each(self.engines, lambda e: e.pause(self.pause_mode))
                 t2 = time.perf_counter()
-                for e in self.engines:
-                    e.finish(version)
-                    finished.append(e)
+                _each(self.engines, lambda e: e.finish(version), finished)
                 timings["finish_s"] = time.perf_counter() - t2
-                for e in self.engines:
-                    e.reset_prefix_cache()
-                    e.resume()
+                _each(self.engines, _serve)
         except Exception as err:
             # Engines left on different versions, or a bulk update they started writing, can only
             # be repaired by a seed; they report it themselves.
             needs_seed = kind == "seed" or 0 < len(finished) < len(self.engines) or self._engines_lost_base()
             self._end_sessions([e for e in started if e not in finished])
             if not needs_seed:  # engines are on v-1 and consistent: serve again
-                for e in self.engines:
-                    try:
-                        e.reset_prefix_cache()
-                        e.resume()
-                    except Exception:
-                        pass
+                try:
+                    _each(self.engines, _serve)
+                except Exception:
+                    pass  # best effort: an engine's pause lease resumes it
             if not needs_seed:
                 what = f"engines resumed on v{self.version}"
             elif opened or started:
@@ -717,13 +709,18 @@ class WeightSync:
         rides along: the engines' digests of the window, compared here. Returns the sweep's result."""
         sweep: dict = {}
         names, want = self._sweep if (kind == "delta" and self._sweep) else (None, None)
-        for e in self.engines:
-            reports = e.start(names) if names else e.start()
-            started.append(e)
-            if names:
+        got: dict[int, list[dict] | None] = {}
+
+        def start(e: EngineClient) -> None:
+            got[id(e)] = e.start(names) if names else e.start()
+
+        _each(self.engines, start, started)
+        if names:
+            for e in self.engines:
+                reports = got[id(e)] or []
                 sweep["checked"] = len(names)
-                sweep["engine_s"] = max([sweep.get("engine_s", 0.0)] + [r.get("digest_s", 0.0) for r in reports or []])
-                sweep["drift"] = sweep.get("drift") or _differs(e.name, reports or [], want)
+                sweep["engine_s"] = max([sweep.get("engine_s", 0.0)] + [r.get("digest_s", 0.0) for r in reports])
+                sweep["drift"] = sweep.get("drift") or _differs(e.name, reports, want)
         return sweep
 
     def _end_sessions(self, engines: list[EngineClient]) -> None:
@@ -884,6 +881,32 @@ class WeightSync:
             if callable(close):
                 close()  # an HTTP client's idle connections
         self._drop_channel()
+
+
+def _each(engines: list[EngineClient], call: Callable[[EngineClient], object],
+          done: list[EngineClient] | None = None) -> None:
+    """``call(e)`` for every engine, all at once where there are several (each call is a round trip
+    to its server: one after the other, N engines would hold a pause window for N of them). Every
+    call returns before this does; ``done`` gets the engines whose call succeeded, in order, and the
+    first failure (in engine order) is raised."""
+    if len(engines) == 1:
+        call(engines[0])
+        if done is not None:
+            done.append(engines[0])
+        return
+    with ThreadPoolExecutor(max_workers=len(engines)) as pool:
+        futs = [pool.submit(call, e) for e in engines]
+    errors = [f.exception() for f in futs]
+    if done is not None:
+        done.extend(e for e, err in zip(engines, errors) if err is None)
+    first = next((err for err in errors if err is not None), None)
+    if first is not None:
+        raise first
+
+
+def _serve(e: EngineClient) -> None:
+    e.reset_prefix_cache()
+    e.resume()
 
 
 class _EarlyStart:

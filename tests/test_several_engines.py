@@ -1,0 +1,102 @@
+"""Several engines behind one trainer: each control call (start, pause, finish, resume) goes to all
+of them at once, still every engine paused before any applies and all applied before any serves.
+Counted with a barrier the engines' calls must meet at, not timed: one after the other, the first
+call would wait alone until the barrier breaks."""
+
+import threading
+
+import pytest
+import torch
+
+from delta_sync.errors import EngineError
+from delta_sync.memory_receiver import MemoryReceiver
+from delta_sync.sync import WeightSync
+
+from .test_streaming import _many_tensors
+
+ENGINES = 3
+
+
+class _Meeting(MemoryReceiver):
+    """A receiver whose control calls wait for the other engines' same call, and log the order."""
+
+    def __init__(self, barrier: threading.Barrier, log: list, refuse_finish: bool = False):
+        super().__init__()
+        self.barrier, self.log, self.refuse_finish = barrier, log, refuse_finish
+        self.finishing = False
+
+    def _meet(self, what: str) -> None:
+        self.barrier.wait()
+        self.log.append(what)
+
+    def pause(self, mode: str = "wait") -> None:
+        self._meet("pause")
+        super().pause(mode)
+
+    def start(self, digest_names=None):
+        self._meet("start")
+        self.finishing = True
+        return super().start(digest_names)
+
+    def finish(self, version: int) -> None:
+        if self.finishing:  # the update's finish (not the one that ends a failed update's session)
+            self.finishing = False
+            self._meet("finish")
+            if self.refuse_finish:
+                raise EngineError(self.name, "refused at finish", kind="finish")
+        super().finish(version)
+
+    def resume(self) -> None:
+        self._meet("resume")
+        super().resume()
+
+
+def _phases(log: list) -> list[str]:
+    """The log's calls with each run of one call (one per engine) folded into one entry."""
+    out = []
+    for i in range(0, len(log), ENGINES):
+        assert len(set(log[i:i + ENGINES])) == 1, log  # no call of another kind in between
+        out.append(log[i])
+    return out
+
+
+def test_control_calls_reach_every_engine_at_once():
+    barrier, log = threading.Barrier(ENGINES, timeout=20), []
+    engines = [_Meeting(barrier, log) for _ in range(ENGINES)]
+    state = _many_tensors(12)
+    sync = WeightSync(engines, mode="delta", bucket_bytes=32 << 10, timeout_s=60)
+    try:
+        assert sync.update(state.items()).kind == "seed"
+        assert _phases(log) == ["pause", "start", "finish", "resume"]
+        log.clear()
+        for t in state.values():
+            t.view(-1)[::7] = (t.view(-1)[::7].float() + 0.5).to(t.dtype)
+        assert sync.update(state.items()).kind == "delta"
+        assert _phases(log) == ["start", "pause", "finish", "resume"]
+        assert all(r.mismatched(state.items()) == [] for r in engines)
+    finally:
+        sync.close()
+
+
+def test_an_engine_refusing_its_finish_while_the_others_apply_ends_in_a_seed():
+    """The finishes run at once, so the others apply v while one refuses it: engines on different
+    versions, which only a seed repairs (they stay paused); the next update is that seed."""
+    barrier, log = threading.Barrier(ENGINES, timeout=20), []
+    engines = [_Meeting(barrier, log) for _ in range(ENGINES)]
+    state = _many_tensors(12)
+    sync = WeightSync(engines, mode="delta", bucket_bytes=32 << 10, timeout_s=60)
+    try:
+        sync.update(state.items())
+        for t in state.values():
+            t.view(-1)[::5] = (t.view(-1)[::5].float() - 0.5).to(t.dtype)
+        engines[1].refuse_finish = True
+        log.clear()
+        with pytest.raises(EngineError, match="refused at finish"):
+            sync.update(state.items())
+        assert _phases(log) == ["start", "pause", "finish"]  # not resumed
+        assert sync.needs_seed
+        engines[1].refuse_finish = False
+        assert sync.update(state.items()).kind == "seed"
+        assert all(r.mismatched(state.items()) == [] for r in engines)
+    finally:
+        sync.close()
