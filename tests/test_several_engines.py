@@ -6,7 +6,6 @@ call would wait alone until the barrier breaks."""
 import threading
 
 import pytest
-import torch
 
 from delta_sync.errors import EngineError
 from delta_sync.memory_receiver import MemoryReceiver
