@@ -121,7 +121,10 @@ class HttpEngine(_SignedEngine):
                 stale.append(c)
         for c in stale:
             c.close()
-        return (conn, True) if conn is not None else (self._conn_cls(self._netloc, timeout=self.timeout_s), False)
+        return (conn, True) if conn is not None else (self._new_connection(), False)
+
+    def _new_connection(self) -> http.client.HTTPConnection:
+        return self._conn_cls(self._netloc, timeout=self.timeout_s)
 
     def _release(self, conn: http.client.HTTPConnection) -> None:
         with self._lock:
@@ -152,7 +155,7 @@ class HttpEngine(_SignedEngine):
                 if reused and isinstance(e, _CLOSED_BY_PEER):
                     # the server closed the idle connection before reading this request: once more on a
                     # new one (a signed call that did arrive would be refused as a replay, not run twice)
-                    conn, reused = self._conn_cls(self._netloc, timeout=self.timeout_s), False
+                    conn, reused = self._new_connection(), False
                     continue
                 raise EngineError(self.name, f"{type(e).__name__}: {e}", kind=f"unreachable on {path}") from None
         if r.will_close:
