@@ -681,6 +681,8 @@ class WeightSync:
                 timings["finish_s"] = time.perf_counter() - t2
                 _each(self.engines, _serve)
         except Exception as err:
+            if early is not None:  # a failure found before the first bucket: its starts may still run
+                early.wait()
             # Engines left on different versions, or a bulk update they started writing, can only
             # be repaired by a seed; they report it themselves.
             needs_seed = kind == "seed" or 0 < len(finished) < len(self.engines) or self._engines_lost_base()
@@ -932,9 +934,13 @@ class _EarlyStart:
             raise self._error
         return self._sweep
 
+    def wait(self) -> None:
+        """Every ``start`` call has returned: ``started`` is final (their errors are the caller's)."""
+        self._thread.join()
+
     def cancel(self) -> None:
         """The delta failed before publishing: end the sessions that were started."""
-        self._thread.join()
+        self.wait()
         self.sync._end_sessions(self.started)
 
 

@@ -4,6 +4,9 @@ and the next good update is exact. (Wire-level kinds: tests/test_patch_diff_dige
 tests/test_auth.py, tests/test_vllm_receiver.py::test_bad_updates_rejected_and_outputs_unchanged;
 the README's table lists them all.)"""
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -159,3 +162,53 @@ def test_receiver_refuses_malformed_or_truncated_headers(raw):
 
     with pytest.raises(PatchValidationError, match="malformed header"):
         parse_header(raw)
+
+
+class _SlowToStart(MemoryReceiver):
+    """A receiver whose ``start`` (a delta's, issued on a thread while the trainer diffs) returns
+    late, and which knows whether an update session is open on it."""
+
+    def __init__(self):
+        super().__init__()
+        self.session_open = False
+        self.returned = threading.Event()  # a start call has returned
+
+    def start(self, digest_names=None):
+        self.returned.clear()
+        time.sleep(0.5)  # the diff below fails within milliseconds
+        self.session_open = True
+        try:
+            return super().start(digest_names)
+        finally:
+            self.returned.set()
+
+    def discard(self) -> None:
+        self.session_open = False
+        super().discard()
+
+    def finish(self, version: int) -> None:
+        self.session_open = False
+        super().finish(version)
+
+
+@pytest.mark.parametrize("kind", ["left out", "non-finite"])
+def test_a_delta_refused_while_its_start_is_in_flight_ends_that_session(kind):
+    """The engines' ``start`` runs beside the diff. A diff refused before the first bucket must wait
+    for that call and end the session it opened; else the engine stays mid-update (vLLM's worker
+    keeps ``_weight_update_active``) once the trainer has already said the update failed."""
+    state = _state()
+    receiver = _SlowToStart()
+    sync = WeightSync([receiver], timeout_s=60)
+    try:
+        sync.update(state.items())
+        assert not receiver.session_open
+        with pytest.raises(PatchValidationError):
+            sync.update(_bad_stream(kind, state))
+        assert receiver.returned.wait(10)  # (at once where the update waited for its start call)
+        assert not receiver.session_open and receiver.version == 0
+        for t in state.values():
+            t.view(-1)[::3] += 1
+        rep = sync.update(state.items())
+        assert rep.kind == "delta" and receiver.mismatched(state.items()) == []
+    finally:
+        sync.close()
