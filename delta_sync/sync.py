@@ -232,10 +232,14 @@ class WeightSync:
                                          "channel_nonce": nonce, "rank_offset": off, "backend": backend,
                                          "timeout_s": self.timeout_s})
                     for e, off in zip(self.engines, offsets)]
-            self.channel = Channel.connect(self.host, port, 0, world, token, backend=backend,
-                                           timeout_s=self.timeout_s)
-            for f in futs:
-                f.result()
+            channel = Channel.connect(self.host, port, 0, world, token, backend=backend, timeout_s=self.timeout_s)
+            try:  # a group some engine never joined is no channel (the local backend does not wait for it)
+                for f in futs:
+                    f.result()
+            except BaseException:
+                channel.close()
+                raise
+        self.channel = channel
         log.info("delta-sync channel: %d engine worker(s) on %s", world - 1, self.channel.backend)
 
     def _engines_lost_base(self) -> bool:

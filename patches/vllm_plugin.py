@@ -202,7 +202,11 @@ def delta_sync_call(self, request: str = "{}"):
                 raise
             self._weight_update_active = True
             if payload.get("digest_names"):  # the drift sweep: this version's digests, before the update
-                return engine.report(digests=True, names=list(payload["digest_names"]))
+                try:
+                    return engine.report(digests=True, names=list(payload["digest_names"]))
+                except BaseException:  # a refused start opens no session (the trainer ends none)
+                    _end_session(self)
+                    raise
         elif method in ("update", "finish"):
             if not active:
                 raise RuntimeError(f"{method}: no weight update is active on this worker (start first)")
@@ -384,6 +388,8 @@ async def _watch(llm, lease: float, resume, rpc) -> None:
         if st["in_flight"] or idle < lease:
             continue
         status = await rpc(llm, "delta_sync_status")
+        if st["in_flight"] or time.monotonic() - st["last"] < lease:
+            continue  # a trainer call came in meanwhile: the lease is renewed, not expired
         if any(s and s.get("partial") for s in status or []):
             if not warned:
                 log.error("delta-sync: pause lease expired (%.0f s without a trainer call), but a seed/full "

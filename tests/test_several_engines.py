@@ -99,3 +99,31 @@ def test_an_engine_refusing_its_finish_while_the_others_apply_ends_in_a_seed():
         assert all(r.mismatched(state.items()) == [] for r in engines)
     finally:
         sync.close()
+
+
+def test_an_engine_failing_to_join_the_channel_leaves_no_channel_behind():
+    """On the in-process ``local`` backend rank 0 does not wait for the others to join, so an
+    engine whose ``init`` failed would leave the trainer a group that engine never joined: the
+    next update would wait out the whole timeout on it. The failed connect keeps no channel, the
+    next update connects again and is exact on every engine."""
+
+    class RefusesInitOnce(MemoryReceiver):
+        refuse = True
+
+        def init(self, info: dict) -> None:
+            if self.refuse:
+                self.refuse = False
+                raise EngineError(self.name, "init refused here", kind="init")
+            super().init(info)
+
+    state = _many_tensors(6)
+    engines = [MemoryReceiver(), RefusesInitOnce()]
+    sync = WeightSync(engines, backend="local", timeout_s=20)
+    try:
+        with pytest.raises(EngineError, match="init refused here"):
+            sync.update(state.items())
+        assert sync.channel is None
+        rep = sync.update(state.items())
+        assert rep.kind == "seed" and all(e.mismatched(state.items()) == [] for e in engines)
+    finally:
+        sync.close()

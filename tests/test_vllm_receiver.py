@@ -160,6 +160,23 @@ def test_bad_updates_rejected_and_outputs_unchanged(engine):
         sync.update([(n, t) for n, t in state.items() if n != name])
     worker = llm.llm_engine.model_executor.driver_worker.worker
     assert not worker._weight_update_active and greedy(llm, PROMPTS) == before
+    # a worker refusing its start after it opened the session (the drift sweep's digests fail
+    # there): the trainer counts that engine as not started, so the worker must not stay mid-update
+    eng = _worker_engine(llm)
+    real_report = eng.report
+
+    def report_failing_on_digests(digests=False, names=None):
+        if digests:
+            raise RuntimeError("digests failed on this worker")
+        return real_report(digests=digests, names=names)
+
+    eng.report = report_failing_on_digests
+    try:
+        with pytest.raises(EngineError, match="digests failed on this worker"):
+            sync.update(state.items())
+    finally:
+        del eng.report
+    assert not worker._weight_update_active and greedy(llm, PROMPTS) == before
     # after all of that, a normal update is still exact
     evolve(state, 2)
     rep = sync.update(state.items())
@@ -643,3 +660,35 @@ def test_http_engine_skips_the_cache_reset_a_clearing_pause_made(monkeypatch):
                       "/pause", "/resume", "/reset_prefix_cache",
                       "/pause", "/resume", "/reset_prefix_cache",
                       "/pause", "/reset_prefix_cache", "/resume", "/reset_prefix_cache"]
+
+
+def test_the_pause_lease_does_not_resume_under_a_trainer_call_that_came_in_meanwhile():
+    """The lease watcher finds the lease run out, then asks the workers for their status (an RPC
+    that takes a while); a trainer call arriving meanwhile renews the lease, so the watcher must
+    look again before it resumes, or the engine would serve under that call's writes."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from patches.vllm_plugin import _lease_state, _watch
+
+    calls: list = []
+    paused = iter([True, False])  # paused when the lease ran out, then the trainer resumed it
+    llm = SimpleNamespace()
+
+    async def is_paused():
+        return next(paused)
+
+    llm.is_paused = is_paused
+    st = _lease_state(llm)
+    st["last"] = time.monotonic() - 60.0  # the last trainer call was long ago
+
+    async def rpc(_llm, method):
+        calls.append(method)
+        st["last"] = time.monotonic()  # a trainer call arrives while the status RPC runs
+        return [{"version": 3}]
+
+    async def resume(_llm):
+        calls.append("resume")
+
+    asyncio.run(asyncio.wait_for(_watch(llm, 0.2, resume, rpc), 10))
+    assert calls == ["delta_sync_status"]
