@@ -6,7 +6,6 @@ surfaces as an EngineError."""
 import http.server
 import json
 import threading
-import time
 
 import pytest
 
@@ -19,6 +18,8 @@ class _Server(http.server.ThreadingHTTPServer):
 
     def __init__(self, close_each: bool = False):
         self.connections, self.requests, self.close_each = 0, [], close_each
+        self.closed = 0  # connections whose handler has finished (the server side is closed)
+        self.changed = threading.Condition()
         super().__init__(("127.0.0.1", 0), _Handler)
         threading.Thread(target=self.serve_forever, daemon=True).start()
 
@@ -33,6 +34,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def setup(self):
         super().setup()
         self.server.connections += 1
+
+    def finish(self):
+        try:
+            super().finish()
+        finally:
+            with self.server.changed:
+                self.server.closed += 1
+                self.server.changed.notify_all()
 
     def do_POST(self):
         body = self.rfile.read(int(self.headers["Content-Length"]))
@@ -49,6 +58,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def log_message(self, *args):
         pass
+
+
+def _closed(server: _Server, n: int) -> None:
+    """Wait until the server has closed ``n`` connections (its handlers finished)."""
+    with server.changed:
+        assert server.changed.wait_for(lambda: server.closed >= n, timeout=30), (server.closed, n)
 
 
 def test_calls_share_a_connection_until_it_idles_past_the_limit(monkeypatch):
@@ -92,12 +107,12 @@ def test_a_server_that_closes_connections_or_goes_away(monkeypatch):
     monkeypatch.setattr(HttpEngine, "KEEPALIVE_S", 60.0)
     engine.resume()
     assert len(engine._idle) == 1
-    time.sleep(0.6)
+    _closed(server, 3)  # the server dropped it (0.2 s idle); the client still holds it
     engine.resume()  # on the closed idle connection first, then once on a new one
     assert server.connections == 4 and len(server.requests) == 4  # each call arrived once
     server.shutdown()
     server.server_close()
-    time.sleep(0.6)  # the idle connection's handler timed out too: nothing answers any more
+    _closed(server, 4)  # the idle connection's handler timed out too: nothing answers any more
     with pytest.raises(EngineError, match="unreachable on /resume"):
         engine.resume()
     assert len(server.requests) == 4
