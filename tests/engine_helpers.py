@@ -60,12 +60,18 @@ def fresh_engine(model: Path, prompts=PROMPTS, tp: int = 1, stock: bool = False)
 
 def close_llm(llm) -> None:
     """Shut an in-process engine down, with vLLM's process-global parallel state, so that the next
-    engine in this process can start."""
+    engine in this process can start. Its engine core is shut down here, not by the finalizer vLLM
+    attaches to its client: that one runs whenever the client is collected, and where something
+    still held it (a fixture's frame, a reference cycle) it ran during a later engine's life and
+    tore down that engine's parallel groups ("pipeline model parallel group is not initialized")."""
     import gc
 
     from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
 
-    del llm
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None:
+        core.shutdown()  # once: it detaches vLLM's finalizer
+    del llm, core
     gc.collect()
     destroy_model_parallel()
     destroy_distributed_environment()
