@@ -380,16 +380,20 @@ async def _watch(llm, lease: float, resume, rpc) -> None:
     """Runs while the engine is paused; ``resume``/``rpc`` are vLLM's own (they do not renew the lease)."""
     st = _lease_state(llm)
     warned = False
+
+    def held() -> bool:  # a trainer call is in flight or ended within the lease
+        return bool(st["in_flight"]) or time.monotonic() - st["last"] < lease
+
     while True:
         await asyncio.sleep(min(1.0, lease / 4))
         if not await llm.is_paused():
             return
-        idle = time.monotonic() - st["last"]
-        if st["in_flight"] or idle < lease:
+        if held():
             continue
         status = await rpc(llm, "delta_sync_status")
-        if st["in_flight"] or time.monotonic() - st["last"] < lease:
+        if held():
             continue  # a trainer call came in meanwhile: the lease is renewed, not expired
+        idle = time.monotonic() - st["last"]
         if any(s and s.get("partial") for s in status or []):
             if not warned:
                 log.error("delta-sync: pause lease expired (%.0f s without a trainer call), but a seed/full "
