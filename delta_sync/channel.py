@@ -56,10 +56,27 @@ _SIZES = struct.Struct("<3q")  # header bytes, index count, value buffers
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` right now (for the channel store, or any local server)."""
+    """A TCP port free on ``host`` right now, for a server that binds it itself later (another
+    process may take it first). The channel's own store does not use it: see :func:`listen`."""
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def listen(host: str, port: int = 0) -> socket.socket:
+    """A listening socket for the channel store, bound before anyone is told its port (``port`` 0:
+    the system picks one, ``getsockname()[1]``), so no other process can take the port between
+    choosing and binding it. Pass it to :meth:`Channel.connect` as ``listener`` on rank 0."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(1024)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def _namespace(token: str) -> str:
@@ -79,8 +96,20 @@ class Channel:
     @classmethod
     def connect(cls, host: str, port: int, rank: int, world_size: int, token: str,
                 backend: str | None = None, device: torch.device | str | None = None,
-                timeout_s: float = 300.0) -> "Channel":
-        """Join the channel; rank 0 (the sender) hosts the store. All ranks must call this."""
+                timeout_s: float = 300.0, listener: socket.socket | None = None) -> "Channel":
+        """Join the channel; rank 0 (the sender) hosts the store. All ranks must call this.
+        ``listener`` (rank 0): the store's socket from :func:`listen`, bound at ``port`` already; the
+        channel owns it from here on, and closes it if the channel does not come up."""
+        try:
+            return cls._connect(host, port, rank, world_size, token, backend, device, timeout_s, listener)
+        finally:
+            if listener is not None and listener.fileno() != -1:
+                listener.close()  # not adopted by a store: the channel did not come up
+
+    @classmethod
+    def _connect(cls, host, port, rank, world_size, token, backend, device, timeout_s, listener) -> "Channel":
+        if listener is not None and rank != 0:
+            raise ChannelError(f"only rank 0 hosts the store; rank {rank} was given a listener")
         if not token:
             raise ChannelError("an empty channel token is not allowed")
         if not 0 <= rank < world_size:
@@ -97,7 +126,7 @@ class Channel:
             torch.device("cpu") if family == "cpu" else torch.device(family, torch.get_device_module(family).current_device()))
         timeout = datetime.timedelta(seconds=timeout_s)
         try:
-            store = _store(host, port, rank == 0, timeout)
+            store = _store(host, port, rank == 0, timeout, listener)
         except Exception as e:
             raise ChannelError(f"rank {rank}: cannot reach the channel store at {host}:{port}: {e}") from None
         ns = PrefixStore(_namespace(token), store)
@@ -359,15 +388,14 @@ class _Copied:
         return True
 
 
-def _store(host: str, port: int, is_server: bool, timeout: datetime.timedelta) -> TCPStore:
-    """The rendezvous store; the server listens on ``host`` only (TCPStore alone binds every interface)."""
+def _store(host: str, port: int, is_server: bool, timeout: datetime.timedelta,
+           listener: socket.socket | None = None) -> TCPStore:
+    """The rendezvous store; the server listens on ``host`` only (TCPStore alone binds every
+    interface), on ``listener`` if given (see :func:`listen`)."""
     if not is_server:
         return TCPStore(host, port, None, False, timeout=timeout, use_libuv=True)
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(1024)
+    sock = listener if listener is not None else listen(host, port)
+    port = sock.getsockname()[1]
     fd = sock.detach()  # the store's server adopts the listening socket and closes it with itself
     return TCPStore(host, port, None, True, timeout=timeout, wait_for_workers=False,
                     master_listen_fd=fd, use_libuv=True)

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from . import collectives
 from .auth import channel_token, load_secret
 from .bucket import DEFAULT_BUCKET_BYTES
-from .channel import LOCAL, Channel, free_port
+from .channel import LOCAL, Channel, listen
 from .collectives import TrainerGroups
 from .digest import Digest, digest_tensor
 from .engines import EngineClient, InProcessEngine, as_engine
@@ -222,17 +222,20 @@ class WeightSync:
             return
         workers = [len(e.report()) for e in self.engines]
         world = 1 + sum(workers)
-        port = self.port or free_port(self.host)
+        backend = self.backend or (LOCAL if all(isinstance(e, InProcessEngine) for e in self.engines) else None)
+        # the store's port is bound before the engines learn it: nothing else can take it meanwhile
+        listener = listen(self.host, self.port or 0) if backend != LOCAL else None
+        port = listener.getsockname()[1] if listener is not None else (self.port or 0)
         nonce = secrets.token_hex(16)  # signed clients send this; their workers derive the token from it
         token = channel_token(self._key, nonce) if self._key else secrets.token_hex(16)
         offsets = [1 + sum(workers[:i]) for i in range(len(workers))]
-        backend = self.backend or (LOCAL if all(isinstance(e, InProcessEngine) for e in self.engines) else None)
         with ThreadPoolExecutor(max_workers=len(self.engines)) as pool:
             futs = [pool.submit(e.init, {"host": self.host, "port": port, "world_size": world, "token": token,
                                          "channel_nonce": nonce, "rank_offset": off, "backend": backend,
                                          "timeout_s": self.timeout_s})
                     for e, off in zip(self.engines, offsets)]
-            channel = Channel.connect(self.host, port, 0, world, token, backend=backend, timeout_s=self.timeout_s)
+            channel = Channel.connect(self.host, port, 0, world, token, backend=backend, timeout_s=self.timeout_s,
+                                      listener=listener)
             try:  # a group some engine never joined is no channel (the local backend does not wait for it)
                 for f in futs:
                     f.result()

@@ -257,3 +257,40 @@ def test_in_process_channel_takes_tensors_on_any_device():
         with pytest.raises(collectives.DeviceMismatch, match="float64"):
             collectives.check("broadcast", member, torch.empty(2, dtype=torch.float64))
     member.shutdown()
+
+
+def test_the_store_port_listens_before_any_engine_is_told_it(monkeypatch):
+    """WeightSync binds the channel store's port before the engines' ``init`` learns it: there is no
+    window in which a port picked, released and announced could be taken by another process (the
+    engine's first connect is refused then). The trainer's own join is held back here, so the
+    engine always probes inside that window. A channel that does not come up closes its socket."""
+    import socket
+    import time
+
+    from delta_sync import WeightSync
+    from delta_sync.channel import listen
+    from delta_sync.memory_receiver import MemoryReceiver
+
+    class Probing(MemoryReceiver):
+        def init(self, info):
+            with socket.create_connection((info["host"], info["port"]), timeout=5):
+                pass  # refused unless the trainer's store socket listens already
+            super().init(info)
+
+    connect = Channel.connect.__func__
+
+    def late_trainer(cls, host, port, rank, *args, **kwargs):
+        if rank == 0:
+            time.sleep(0.5)  # the engine's init probes meanwhile
+        return connect(cls, host, port, rank, *args, **kwargs)
+    monkeypatch.setattr(Channel, "connect", classmethod(late_trainer))
+    rx = Probing()
+    sync = WeightSync([rx], timeout_s=10)  # old behaviour: refused, then the rendezvous waits this out
+    state = {"w": torch.randn(16, 16).to(torch.bfloat16)}
+    assert sync.update(state.items()).kind == "seed" and torch.equal(rx.tensors["w"], state["w"])
+    sync.close()
+    monkeypatch.undo()
+    sock = listen("127.0.0.1")
+    with pytest.raises(ChannelError, match="empty channel token"):
+        Channel.connect("127.0.0.1", sock.getsockname()[1], 0, 2, "", listener=sock)
+    assert sock.fileno() == -1
