@@ -30,6 +30,7 @@ import logging
 import socket
 import struct
 import threading
+import time
 from typing import Callable
 
 import torch
@@ -96,18 +97,23 @@ class Channel:
     @classmethod
     def connect(cls, host: str, port: int, rank: int, world_size: int, token: str,
                 backend: str | None = None, device: torch.device | str | None = None,
-                timeout_s: float = 300.0, listener: socket.socket | None = None) -> "Channel":
+                timeout_s: float = 300.0, listener: socket.socket | None = None,
+                waiting: Callable[[], None] | None = None) -> "Channel":
         """Join the channel; rank 0 (the sender) hosts the store. All ranks must call this.
         ``listener`` (rank 0): the store's socket from :func:`listen`, bound at ``port`` already; the
-        channel owns it from here on, and closes it if the channel does not come up."""
+        channel owns it from here on, and closes it if the channel does not come up.
+        ``waiting`` (rank 0): called every few milliseconds until every other rank has come to the
+        store; an exception it raises (say, an engine's refused join) ends the wait at once with
+        that error, instead of after ``timeout_s``."""
         try:
-            return cls._connect(host, port, rank, world_size, token, backend, device, timeout_s, listener)
+            return cls._connect(host, port, rank, world_size, token, backend, device, timeout_s, listener, waiting)
         finally:
             if listener is not None and listener.fileno() != -1:
                 listener.close()  # not adopted by a store: the channel did not come up
 
     @classmethod
-    def _connect(cls, host, port, rank, world_size, token, backend, device, timeout_s, listener) -> "Channel":
+    def _connect(cls, host, port, rank, world_size, token, backend, device, timeout_s, listener,
+                 waiting) -> "Channel":
         if listener is not None and rank != 0:
             raise ChannelError(f"only rank 0 hosts the store; rank {rank} was given a listener")
         if not token:
@@ -133,6 +139,7 @@ class Channel:
         if ns.add(f"claim/{rank}", 1) != 1:
             raise ChannelError(f"rank {rank} is already taken in this channel (two engines with the "
                                f"same rank offset?)")
+        _await_claims(ns, rank, world_size, timeout_s, waiting)
         try:
             pg = accelerator.make_process_group(backend, PrefixStore("pg", ns), rank, world_size, timeout, device)
         except Exception as e:
@@ -386,6 +393,31 @@ class _Copied:
     def wait(self) -> bool:
         self.group.await_copies(self.rank, self.gen)
         return True
+
+
+def _await_claims(ns: PrefixStore, rank: int, world_size: int, timeout_s: float,
+                  waiting: Callable[[], None] | None) -> None:
+    """Every rank, before the process group's rendezvous: wait until every rank has claimed its
+    own (or ``timeout_s`` passed; the rendezvous then names who is missing). Rank 0 calls
+    ``waiting`` in between; if it raises, rank 0 marks the channel abandoned in the store and
+    raises that, and the ranks already waiting end with a :class:`ChannelError` at once rather than
+    at their timeout."""
+    keys = [f"claim/{r}" for r in range(world_size)]
+    deadline = time.monotonic() + timeout_s
+    while not ns.check(keys) and time.monotonic() < deadline:
+        if rank == 0 and waiting is not None:
+            try:
+                waiting()
+            except BaseException as e:
+                ns.set(_ABANDONED, f"{type(e).__name__}: {e}")
+                raise
+        elif rank != 0 and ns.check([_ABANDONED]):
+            raise ChannelError(f"rank {rank}: the sender gave this channel up before every rank joined "
+                               f"({ns.get(_ABANDONED).decode(errors='replace')})")
+        time.sleep(0.005)
+
+
+_ABANDONED = "abandoned"
 
 
 def _store(host: str, port: int, is_server: bool, timeout: datetime.timedelta,

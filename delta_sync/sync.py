@@ -234,8 +234,12 @@ class WeightSync:
                                          "channel_nonce": nonce, "rank_offset": off, "backend": backend,
                                          "timeout_s": self.timeout_s})
                     for e, off in zip(self.engines, offsets)]
+            def refused() -> None:  # an engine that failed its init never joins: stop waiting for it
+                for f in futs:
+                    if f.done() and f.exception() is not None:
+                        raise f.exception()
             channel = Channel.connect(self.host, port, 0, world, token, backend=backend, timeout_s=self.timeout_s,
-                                      listener=listener)
+                                      listener=listener, waiting=refused)
             try:  # a group some engine never joined is no channel (the local backend does not wait for it)
                 for f in futs:
                     f.result()

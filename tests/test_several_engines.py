@@ -4,6 +4,7 @@ Counted with a barrier the engines' calls must meet at, not timed: one after the
 call would wait alone until the barrier breaks."""
 
 import threading
+import time
 
 import pytest
 
@@ -101,11 +102,14 @@ def test_an_engine_refusing_its_finish_while_the_others_apply_ends_in_a_seed():
         sync.close()
 
 
-def test_an_engine_failing_to_join_the_channel_leaves_no_channel_behind():
+@pytest.mark.parametrize("backend", ["local", "gloo"])
+def test_an_engine_failing_to_join_the_channel_leaves_no_channel_behind(backend):
     """On the in-process ``local`` backend rank 0 does not wait for the others to join, so an
     engine whose ``init`` failed would leave the trainer a group that engine never joined: the
-    next update would wait out the whole timeout on it. The failed connect keeps no channel, the
-    next update connects again and is exact on every engine."""
+    next update would wait out the whole timeout on it. On gloo the trainer's rendezvous waited
+    out the timeout instead (the failed engine never comes); it now ends with the engine's error,
+    and the engine that did join is let go too. Either way the failed connect keeps no channel,
+    the next update connects again and is exact on every engine."""
 
     class RefusesInitOnce(MemoryReceiver):
         refuse = True
@@ -118,10 +122,12 @@ def test_an_engine_failing_to_join_the_channel_leaves_no_channel_behind():
 
     state = _many_tensors(6)
     engines = [MemoryReceiver(), RefusesInitOnce()]
-    sync = WeightSync(engines, backend="local", timeout_s=20)
+    sync = WeightSync(engines, backend=backend, timeout_s=60)
     try:
+        t0 = time.monotonic()
         with pytest.raises(EngineError, match="init refused here"):
             sync.update(state.items())
+        assert time.monotonic() - t0 < 30, "the trainer waited out the rendezvous timeout"
         assert sync.channel is None
         rep = sync.update(state.items())
         assert rep.kind == "seed" and all(e.mismatched(state.items()) == [] for e in engines)
