@@ -165,3 +165,51 @@ def test_an_update_while_another_runs_is_refused():
     assert result["rep"].kind == "seed" and rx.version == 0
     assert torch.equal(rx.tensors["w"], state["w"])
     sync.close()
+
+
+def test_no_automatic_gc_pass_lands_inside_an_update():
+    """A full cyclic-GC pass (~0.1 s in a bare torch process, more in a trainer's heap) is held off
+    while an update runs, however it ends, and left as the caller had it afterwards; with two
+    syncs updating at once it comes back only when both are done."""
+    import gc
+    import threading
+
+    from delta_sync.memory_receiver import MemoryReceiver
+
+    state = {"w": torch.randn(64, 64).to(torch.bfloat16)}
+    seen = []
+
+    def watched(fail=False, inside=None, go=None):
+        seen.append(gc.isenabled())
+        if inside is not None:
+            inside.set()
+            go.wait(30)
+        if fail:
+            raise RuntimeError("trainer export failed")
+        yield from state.items()
+
+    a, b = WeightSync([MemoryReceiver()], timeout_s=60), WeightSync([MemoryReceiver()], timeout_s=60)
+    try:
+        assert gc.isenabled()
+        a.update(watched())
+        assert seen == [False] and gc.isenabled()
+        with pytest.raises(RuntimeError, match="export failed"):
+            a.update(watched(fail=True))
+        assert seen == [False, False] and gc.isenabled()
+        gc.disable()  # the caller's own choice stays
+        try:
+            a.update(watched())
+            assert not gc.isenabled()
+        finally:
+            gc.enable()
+        inside, go = threading.Event(), threading.Event()
+        th = threading.Thread(target=a.update, args=(watched(inside=inside, go=go),))
+        th.start()
+        assert inside.wait(30)
+        b.update(watched())  # ends while a's update still runs
+        assert not gc.isenabled()
+        go.set()
+        th.join(60)
+        assert gc.isenabled() and seen[-2:] == [False, False]
+    finally:
+        a.close(), b.close()
