@@ -17,8 +17,6 @@ mid-write, an engine restarted) makes the next update a full seed.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import logging
 import secrets
 import threading
@@ -39,6 +37,7 @@ from .digest import Digest, digest_tensor
 from .engines import EngineClient, InProcessEngine, as_engine
 from .errors import DeltaSyncError, GatherError, PatchValidationError, UpdateInFlight, with_kept
 from .gather import Ordered, PatchGather
+from .gc_hold import gc_held
 from .patch import Patch, check_indexable
 from .snapshot import SnapshotStore
 from .transfer import BucketSender, SendStats
@@ -276,7 +275,7 @@ class WeightSync:
                                  "two threads?); updates of one sync are sequential",
                                  kept=f"the running update goes on; trainer snapshot at v{self.version}")
         try:
-            with _gc_held():
+            with gc_held():
                 return self._update(named_tensors)
         finally:
             self._busy.release()
@@ -897,38 +896,6 @@ class WeightSync:
             if callable(close):
                 close()  # an HTTP client's idle connections
         self._drop_channel()
-
-
-class _GcHold:
-    """Python's automatic cyclic GC held off while any update of this process runs. A full
-    collection walks every live object (~0.1 s in a bare torch process, far more in a trainer's
-    heap) and lands wherever an allocation tips its threshold: in a delta, at random, it was half
-    the update. The garbage of one update is small; a collection due meanwhile runs after it, in
-    the caller's code, as it would have without us. Counted, so overlapping updates of several
-    syncs re-enable it once, and only if it was enabled when the first one began."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._holders = 0
-        self._was_enabled = False
-
-    @contextlib.contextmanager
-    def __call__(self):
-        with self._lock:
-            if self._holders == 0:
-                self._was_enabled = gc.isenabled()
-                gc.disable()
-            self._holders += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._holders -= 1
-                if self._holders == 0 and self._was_enabled:
-                    gc.enable()
-
-
-_gc_held = _GcHold()
 
 
 def _each(engines: list[EngineClient], call: Callable[[EngineClient], object],

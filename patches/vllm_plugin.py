@@ -173,6 +173,8 @@ def delta_sync_call(self, request: str = "{}"):
     vLLM's worker does, instead of calling the worker's lifecycle methods: those differ by platform
     and version (vLLM-Ascend's ``NPUWorker`` runs a layerwise reload around the transfer and never
     calls the engine's start/finish), and a delta-sync update must run the same everywhere."""
+    from delta_sync.gc_hold import gc_held
+
     engine = _ours(self)
     if engine is None:
         raise RuntimeError("this engine has no delta_sync weight transfer: start it with "
@@ -185,7 +187,8 @@ def delta_sync_call(self, request: str = "{}"):
     if not engine.claim(method, engine.verifier.session):
         return {"released": True}
     active = getattr(self, "_weight_update_active", False)
-    with engine.authorized(version=payload.get("version") if method == "finish" else None), _config(self):
+    with engine.authorized(version=payload.get("version") if method == "finish" else None), _config(self), \
+            gc_held():  # the CPU worker's heap is not frozen: a full GC pass here lands in the update
         if method == "init":
             if active:  # a new trainer: the old one's session is over
                 engine.discard_staged()

@@ -196,6 +196,28 @@ def _seeded(llm, path):
     return state, sync
 
 
+def test_worker_calls_run_without_automatic_gc_passes(engine, monkeypatch):
+    """vLLM's CPU worker does not freeze its heap, so a full GC pass landing in a weight-transfer
+    call would walk all of it: every call holds the GC off (the trainer's update does the same
+    on its side; this call comes from outside any update) and leaves it on afterwards."""
+    import gc
+
+    from delta_sync.engines import InProcessEngine
+
+    kind, path, llm = engine
+    worker_engine = _worker_engine(llm)
+    seen = []
+    report = type(worker_engine).report
+
+    def watched(self, *args, **kwargs):
+        seen.append(gc.isenabled())
+        return report(self, *args, **kwargs)
+    monkeypatch.setattr(type(worker_engine), "report", watched)
+    assert gc.isenabled()
+    InProcessEngine(llm).report()
+    assert seen == [False] and gc.isenabled()
+
+
 def test_apply_failure_midway_restores_previous_version(engine, monkeypatch):
     """A delta is staged while the engine serves and applied at finish. A failure before any write
     (the kernel's position check) writes nothing; one after some writes is undone from the undo
