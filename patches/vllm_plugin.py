@@ -188,7 +188,7 @@ def delta_sync_call(self, request: str = "{}"):
         return {"released": True}
     active = getattr(self, "_weight_update_active", False)
     with engine.authorized(version=payload.get("version") if method == "finish" else None), _config(self), \
-            gc_held():  # the CPU worker's heap is not frozen: a full GC pass here lands in the update
+            gc_held():  # the CPU worker's heap is not frozen: no full GC pass lands in a call
         if method == "init":
             if active:  # a new trainer: the old one's session is over
                 engine.discard_staged()
