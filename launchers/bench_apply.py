@@ -52,7 +52,7 @@ def main(argv: list[str]) -> dict:
     ap = argparse.ArgumentParser(prog="python -m delta_sync.bench apply")
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--densities", default="0.0001,0.001,0.002,0.01,0.1")
-    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3, help="best of, each path (as the e2e bench's other ratios)")
     ap.add_argument("--cache", default=str(Path(__file__).resolve().parents[1] / ".cache" / "bench"))
     args = ap.parse_args(argv)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
