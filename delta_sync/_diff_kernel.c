@@ -369,3 +369,30 @@ int64_t move_rows(int64_t count, const int64_t *rows, int check, int64_t *bad) {
     }
     return -1;
 }
+
+/* Order and bounds of the sparse entries of one bucket, in one pass over its int32 index buffer
+ * (the packer's check before a bucket leaves and the receiver's before it stages it: five
+ * vectorized torch ops and a 1-byte-per-index mask otherwise, each op waiting for its slowest
+ * thread on a busy host).
+ *
+ *   idx, n     the buffer; entry k holds the next counts[k] indices (the entries tile it:
+ *              the caller checks sum(counts) == n first)
+ *   limits     entry k's indices must lie in [0, limits[k]) and strictly increase
+ *   returns    -1, or the buffer position of the first index breaking either rule (the caller
+ *              then names it through its own slower path)
+ */
+int64_t sparse_order_bounds(const int32_t *idx, int64_t n, int64_t nentries, const int64_t *counts,
+                            const int64_t *limits) {
+    int64_t pos = 0;
+    for (int64_t k = 0; k < nentries; ++k) {
+        const int64_t end = pos + counts[k], lim = limits[k];
+        int64_t prev = -1;  /* a first index below 0 fails v <= prev */
+        if (end > n) return pos;
+        for (; pos < end; ++pos) {
+            const int64_t v = idx[pos];
+            if (v <= prev || v >= lim) return pos;
+            prev = v;
+        }
+    }
+    return -1;
+}

@@ -37,6 +37,7 @@ import torch
 
 import time
 
+from . import native
 from .digest import checksum_bytes, nonfinite_count, scan_many
 from .errors import ChecksumMismatch, PatchValidationError
 from .patch import DTYPES, Patch, dtype_name, first_true
@@ -409,8 +410,13 @@ def check_sparse_entries(entries: list[dict], indices: torch.Tensor, values: dic
     sparse = [e for e in entries if e["encoding"] == "sparse"]
     if not sparse:
         return
+    count_list = [int(e["count"]) for e in sparse]
+    limits = [math.prod(int(d) for d in e["shape"]) for e in sparse]
+    if native.sparse_in_order(indices, count_list, limits):  # one host-kernel pass: nothing to name
+        _check_finite(sparse, indices, values, kept)
+        return
     dev = indices.device
-    counts = torch.tensor([int(e["count"]) for e in sparse], dtype=torch.int64, device=dev)
+    counts = torch.tensor(count_list, dtype=torch.int64, device=dev)
     first = torch.cumsum(counts, 0) - counts  # each entry's first position in the index buffer
     idx = indices  # int32 throughout: compared, never subtracted (a difference could wrap)
 
@@ -432,8 +438,7 @@ def check_sparse_entries(entries: list[dict], indices: torch.Tensor, values: dic
         nonempty = counts > 0
         heads, lens = first[nonempty], counts[nonempty]
         lo, hi = idx.index_select(0, heads), idx.index_select(0, heads + lens - 1)
-        numel = torch.tensor([math.prod(int(d) for d in e["shape"]) for e in sparse], dtype=torch.int64,
-                             device=dev)[nonempty]
+        numel = torch.tensor(limits, dtype=torch.int64, device=dev)[nonempty]
         bad = (lo < 0) | (hi >= numel)
         if bool(bad.any()):
             k = first_true(bad)
@@ -445,6 +450,13 @@ def check_sparse_entries(entries: list[dict], indices: torch.Tensor, values: dic
                 at = first_true(idx[start:start + int(e["count"])] >= int(numel[k]))
                 why = f"out of bounds for {math.prod(e['shape'])} elements"
             raise PatchValidationError(e["name"], f"index {int(idx[start + at])} {why}", index=at, kept=kept)
+    _check_finite(sparse, indices, values, kept)
+
+
+def _check_finite(sparse: list[dict], indices: torch.Tensor, values: dict[str, torch.Tensor],
+                  kept: str | None) -> None:
+    """No Inf/NaN among the values of the ``sparse`` entries (the last check of
+    :func:`check_sparse_entries`)."""
     for dname in {e["dtype"] for e in sparse}:
         # runs of adjacent sparse entries, one op each (a dense entry between two runs was checked
         # already, and a seg one is not in this buffer at all on the sender)

@@ -109,6 +109,9 @@ def kernel() -> ctypes.CDLL | None:
                          ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64)]
     lib.move_rows.restype = ctypes.c_int64
     lib.move_rows.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_int64)]
+    lib.sparse_order_bounds.restype = ctypes.c_int64
+    lib.sparse_order_bounds.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                        ctypes.c_void_p]
     lib.digest_words.restype = ctypes.c_int64
     lib.digest_words.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
@@ -222,6 +225,19 @@ def move_at(flat: torch.Tensor, pos: torch.Tensor, offset: int = 0, values: torc
         return False
     move_rows([(flat, pos, offset, values, old)])
     return True
+
+
+def sparse_in_order(indices: torch.Tensor, counts: list[int], limits: list[int]) -> bool | None:
+    """Do the sparse entries tiling ``indices`` (entry k: the next ``counts[k]`` of them) each
+    strictly increase within ``[0, limits[k])``? One pass of the host kernel. None where it
+    cannot say (no kernel, not a contiguous host int32 buffer, counts that do not tile it): the
+    caller checks with torch ops, which also name what is wrong when this says False."""
+    if (indices.device.type != "cpu" or indices.dtype != torch.int32 or not indices.is_contiguous()
+            or sum(counts) != indices.numel() or kernel() is None):
+        return None
+    table = torch.tensor([counts, limits], dtype=torch.int64)
+    return kernel().sparse_order_bounds(indices.data_ptr(), indices.numel(), len(counts), table[0].data_ptr(),
+                                        table[1].data_ptr()) < 0
 
 
 def supports_words(t: torch.Tensor) -> bool:

@@ -485,10 +485,13 @@ def test_memory_receiver_mismatched_names_missing_and_flipped_tensors():
     ("duplicate", "duplicate index 7"), ("order", "indices not increasing: 9 then 8"),
     ("nan", "non-finite value nan at flat index 9"),
     ("wrap", "indices not increasing: 2147483647 then -2147483648")])  # an int32 difference would wrap to +1
-def test_bucket_checks_sparse_entries_at_once_and_names_the_tensor(case, match):
-    """Both the packer and the receiver check every sparse entry of a bucket in one vectorized pass;
-    the error names the tensor and the position, whichever entry of the bucket is bad."""
-    from delta_sync.bucket import check_sparse_entries
+@pytest.mark.parametrize("host_kernel", [True, False], ids=["kernel", "torch-ops"])
+def test_bucket_checks_sparse_entries_at_once_and_names_the_tensor(case, match, host_kernel, monkeypatch):
+    """Both the packer and the receiver check every sparse entry of a bucket in one pass (the host
+    kernel's, or a few vectorized torch ops on devices and hosts without a compiler); the error
+    names the tensor and the position, whichever entry of the bucket is bad."""
+    if not host_kernel:
+        monkeypatch.setattr(native, "kernel", lambda: None)
 
     good = Patch("a", (8, 5), torch.bfloat16, torch.tensor([0, 3, 39], dtype=torch.int32),
                  torch.ones(3, dtype=torch.bfloat16))
@@ -514,6 +517,43 @@ def test_bucket_checks_sparse_entries_at_once_and_names_the_tensor(case, match):
     bucket.values["bfloat16"][3:] = torch.tensor(vals).to(torch.bfloat16)
     with pytest.raises(PatchValidationError, match=f"'b'.*{match}"):
         TensorAssembler().add(bucket)
+
+
+def test_host_kernel_order_and_bounds_check_agrees_with_the_rules():
+    """``native.sparse_in_order`` (the one-pass check both sides run first) says True exactly when
+    every entry strictly increases within [0, limit): random buffers with each kind of fault, at
+    an entry's first, last and middle index, empty entries, and an entry starting below the end of
+    the one before (allowed). None where it cannot tell, so the torch ops decide."""
+    if not native.supports_words(torch.zeros(2, dtype=torch.int16)):
+        pytest.skip("no C compiler here: the host kernel is not built")
+    g = torch.Generator().manual_seed(5)
+
+    def rule(idx: list[int], counts: list[int], limits: list[int]) -> bool:
+        pos = 0
+        for n, lim in zip(counts, limits):
+            part = idx[pos:pos + n]
+            pos += n
+            if any(v < 0 or v >= lim for v in part) or any(b <= a for a, b in zip(part, part[1:])):
+                return False
+        return True
+
+    for trial in range(300):
+        k = int(torch.randint(1, 6, (1,), generator=g))
+        limits = [int(x) for x in torch.randint(1, 50, (k,), generator=g)]
+        counts = [int(torch.randint(0, lim + 1, (1,), generator=g)) if trial % 7 else 0 for lim in limits]
+        idx = []
+        for n, lim in zip(counts, limits):
+            idx += sorted(torch.randperm(lim, generator=g)[:n].tolist())
+        if idx and trial % 3:
+            at = int(torch.randint(0, len(idx), (1,), generator=g))
+            fault = trial % 5
+            idx[at] = [-1, limits[0] + 100, idx[at - 1] if at else -5, 2**31 - 1, -2**31][fault]
+        t = torch.tensor(idx, dtype=torch.int32)
+        assert native.sparse_in_order(t, counts, limits) == rule(idx, counts, limits), (idx, counts, limits)
+    t = torch.tensor([1, 2, 3], dtype=torch.int32)
+    assert native.sparse_in_order(t.long(), [3], [4]) is None  # not int32
+    assert native.sparse_in_order(torch.tensor([1, 0, 2, 0, 3], dtype=torch.int32)[::2], [3], [4]) is None
+    assert native.sparse_in_order(t, [2], [4]) is None  # the counts do not tile the buffer
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
