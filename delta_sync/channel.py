@@ -398,13 +398,18 @@ class _Copied:
 def _await_claims(ns: PrefixStore, rank: int, world_size: int, timeout_s: float,
                   waiting: Callable[[], None] | None) -> None:
     """Every rank, before the process group's rendezvous: wait until every rank has claimed its
-    own (or ``timeout_s`` passed; the rendezvous then names who is missing). Rank 0 calls
-    ``waiting`` in between; if it raises, rank 0 marks the channel abandoned in the store and
+    own, or raise a :class:`ChannelError` naming the missing ranks after ``timeout_s``. Rank 0
+    calls ``waiting`` in between; if it raises, rank 0 marks the channel abandoned in the store and
     raises that, and the ranks already waiting end with a :class:`ChannelError` at once rather than
     at their timeout."""
     keys = [f"claim/{r}" for r in range(world_size)]
     deadline = time.monotonic() + timeout_s
-    while not ns.check(keys) and time.monotonic() < deadline:
+    while not ns.check(keys):
+        if time.monotonic() >= deadline:
+            missing = [r for r in range(world_size) if not ns.check([f"claim/{r}"])]
+            raise ChannelError(f"rank {rank}: rendezvous of {world_size} ranks timed out after {timeout_s:g} s: "
+                               f"rank(s) {missing} never came to the channel store; check the token and "
+                               "that every engine worker joined")
         if rank == 0 and waiting is not None:
             try:
                 waiting()

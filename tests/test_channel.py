@@ -294,3 +294,14 @@ def test_the_store_port_listens_before_any_engine_is_told_it(monkeypatch):
     with pytest.raises(ChannelError, match="empty channel token"):
         Channel.connect("127.0.0.1", sock.getsockname()[1], 0, 2, "", listener=sock)
     assert sock.fileno() == -1
+
+
+def test_a_rank_that_never_comes_is_named_after_one_timeout():
+    """Rank 0 waits for the other ranks' claims in the store for ``timeout_s`` once (not once for
+    the claims and again for the process group's rendezvous), then names who never came."""
+    import time
+
+    t0 = time.monotonic()
+    with pytest.raises(ChannelError, match=r"rendezvous of 3 ranks timed out after 2 s: rank\(s\) \[1, 2\] never came"):
+        Channel.connect("127.0.0.1", free_port(), 0, 3, "tok-alone", timeout_s=2)
+    assert time.monotonic() - t0 < 3.5
