@@ -401,9 +401,10 @@ def check_dense_entry(entry: dict, digest, bad: int, values: torch.Tensor, kept:
 
 def check_sparse_entries(entries: list[dict], indices: torch.Tensor, values: dict[str, torch.Tensor],
                          kept: str | None = None) -> None:
-    """Bounds, strict order and finiteness of every sparse entry of one bucket, in a handful of
-    vectorized ops over the bucket's buffers, not a round of checks per tensor (a 30B MoE has ~19k
-    checkpoint tensors). Sparse entries tile the index buffer in order (the packer builds them so,
+    """Bounds, strict order and finiteness of every sparse entry of one bucket, over the bucket's
+    buffers at once, not a round of checks per tensor (a 30B MoE has ~19k checkpoint tensors):
+    order and bounds in one pass of the host kernel (:func:`native.sparse_in_order`), else, and to
+    name what it found wrong, in a handful of vectorized torch ops. Sparse entries tile the index buffer in order (the packer builds them so,
     :func:`entry_patches` checks it first). Both sides run it: the packer before a bucket leaves,
     the receiver before it stages it. Raises :class:`PatchValidationError` naming the tensor, the
     bad flat index and its position in the patch."""

@@ -395,6 +395,10 @@ class _Copied:
         return True
 
 
+#: rank 0's mark in the store that it gave the channel up before every rank joined (its reason)
+_ABANDONED = "abandoned"
+
+
 def _await_claims(ns: PrefixStore, rank: int, world_size: int, timeout_s: float,
                   waiting: Callable[[], None] | None) -> None:
     """Every rank, before the process group's rendezvous: wait until every rank has claimed its
@@ -420,9 +424,6 @@ def _await_claims(ns: PrefixStore, rank: int, world_size: int, timeout_s: float,
             raise ChannelError(f"rank {rank}: the sender gave this channel up before every rank joined "
                                f"({ns.get(_ABANDONED).decode(errors='replace')})")
         time.sleep(0.005)
-
-
-_ABANDONED = "abandoned"
 
 
 def _store(host: str, port: int, is_server: bool, timeout: datetime.timedelta,

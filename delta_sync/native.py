@@ -232,11 +232,12 @@ def sparse_in_order(indices: torch.Tensor, counts: list[int], limits: list[int])
     strictly increase within ``[0, limits[k])``? One pass of the host kernel. None where it
     cannot say (no kernel, not a contiguous host int32 buffer, counts that do not tile it): the
     caller checks with torch ops, which also name what is wrong when this says False."""
-    if (indices.device.type != "cpu" or indices.dtype != torch.int32 or not indices.is_contiguous()
-            or sum(counts) != indices.numel() or kernel() is None):
+    lib = kernel()
+    if (lib is None or indices.device.type != "cpu" or indices.dtype != torch.int32
+            or not indices.is_contiguous() or sum(counts) != indices.numel()):
         return None
     table = torch.tensor([counts, limits], dtype=torch.int64)
-    return kernel().sparse_order_bounds(indices.data_ptr(), indices.numel(), len(counts), table[0].data_ptr(),
+    return lib.sparse_order_bounds(indices.data_ptr(), indices.numel(), len(counts), table[0].data_ptr(),
                                         table[1].data_ptr()) < 0
 
 

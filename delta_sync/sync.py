@@ -235,6 +235,7 @@ class WeightSync:
                                          "channel_nonce": nonce, "rank_offset": off, "backend": backend,
                                          "timeout_s": self.timeout_s})
                     for e, off in zip(self.engines, offsets)]
+
             def refused() -> None:  # an engine that failed its init never joins: stop waiting for it
                 for f in futs:
                     if f.done() and f.exception() is not None:
