@@ -254,7 +254,7 @@ def as_engine(target, secret: str | None = None) -> EngineClient:
     is used as it is."""
     if isinstance(target, str):
         return HttpEngine(target, secret=secret)
-    if hasattr(target, "init_weight_transfer_engine") and hasattr(target, "collective_rpc"):
+    if hasattr(target, "collective_rpc") and hasattr(target, "generate"):  # a vllm.LLM
         return InProcessEngine(target, secret=secret)
     if all(hasattr(target, m) for m in ("start", "update", "finish", "report")):
         return target

@@ -66,7 +66,7 @@ def main(argv: list[str]) -> dict:
     path = _checkpoint(Path(args.cache), args.layers)
     llm = LLM(model=str(path), dtype="bfloat16", enforce_eager=True, max_model_len=128,
               kv_cache_memory_bytes=64 << 20, distributed_executor_backend="uni",
-              weight_transfer_config={"backend": "delta_sync"})
+              additional_config={"delta_sync": True})
     model = llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
     state = load_file(str(path / "model.safetensors"))
     views, unsupported = probe_views(model, [(n, tuple(t.shape), t.dtype) for n, t in state.items()])

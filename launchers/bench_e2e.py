@@ -412,7 +412,7 @@ def _vllm_load(path, reps, kv_bytes, max_len):
 
     llm = LLM(model=str(path), dtype="bfloat16", enforce_eager=True, max_model_len=max_len,
               kv_cache_memory_bytes=kv_bytes, distributed_executor_backend="uni", seed=0,
-              weight_transfer_config={"backend": "delta_sync"})
+              additional_config={"delta_sync": True})
     model = llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
     state = _load_state(_safetensors(Path(path)))
     times = []

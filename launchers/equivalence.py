@@ -107,7 +107,7 @@ def start_engine(model: str | Path, port: int, log: Path, tp: int = 1,
            "m", "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--enforce-eager",
            "--max-model-len", "512", "--kv-cache-memory-bytes", str(64 << 20), "--seed", "0",
            "--enable-prefix-caching", "--tensor-parallel-size", str(tp),
-           "--weight-transfer-config", json.dumps({"backend": "delta_sync"})]
+           "--additional-config", json.dumps({"delta_sync": True})]
     return subprocess.Popen(cmd + (extra or []), env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
                             start_new_session=True)
 

@@ -6,8 +6,9 @@ can be patched in place. This mode is the CPU counterpart of Ascend's ND mode: l
 plain ``F.linear`` on the unpacked weight and MoE experts run an unpacked grouped computation on
 ``w13 [E, 2I, H]`` / ``w2 [E, H, I]``.
 
-It is active for an engine whose ``weight_transfer_config.backend`` is delta-sync's, or when
-``DELTA_SYNC_CPU_CHECKPOINT_LAYOUT=1`` (to load a reference engine in the same mode).
+It is active for an engine with delta-sync switched on (:func:`patches.enabled`), or when
+``DELTA_SYNC_CPU_CHECKPOINT_LAYOUT=1`` (to load a reference engine in the same mode). Where the
+MoE experts live differs by vLLM generation; :mod:`patches.vllm_compat` says which is present.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import os
 import torch
 import torch.nn.functional as F
 
-from . import BACKEND_NAME
+from . import enabled, vllm_compat
+
 _installed = False
 
 
@@ -27,10 +29,10 @@ def active() -> bool:
     try:
         from vllm.config import get_current_vllm_config
 
-        wt = get_current_vllm_config().weight_transfer_config
-    except Exception:
+        cfg = get_current_vllm_config()
+    except Exception:  # noqa: BLE001 - outside vLLM's config scope nothing is loading
         return False
-    return wt is not None and getattr(wt, "backend", None) == BACKEND_NAME
+    return enabled(cfg)
 
 
 def _unpacked_moe(output, hidden_states, w1, w2, topk_weights, topk_ids, expert_map=None,
@@ -74,11 +76,23 @@ def install() -> None:
 
     layer_utils.dispatch_cpu_unquantized_gemm = dispatch
 
-    try:
-        from vllm.model_executor.layers.fused_moe.experts import cpu_moe
-    except ImportError:
+    experts = vllm_compat.cpu_moe_experts()
+    if experts is None:
         return
-    cls = cpu_moe.CPUUnquantizedExperts
+    kind, cls = experts
+    if kind == "modular":
+        _install_modular_experts(cls)
+    else:
+        _install_fused_experts(cls, layer_utils)
+
+
+def _check_silu(activation) -> None:
+    if str(getattr(activation, "value", activation)).lower() != "silu":
+        raise NotImplementedError(f"checkpoint-layout MoE supports silu only, got {activation}")
+
+
+def _install_modular_experts(cls) -> None:
+    """vLLM >= 0.25: ``CPUUnquantizedExperts`` repacks in ``process_weights_after_loading``."""
     original_process = cls.process_weights_after_loading
     original_apply = cls.apply
 
@@ -93,10 +107,40 @@ def install() -> None:
         if not getattr(self, "_delta_sync_unpacked", False):
             return original_apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
                                   global_num_experts, expert_map, *args, **kwargs)
-        if str(getattr(activation, "value", activation)).lower() != "silu":
-            raise NotImplementedError(f"checkpoint-layout MoE supports silu only, got {activation}")
+        _check_silu(activation)
         apply_on_input = kwargs.get("apply_router_weight_on_input", args[-1] if args else False)
         _unpacked_moe(output, hidden_states, w1, w2, topk_weights, topk_ids, expert_map, apply_on_input)
 
     cls.process_weights_after_loading = process_weights_after_loading
     cls.apply = apply
+
+
+def _install_fused_experts(cls, layer_utils) -> None:
+    """vLLM 0.23: ``CPUFusedMOE``'s constructor prepacks the experts or splits them into oneDNN
+    handles, and the AMX path (``check_cpu_sgl_kernel``) repacks ``w13``/``w2`` in place before it."""
+    original_init = cls.__init__
+    original_sgl = layer_utils.check_cpu_sgl_kernel
+
+    def __init__(self, layer):
+        if not active():
+            return original_init(self, layer)
+        self.isa = "none"
+        self._delta_sync_unpacked = True
+        self.forward_method = _unpacked_forward
+
+    def check_cpu_sgl_kernel(*args, **kwargs):
+        return False if active() else original_sgl(*args, **kwargs)
+
+    cls.__init__ = __init__
+    layer_utils.check_cpu_sgl_kernel = check_cpu_sgl_kernel
+
+
+def _unpacked_forward(layer, x, topk_weights, topk_ids, activation, global_num_experts=-1,
+                      apply_router_weight_on_input=False):
+    _check_silu(activation)
+    if apply_router_weight_on_input:  # as vLLM 0.23's own forward does (top-1 routing)
+        x = x * topk_weights.to(x.dtype)
+    out = torch.empty_like(x)
+    _unpacked_moe(out, x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
+                  getattr(layer, "expert_map", None), apply_router_weight_on_input)
+    return out

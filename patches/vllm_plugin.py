@@ -1,24 +1,25 @@
 """vLLM general plugin (entry point ``vllm.general_plugins``): loaded in every vLLM process.
 
-Registers delta-sync's weight-transfer engine under backend name ``delta_sync``, installs the
-CPU checkpoint-layout mode, and adds two worker methods for ``collective_rpc``:
+On an engine with delta-sync switched on (``additional_config={"delta_sync": true}`` or
+``DELTA_SYNC_ENGINE=1``: :func:`patches.enabled`) it installs the CPU checkpoint-layout mode and
+adds two worker methods for ``collective_rpc``:
 
 * ``delta_sync_call(envelope)``: the one door for weight-transfer calls (init, start, update,
   finish, discard, report). The envelope is verified against the engine secret
-  (:mod:`delta_sync.auth`) before anything runs; vLLM's own routes for the same lifecycle
-  (``/init_weight_transfer_engine``, ``/start_weight_update``, ...) carry no proof and are refused
-  by a delta-sync engine before they change any state.
+  (:mod:`delta_sync.auth`) before anything runs. The worker's receiver
+  (:class:`patches.vllm_receiver.DeltaSyncReceiver`) is created on the first verified call from
+  the worker's own ``vllm_config``, device and model, and driven by this method alone.
 * ``delta_sync_status()``: version, ``needs_seed`` and ``partial`` (nothing secret; the pause
   lease reads it).
 
 They are added to ``WorkerBase``, the base of every platform's worker (vLLM's GPU/CPU ``Worker``
 and vLLM-Ascend's ``NPUWorker`` alike), so they do not depend on which worker class a platform
-picks. In the API server process the plugin adds the *pause lease* (:func:`_install_pause_lease`).
-
-``delta_sync_call`` drives the engine itself rather than through the worker's lifecycle
-methods, which differ by platform and version. It also ends the worker's session when the engine's
-finish raises (vLLM's ``Worker.finish_weight_update`` leaves it marked active, so every later
-start would fail with "already active"; delta-sync's finish raises after restoring v-1).
+picks or on how its vLLM generation builds weight-transfer engines. vLLM's own weight-transfer
+lifecycle methods (``start_weight_update``, ..., reached by unsigned HTTP routes; on vLLM 0.23 and
+vLLM-Ascend they run a layerwise reload that swaps the model's parameters out) are refused on a
+delta-sync engine before they run. In the API server process the plugin adds the *pause lease*
+(:func:`_install_pause_lease`). What differs between vLLM generations is asked of
+:mod:`patches.vllm_compat`.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ import json
 import logging
 import os
 import time
+
+from . import ENABLE_ENV, enabled, vllm_compat
 
 log = logging.getLogger(__name__)
 
@@ -44,13 +47,6 @@ _GATED = ("init_weight_transfer_engine", "start_weight_update", "update_weights"
 
 
 def register() -> None:
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-
-    from . import BACKEND_NAME
-
-    if BACKEND_NAME not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine(BACKEND_NAME, "patches.vllm_receiver",
-                                                    "DeltaSyncWeightTransferEngine")
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
@@ -97,10 +93,38 @@ def _cap_shm_spin(seconds: float) -> None:
     SpinCondition.wait = capped_wait
 
 
-def _ours(worker):
-    """The worker's delta-sync engine, or None when it runs another weight-transfer backend."""
-    engine = getattr(worker, "weight_transfer_engine", None)
-    return engine if hasattr(engine, "require_authorized") else None
+#: the worker attribute that holds its receiver once the first verified call created it
+RECEIVER_ATTR = "_delta_sync_receiver"
+
+
+def _enabled_on(worker) -> bool:
+    return enabled(getattr(worker, "vllm_config", None))
+
+
+def _receiver(worker, create: bool = False):
+    """The worker's delta-sync receiver; ``create``: build it now if there is none (a verified call).
+    Refused where delta-sync is not switched on, or where a vLLM weight-transfer engine is also
+    configured (two writers to one set of weights)."""
+    receiver = worker.__dict__.get(RECEIVER_ATTR)
+    if receiver is not None or not create:
+        return receiver
+    from delta_sync.errors import DeltaSyncError
+
+    kept = "engine weights as loaded; no delta-sync receiver was created"
+    cfg = getattr(worker, "vllm_config", None)
+    if not enabled(cfg):
+        raise DeltaSyncError("delta-sync is not switched on for this engine: start it with --additional-config "
+                             "'{\"delta_sync\": true}' (LLM(additional_config={\"delta_sync\": True})) or "
+                             f"{ENABLE_ENV}=1 in its environment", kept=kept)
+    other = vllm_compat.vllm_weight_transfer(cfg)
+    if other is not None:
+        raise DeltaSyncError(f"this engine also runs vLLM's weight-transfer engine (backend {other!r}): two writers "
+                             "to one set of weights; start it without --weight-transfer-config", kept=kept)
+    from .vllm_receiver import DeltaSyncReceiver
+
+    receiver = DeltaSyncReceiver(cfg, worker.device, vllm_compat.worker_model(worker), verifier=_verifier(worker))
+    setattr(worker, RECEIVER_ATTR, receiver)
+    return receiver
 
 
 def _patch_worker() -> None:
@@ -149,9 +173,8 @@ def _gate_class(cls) -> None:
             continue
 
         def gated(self, *args, _name=name, _fn=fn, **kwargs):
-            engine = _ours(self)
-            if engine is not None:
-                engine.require_authorized(_name)
+            if _enabled_on(self):
+                _refuse_vllm_lifecycle(self, _name)
             return _fn(self, *args, **kwargs)
 
         functools.update_wrapper(gated, fn)
@@ -159,82 +182,121 @@ def _gate_class(cls) -> None:
         setattr(cls, name, gated)
 
 
-def _end_session(worker) -> None:
-    worker._weight_update_active = False
-    engine = getattr(worker, "weight_transfer_engine", None)
-    if engine is not None:
-        engine.reset_weight_update_target()
+def _refuse_vllm_lifecycle(worker, name: str) -> None:
+    from delta_sync.auth import AuthError
+
+    receiver = _receiver(worker)
+    kept = receiver._kept() if receiver is not None else "engine weights as they are"
+    raise AuthError(f"{name}: unsigned weight-transfer call refused (delta-sync engines change weights only "
+                    "through the signed delta_sync_call)",
+                    kept=kept + "; the trainer's channel and staged update are unchanged")
+
+
+def _verifier(worker):
+    """The worker's verifier of signed calls (the engine secret and the nonces seen), kept from its
+    first call on; the receiver is created only after a call passed it."""
+    verifier = worker.__dict__.get("_delta_sync_verifier")
+    if verifier is None:
+        from delta_sync.auth import Verifier, load_secret
+
+        verifier = worker._delta_sync_verifier = Verifier(load_secret(required=False))  # refuses all without one
+    return verifier
 
 
 def delta_sync_call(self, request: str = "{}"):
     """``collective_rpc("delta_sync_call", args=(json.dumps(envelope),))``: one verified call.
 
-    It drives the delta-sync engine itself and keeps the worker's ``_weight_update_active`` as
-    vLLM's worker does, instead of calling the worker's lifecycle methods: those differ by platform
-    and version (vLLM-Ascend's ``NPUWorker`` runs a layerwise reload around the transfer and never
-    calls the engine's start/finish), and a delta-sync update must run the same everywhere."""
+    It drives the worker's delta-sync receiver itself, never the worker's own weight-transfer
+    lifecycle: that differs by platform and version (vLLM 0.23's workers and vLLM-Ascend's
+    ``NPUWorker`` run a layerwise reload around the transfer), and a delta-sync update must run the
+    same everywhere. The worker's update session (start ... finish) is kept here."""
     from delta_sync.gc_hold import gc_held
 
-    engine = _ours(self)
-    if engine is None:
-        raise RuntimeError("this engine has no delta_sync weight transfer: start it with "
-                           "--weight-transfer-config '{\"backend\": \"delta_sync\"}'")
+    if not _enabled_on(self):  # named before the signature: nothing here could accept it
+        _receiver(self, create=True)
     try:
         envelope = json.loads(request) if isinstance(request, str) else request
     except ValueError:
         envelope = None
-    method, payload = engine.verifier.check(envelope)
-    if not engine.claim(method, engine.verifier.session):
+    verifier = _verifier(self)
+    method, payload = verifier.check(envelope)
+    receiver = _receiver(self, create=True)
+    handler = _HANDLERS.get(method)
+    if handler is None and method != "release":
+        raise ValueError(f"unknown delta_sync_call method {method!r}")
+    if not receiver.claim(method, verifier.session):
         return {"released": True}
-    active = getattr(self, "_weight_update_active", False)
-    with engine.authorized(version=payload.get("version") if method == "finish" else None), _config(self), \
+    with receiver.authorized(version=payload.get("version") if method == "finish" else None), _config(self), \
             gc_held():  # the CPU worker's heap is not frozen: no full GC pass lands in a call
-        if method == "init":
-            if active:  # a new trainer: the old one's session is over
-                engine.discard_staged()
-                _end_session(self)
-            engine.init_transfer_engine(engine.parse_init_info(payload))
-        elif method == "start":
-            if active:
-                raise RuntimeError("start: a weight update is already active on this worker (finish or "
-                                   "init it first)")
-            try:
-                engine.start_weight_update()
-            except BaseException:
-                engine.reset_weight_update_target()
-                raise
-            self._weight_update_active = True
-            if payload.get("digest_names"):  # the drift sweep: this version's digests, before the update
-                try:
-                    return engine.report(digests=True, names=list(payload["digest_names"]))
-                except BaseException:  # a refused start opens no session (the trainer ends none)
-                    _end_session(self)
-                    raise
-        elif method in ("update", "finish"):
-            if not active:
-                raise RuntimeError(f"{method}: no weight update is active on this worker (start first)")
-            if method == "update":
-                try:
-                    engine.update_weights(payload)
-                except BaseException:
-                    _end_session(self)
-                    raise
-            else:
-                try:
-                    engine.finish_weight_update()
-                finally:  # applied or rolled back to v-1 by the engine: the session is over either way
-                    _end_session(self)
-                reset_lora = getattr(getattr(self, "model_runner", None), "reset_lora_state", None)
-                if reset_lora is not None:  # as vLLM's worker does after a transfer
-                    reset_lora()
-        elif method == "discard":  # the sender gave up on this version on another engine
-            engine.discard_staged()
-            return {"discarded": True}
-        elif method == "report":
-            return engine.report(digests=bool(payload.get("digests")), names=payload.get("names"))
-        else:
-            raise ValueError(f"unknown delta_sync_call method {method!r}")
+        return handler(self, receiver, payload)
+
+
+def _active(worker) -> bool:
+    return bool(worker.__dict__.get("_delta_sync_active", False))
+
+
+def _end_session(worker) -> None:
+    worker._delta_sync_active = False
+
+
+def _on_init(worker, receiver, payload: dict):
+    if _active(worker):  # a new trainer: the old one's session is over
+        receiver.discard_staged()
+        _end_session(worker)
+    receiver.init_transfer_engine(receiver.parse_init_info(payload))
+
+
+def _on_start(worker, receiver, payload: dict):
+    if _active(worker):
+        raise RuntimeError("start: a weight update is already active on this worker (finish or init it first)")
+    receiver.start_weight_update()
+    worker._delta_sync_active = True
+    if payload.get("digest_names"):  # the drift sweep: this version's digests, before the update
+        try:
+            return receiver.report(digests=True, names=list(payload["digest_names"]))
+        except BaseException:  # a refused start opens no session (the trainer ends none)
+            _end_session(worker)
+            raise
     return None
+
+
+def _require_active(worker, method: str) -> None:
+    if not _active(worker):
+        raise RuntimeError(f"{method}: no weight update is active on this worker (start first)")
+
+
+def _on_update(worker, receiver, payload: dict):
+    _require_active(worker, "update")
+    try:
+        receiver.update_weights(payload)
+    except BaseException:
+        _end_session(worker)
+        raise
+
+
+def _on_finish(worker, receiver, payload: dict):
+    _require_active(worker, "finish")
+    try:
+        receiver.finish_weight_update()
+    finally:  # applied or rolled back to v-1 by the receiver: the session is over either way
+        _end_session(worker)
+    reset_lora = getattr(getattr(worker, "model_runner", None), "reset_lora_state", None)
+    if reset_lora is not None:  # as vLLM's worker does after a transfer
+        reset_lora()
+
+
+def _on_discard(worker, receiver, payload: dict):  # the sender gave up on this version on another engine
+    receiver.discard_staged()
+    return {"discarded": True}
+
+
+def _on_report(worker, receiver, payload: dict):
+    return receiver.report(digests=bool(payload.get("digests")), names=payload.get("names"))
+
+
+#: what each verified method does on the worker (``release`` only ends the trainer's claim)
+_HANDLERS = {"init": _on_init, "start": _on_start, "update": _on_update, "finish": _on_finish,
+             "discard": _on_discard, "report": _on_report}
 
 
 def _config(worker):
@@ -248,8 +310,8 @@ def _config(worker):
 
 
 def delta_sync_status(self) -> dict:
-    engine = _ours(self)
-    return engine.status() if engine is not None else {"version": None, "needs_seed": True, "partial": False}
+    receiver = _receiver(self)
+    return receiver.status() if receiver is not None else {"version": None, "needs_seed": True, "partial": False}
 
 
 # ---- pause lease (API server process) ----------------------------------------------------------
@@ -280,7 +342,8 @@ def _lease_methods(cls) -> None:
     @functools.wraps(pause)
     async def pause_generation(self, *args, **kwargs):
         lease = _lease_s(self)
-        if _delta_sync_engine(self) and not args and not _has_requests(self):
+        if _delta_sync_engine(self) and not args and not _has_requests(self) \
+                and vllm_compat.can_pause_scheduler_directly(self):
             # Nothing in flight: vLLM's pause minus its closing 20 ms sleep, which only lets the
             # outputs of in-flight requests reach their callers first (vLLM: "not required for
             # correctness"). On a delta that sleep was a third of the engine's pause window.
@@ -351,8 +414,7 @@ def _commit_mode(args: tuple, kwargs: dict) -> str | None:
 
 
 def _delta_sync_engine(llm) -> bool:
-    wt = getattr(getattr(llm, "vllm_config", None), "weight_transfer_config", None)
-    return getattr(wt, "backend", None) == "delta_sync"
+    return enabled(getattr(llm, "vllm_config", None))
 
 
 def _lease_s(llm) -> float:

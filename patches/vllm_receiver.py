@@ -1,4 +1,11 @@
-"""delta-sync's vLLM weight-transfer engine: stage + validate on update, apply at finish.
+"""delta-sync's receiver on each vLLM worker: stage + validate on update, apply at finish.
+
+It is not a vLLM weight-transfer engine: those are built and driven differently by each vLLM
+generation (vLLM 0.23, which vLLM-Ascend 0.23.0.post1 builds on, constructs them from three
+arguments and runs a layerwise reload around them; 0.25 and later from four, with the engine owning
+start/finish). The receiver is created by the plugin on a worker's first signed
+``delta_sync_call`` from what every worker class has (its ``vllm_config``, ``device`` and model),
+and only that call drives it (``patches/vllm_plugin.py``).
 
 Lifecycle (names match vLLM's wire protocol)::
 
@@ -50,10 +57,7 @@ from .loader_views import (LoaderView, UndoLog, apply_dense, apply_dense_range, 
                            apply_sparse_many, dense_range_target, digest_view,
                            probe_views)
 
-from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,
-                                                   WeightTransferUpdateInfo)
-
-from . import BACKEND_NAME
+from . import vllm_compat
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +68,8 @@ DEFAULT_CLAIM_S = 60.0
 
 
 @dataclass
-class DeltaSyncInitInfo(WeightTransferInitInfo):
+class DeltaSyncInitInfo:
+    """What a signed ``init`` carries: where the channel's store listens and this engine's ranks."""
     host: str
     port: int
     world_size: int
@@ -75,8 +80,18 @@ class DeltaSyncInitInfo(WeightTransferInitInfo):
 
 
 @dataclass
-class DeltaSyncUpdateInfo(WeightTransferUpdateInfo):
+class DeltaSyncUpdateInfo:
     version: int | None = None  # if set, the version the sender announced out of band
+
+
+def _parse(cls, payload, what: str, kept: str):
+    """``cls(**payload)``, or a :class:`DeltaSyncError` naming the keys that do not fit."""
+    if not isinstance(payload, dict):
+        raise DeltaSyncError(f"{what}: expected an object, got {type(payload).__name__}", kept=kept)
+    try:
+        return cls(**payload)
+    except TypeError as e:
+        raise DeltaSyncError(f"{what}: {e}", kept=kept) from e
 
 
 def check_layout_supported(vllm_config, model: torch.nn.Module, device: torch.device) -> None:
@@ -99,8 +114,8 @@ def check_layout_supported(vllm_config, model: torch.nn.Module, device: torch.de
     for pname, p in model.named_parameters():
         if p.numel() == 0 and device.type == "cpu":
             raise LayoutNotSupported(f"{pname} is empty: the CPU kernels repacked it. Start the engine with "
-                                     f"weight_transfer_config backend {BACKEND_NAME!r} so the checkpoint-layout "
-                                     "mode is active from load time")
+                                     "additional_config {\"delta_sync\": true} (or DELTA_SYNC_ENGINE=1) so the "
+                                     "checkpoint-layout mode is active from load time")
     if device.type == "npu":
         from .vllm_ascend import check_ascend_layout
 
@@ -146,20 +161,15 @@ class _BulkState:
                                        f"tensor(s); they would keep stale values", kept=kept)
 
 
-class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, DeltaSyncUpdateInfo]):
-    init_info_cls = DeltaSyncInitInfo
-    update_info_cls = DeltaSyncUpdateInfo
-    supports_draft_weight_update = False
+class DeltaSyncReceiver:
+    """One worker's receiver: loader views, the staged update with its undo log, digests, the
+    trainer's claim. Built from the worker's own ``vllm_config``, ``device`` and model."""
 
-    def __init__(self, config, *args):
-        if len(args) != 3:  # (config, parallel_config, model): the API before engine-owned start/finish
-            raise DeltaSyncError(
-                f"this vLLM builds weight-transfer engines from {1 + len(args)} arguments; delta-sync needs "
-                f"the API of the vLLM it pins (config, vllm_config, device, model; the engine owns start "
-                f"and finish). vLLM 0.23's API, which vLLM-Ascend 0.23.0.post1 builds on, is the older one: "
-                f"see the README's version matrix", kept="the engine as loaded, without delta-sync transfer")
-        vllm_config, device, model = args
-        super().__init__(config, vllm_config, device, model)
+    def __init__(self, vllm_config, device: torch.device, model: torch.nn.Module, verifier: Verifier | None = None):
+        self.vllm_config = vllm_config
+        self.parallel_config = vllm_config.parallel_config
+        self.device = torch.device(device)
+        self.model = model
         self.channel: Channel | None = None
         self.version: int | None = None
         self.needs_seed = False
@@ -176,7 +186,8 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         self.last_error: str | None = None
         #: a seed/full update wrote some weights and did not complete: serving them would be wrong
         self.partial = False
-        self.verifier = Verifier(load_secret(required=False))  # refuses every call without a secret
+        #: checks signed calls (refuses every call without a secret); the plugin hands the worker's
+        self.verifier = verifier if verifier is not None else Verifier(load_secret(required=False))
         #: the trainer session that syncs this engine and when it last called; another session is
         #: refused until this one releases it or stays silent for claim_s (0: no claims)
         self.claimed: tuple[str, float] | None = None
@@ -244,6 +255,12 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
         return "engine weights at version " + ("none (needs a seed)" if self.version is None else f"v{self.version}")
 
     # ---- lifecycle -----------------------------------------------------------------------------
+    def parse_init_info(self, payload: dict) -> DeltaSyncInitInfo:
+        return _parse(DeltaSyncInitInfo, payload, "init", self._kept())
+
+    def parse_update_info(self, payload: dict) -> DeltaSyncUpdateInfo:
+        return _parse(DeltaSyncUpdateInfo, payload, "update", self._kept())
+
     def init_transfer_engine(self, init_info: DeltaSyncInitInfo) -> None:
         self.require_authorized("init")
         check_layout_supported(self.vllm_config, self.model, self.device)
@@ -272,7 +289,6 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
 
     def update_weights(self, update_info) -> None:
         self.require_authorized("update")
-        # The base class calls torch.accelerator.synchronize(), which raises on CPU.
         self.receive_weights(self.parse_update_info(update_info or {}))
         accelerator.synchronize(self.device)
 
@@ -483,21 +499,36 @@ class DeltaSyncWeightTransferEngine(WeightTransferEngine[DeltaSyncInitInfo, Delt
                 sparse.append((p.name, p.indices, p.values))
         apply_sparse_many(self.views, params, sparse, undo)
         if slow:
-            from vllm.model_executor.model_loader.checkpoint_weight_patch import (CheckpointWeightPatch,
-                                                                                  load_checkpoint_weight_patches)
+            self._apply_through_loader(slow, params, undo)
 
-            self._snapshot_all(params, undo)
-            with self._loader_layout():
-                for dense in (True, False):  # vLLM refuses dense and sparse patches in one call
-                    group = [CheckpointWeightPatch(p.name, p.shape, p.dtype, p.values, p.indices)
-                             for p in slow if p.dense == dense]
-                    if group:
-                        load_checkpoint_weight_patches(self.model, group)
-            for p in slow:
-                held = self.fallback_values.get(p.name)
-                if held is not None:
-                    undo.record_view(held)
-                    apply_patch(held, p)
+    def _apply_through_loader(self, patches: list[Patch], params, undo: UndoLog) -> None:
+        """Patches of names without a loader view, through vLLM's loader (which may write anywhere:
+        every parameter's old value goes into the undo log first). The kept whole value of each
+        name is patched too; where this vLLM has no patch loader (0.23), that value is what the
+        loader is given."""
+        self._snapshot_all(params, undo)
+        loader = vllm_compat.checkpoint_patch_loader()
+        held = {}
+        for p in patches:
+            value = self.fallback_values.get(p.name)
+            if value is None and loader is None:
+                raise DeltaSyncError(f"{p.name}: this vLLM has no patch loader and no whole value of the tensor "
+                                     "was kept (it was not seeded through vLLM's loader on this worker)",
+                                     kept=self._kept())
+            if value is not None:
+                undo.record_view(value)
+                apply_patch(value, p)
+                held[p.name] = value
+        with self._loader_layout():
+            if loader is None:
+                self.model.load_weights([(p.name, held[p.name].reshape(p.shape)) for p in patches])
+                return
+            patch_cls, load = loader
+            for dense in (True, False):  # vLLM refuses dense and sparse patches in one call
+                group = [patch_cls(p.name, p.shape, p.dtype, p.values, p.indices) for p in patches
+                         if p.dense == dense]
+                if group:
+                    load(self.model, group)
 
     def _loader_layout(self):
         """The parameter layout vLLM's loader expects: on Ascend, MoE weights transposed back."""

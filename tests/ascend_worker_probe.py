@@ -1,14 +1,17 @@
 """Loads vLLM-Ascend's real ``NPUWorker`` from its source release and drives it; prints one JSON line.
 
-Run as a subprocess by ``tests/test_vllm_ascend_worker.py``: importing the worker module edits
+Run as a subprocess by ``tests/test_vllm_ascend_worker.py``, in each vLLM environment of the suite
+(vLLM 0.23, which vLLM-Ascend 0.23.0.post1 builds on, and 0.32): importing the worker module edits
 torch._dynamo's global rule tables and the stubs below fill ``sys.modules``, so no test process
 keeps either.
 
 What is real: ``vllm_ascend/worker/worker.py`` as released (read from the sdist fetched by
-``launchers/fetch_vllm_ascend.py``), vLLM's ``WorkerBase`` and the rest of vLLM it imports, the
-delta-sync plugin and its engine. What is stubbed (named so): ``torch_npu`` and every other
-``vllm_ascend`` module the worker imports (they need an NPU, CANN and compiled kernels), as
-modules whose attributes are empty placeholder classes.
+``launchers/fetch_releases.py``), vLLM's ``WorkerBase`` and the rest of vLLM it imports, the
+delta-sync plugin and its receiver, and a tiny Qwen3 model loaded by a real in-process vLLM engine on
+CPU, whose model runner and config the ``NPUWorker`` is given. What is stubbed (named so): ``torch_npu``
+and every other ``vllm_ascend`` module the worker imports (they need an NPU, CANN and compiled
+kernels), as modules whose attributes are empty placeholder classes; ``NPUWorker.__init__`` (it binds
+an NPU) is skipped and the attributes the plugin reads are set instead.
 """
 
 from __future__ import annotations
@@ -23,10 +26,13 @@ import types
 import torch
 
 TARGET = "vllm_ascend.worker.worker"
+#: vLLM-Ascend's fused MoE (its unquantized method transposes w13/w2 after loading)
+FUSED_MOE = "vllm_ascend.ops.fused_moe.fused_moe"
 
 
 class StubModule(types.ModuleType):
-    """A placeholder module: every attribute is an empty class named after it."""
+    """A placeholder module: every attribute is an empty class named after it, unless the test
+    gave the attribute a value (``AscendSourceFinder(values=...)``)."""
 
     __path__: list[str] = []
 
@@ -39,45 +45,76 @@ class StubModule(types.ModuleType):
 
 
 class AscendSourceFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Serves ``vllm_ascend.worker.worker`` from the archive and stubs torch_npu / vllm_ascend.*."""
+    """Serves the named vLLM-Ascend modules from the release archive (``real``: module -> archive
+    member) and stubs torch_npu and every other vllm_ascend module; ``values`` sets attributes of
+    stubbed modules (module -> {name: value})."""
 
-    def __init__(self, source: str, origin: str):
-        self.source, self.origin = source, origin
+    def __init__(self, archive: str, real: dict[str, str], values: dict[str, dict] | None = None):
+        with tarfile.open(archive) as tar:
+            self.sources = {m: (tar.extractfile(member).read().decode(), f"{archive}!{member}")
+                            for m, member in real.items()}
+        self.values = values or {}
 
     def find_spec(self, name, path, target=None):
         if name.split(".")[0] in ("torch_npu", "vllm_ascend"):
-            spec = importlib.util.spec_from_loader(name, self, is_package=name != TARGET)
-            if name == TARGET:
-                spec.origin = self.origin
+            spec = importlib.util.spec_from_loader(name, self, is_package=name not in self.sources)
+            if name in self.sources:
+                spec.origin = self.sources[name][1]
             return spec
         return None
 
     def create_module(self, spec):
-        return None if spec.name == TARGET else StubModule(spec.name)
+        if spec.name in self.sources:
+            return None
+        module = StubModule(spec.name)
+        for attr, value in self.values.get(spec.name, {}).items():
+            setattr(module, attr, value)
+        return module
 
     def exec_module(self, module):
-        if module.__name__ == TARGET:
-            module.__file__ = self.origin
-            exec(compile(self.source, self.origin, "exec"), module.__dict__)
+        if module.__name__ in self.sources:
+            source, origin = self.sources[module.__name__]
+            module.__file__ = origin
+            exec(compile(source, origin, "exec"), module.__dict__)
 
 
 def load_npu_worker(archive: str, member: str):
-    with tarfile.open(archive) as tar:
-        source = tar.extractfile(member).read().decode()
-    sys.meta_path.insert(0, AscendSourceFinder(source, f"{archive}!{member}"))
+    sys.meta_path.insert(0, AscendSourceFinder(archive, {TARGET: member}))
     return importlib.import_module(TARGET).NPUWorker
 
 
-def main(archive: str, member: str, plugin_first: bool) -> dict:
+class NPUWorkerRPC:
+    """``collective_rpc`` onto one worker object, as vLLM's uni-process executor does for its one
+    worker: what an in-process engine client calls."""
+
+    def __init__(self, worker):
+        self.worker = worker
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        return [getattr(self.worker, method)(*args, **(kwargs or {}))]
+
+    def reset_prefix_cache(self):
+        return True
+
+
+def main(archive: str, member: str, plugin_first: bool, kind: str = "dense") -> dict:
     import os
-    from types import SimpleNamespace
 
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    import vllm
     import vllm.model_executor.model_loader.reload as reload
+    from vllm import LLM
 
-    from delta_sync.auth import AuthError, Signer, load_secret
+    from delta_sync.auth import AuthError
+    from delta_sync.engines import InProcessEngine
+    from delta_sync.sync import WeightSync
+    from launchers.checkpoints import build
     from patches.vllm_plugin import _GATED, register
 
-    out: dict = {}
+    from .engine_helpers import close_llm, evolve, load_state
+    from .engine_runner import engine_kwargs
+
+    out: dict = {"vllm": vllm.__version__}
     if plugin_first:  # as vLLM does: general plugins load before the worker class is resolved
         register()
     NPUWorker = load_npu_worker(archive, member)
@@ -98,16 +135,12 @@ def main(archive: str, member: str, plugin_first: bool) -> dict:
     reload.initialize_layerwise_reload = lambda *a, **k: reloads.append("initialize")
     reload.finalize_layerwise_reload = lambda *a, **k: reloads.append("finalize")
 
-    from patches.vllm_receiver import DeltaSyncWeightTransferEngine
-
-    os.environ["DELTA_SYNC_SECRET"] = "s" * 64
-    model = torch.nn.Linear(4, 4)
-    cfg = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1, data_parallel_index=0),
-                          model_config=None)
-    engine = DeltaSyncWeightTransferEngine(SimpleNamespace(backend="delta_sync"), cfg, torch.device("cpu"), model)
-    w = NPUWorker.__new__(NPUWorker)  # NPUWorker.__init__ needs an NPU; its lifecycle needs only these
-    w.weight_transfer_engine, w._weight_update_active, w._is_checkpoint_format = engine, False, True
-    w.device, w.model_runner = torch.device("cpu"), SimpleNamespace(model=model)
+    path = build(kind)
+    llm = LLM(model=str(path), **engine_kwargs())  # delta-sync switched on: checkpoint-layout weights
+    loaded = llm.llm_engine.model_executor.driver_worker.worker
+    w = NPUWorker.__new__(NPUWorker)  # NPUWorker.__init__ binds an NPU; the plugin reads only these
+    w.vllm_config, w.model_config, w.model_runner = loaded.vllm_config, loaded.model_config, loaded.model_runner
+    w.device, w.weight_transfer_engine = torch.device("cpu"), None
 
     refused = {}
     for name, args in (("start_weight_update", ()), ("update_weights", ({},)), ("finish_weight_update", ()),
@@ -121,19 +154,44 @@ def main(archive: str, member: str, plugin_first: bool) -> dict:
             refused[name] = f"{type(e).__name__}: {e}"[:200]
     out["native_calls"] = refused
     out["reloads_after_native_calls"] = list(reloads)
+    out["receiver_before_signed_calls"] = "_delta_sync_receiver" in w.__dict__
 
-    signer = Signer(load_secret())
-    steps = {}
-    for method in ("start", "finish"):
-        try:
-            steps[method] = w.delta_sync_call(json.dumps(signer.sign(method, {})))
-            steps[method + "_active_after"] = w._weight_update_active
-        except Exception as e:  # noqa: BLE001
-            steps[method] = f"{type(e).__name__}: {e}"[:300]
-    out["signed_calls"] = steps
+    # the trainer side as a library user runs it: a seed and two deltas over the in-process channel
+    state = load_state(path)
+    sync = WeightSync([InProcessEngine(NPUWorkerRPC(w), name="npu-worker")], mode="delta", verify_every=1)
+    kinds = []
+    for v in range(3):
+        if v:
+            evolve(state, v)
+        report = sync.update(state.items())
+        kinds.append([report.kind, report.version, bool(report.checked)])
+    out["updates"] = kinds
+    sync.verify()  # every weight's digest, read back from the live parameters, equals the trainer's
+    out["verified"] = True
+    receiver = w.__dict__["_delta_sync_receiver"]
+    params = dict(receiver.model.named_parameters())
+    out["model_is_the_workers"] = receiver.model is loaded.model_runner.get_model()
+    out["views"] = len(receiver.views)
+    out["fallback"] = sorted(receiver.fallback)
+    out["weights_equal"] = _weights_equal(receiver, params, state)
     out["reloads_after_signed_calls"] = list(reloads)
     out["status"] = w.delta_sync_status()
+    sync.close()
+    close_llm(llm)
     return out
+
+
+def _weights_equal(receiver, params, state) -> bool:
+    """Every checkpoint tensor, read back element by element through its loader view, equals the
+    trainer's bf16 value."""
+    from patches.loader_views import read_through
+
+    for name, want in state.items():
+        idx, got = read_through(receiver.views[name], params)
+        flat = want.to(torch.bfloat16).reshape(-1)
+        if idx.numel() != flat.numel() or not torch.equal(got.view(torch.int16), flat[idx].view(torch.int16)):
+            return False
+    return True
 
 
 if __name__ == "__main__":

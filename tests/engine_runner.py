@@ -19,7 +19,7 @@ def engine_kwargs(tp: int = 1, stock: bool = False) -> dict:
               seed=0, enable_prefix_caching=True, tensor_parallel_size=tp,
               distributed_executor_backend="uni" if tp == 1 else "mp")
     if not stock:
-        kw["weight_transfer_config"] = {"backend": "delta_sync"}
+        kw["additional_config"] = {"delta_sync": True}
     return kw
 
 

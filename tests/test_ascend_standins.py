@@ -1,8 +1,10 @@
-"""vLLM-Ascend layouts reproduced by stand-in modules on CPU (no NPU, torch_npu or HCCL here).
+"""vLLM-Ascend layouts on CPU (no NPU, torch_npu or HCCL here).
 
-The stand-in is named as such: it mimics vLLM-Ascend's FusedMoE, whose loader writes per-expert
-checkpoint tensors into ``w13 [E, 2I, H]`` / ``w2 [E, H, I]`` and whose post-load step transposes
-both into new contiguous storage ``[E, H, 2I]`` / ``[E, I, H]``.
+vLLM-Ascend's FusedMoE loader writes per-expert checkpoint tensors into ``w13 [E, 2I, H]`` /
+``w2 [E, H, I]``; its post-load step (``AscendUnquantizedFusedMoEMethod.process_weights_after_loading``)
+transposes both into new contiguous storage ``[E, H, 2I]`` / ``[E, I, H]``. That step is the released
+source's own (``tests/ascend_moe_probe.py`` runs it from the 0.23.0.post1 sdist, torch_npu stubbed);
+the loader is a stand-in named as such, ``StandInAscendFusedMoE.load_weights``.
 """
 
 from types import SimpleNamespace
@@ -36,9 +38,7 @@ class StandInAscendFusedMoE(torch.nn.Module):
                 self.w2_weight.data[e].copy_(w)
 
     def process_weights_after_loading(self):
-        """What vLLM-Ascend does after loading: transpose into new contiguous storage."""
-        self.w13_weight = torch.nn.Parameter(self.w13_weight.data.transpose(1, 2).contiguous(), requires_grad=False)
-        self.w2_weight = torch.nn.Parameter(self.w2_weight.data.transpose(1, 2).contiguous(), requires_grad=False)
+        raise NotImplementedError("vLLM-Ascend's own step runs here (tests/ascend_moe_probe.py)")
 
 
 def _specs():
@@ -49,28 +49,32 @@ def _specs():
     return out
 
 
-def _loaded(state):
-    m = StandInAscendFusedMoE()
-    m.load_weights(state.items())
-    m.process_weights_after_loading()
-    return m
+def check_transposed_views(layer_cls) -> dict:
+    """Loads random experts into ``layer_cls`` (a ``StandInAscendFusedMoE`` whose post-load step is
+    vLLM-Ascend's), records loader views under :func:`checkpoint_layout`, applies sparse patches,
+    undoes them and applies dense ones; says what held at each step."""
+    def loaded(state):
+        m = layer_cls()
+        m.load_weights(state.items())
+        m.process_weights_after_loading()
+        return m
 
-
-def test_transposed_moe_views_write_the_runtime_storage():
     g = torch.Generator().manual_seed(0)
     state = {n: torch.randn(s, generator=g) for n, s in _specs()}
-    model = _loaded(state)
+    model = loaded(state)
+    out = {"w13": [list(model.w13_weight.shape), model.w13_weight.is_contiguous()],
+           "w2": [list(model.w2_weight.shape), model.w2_weight.is_contiguous()]}
     before = {n: p.clone() for n, p in model.named_parameters()}
     specs = [(n, s, torch.float32) for n, s in _specs()]
     # without the adaptation the loader's narrow/copy does not fit the transposed parameter
     _, unsupported = probe_views(model, specs)
-    assert len(unsupported) == len(specs)
+    out["unsupported_without_adaptation"] = len(unsupported)
     with checkpoint_layout(model) as swapped:
-        assert swapped == ["StandInAscendFusedMoE.w13_weight", "StandInAscendFusedMoE.w2_weight"]
+        out["swapped"] = swapped
         views, unsupported = probe_views(model, specs)
-    assert not unsupported
-    assert model.w13_weight.shape == (E, H, 2 * I)  # runtime parameters restored after probing
-    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # probing wrote nothing
+    out["unsupported"] = len(unsupported)
+    out["restored_after_probe"] = model.w13_weight.shape == (E, H, 2 * I) and all(
+        torch.equal(p, before[n]) for n, p in model.named_parameters())  # probing wrote nothing
     params = dict(model.named_parameters())
     new = {n: t.clone() for n, t in state.items()}
     undo = UndoLog()
@@ -79,13 +83,45 @@ def test_transposed_moe_views_write_the_runtime_storage():
         idx = torch.randperm(flat.numel(), generator=g)[: flat.numel() // 7].sort().values
         flat[idx] = torch.randn(idx.numel(), generator=g)
         apply_sparse(views[n], params, idx.to(torch.int32), flat[idx], undo)
-    ref = _loaded(new)
-    assert torch.equal(model.w13_weight, ref.w13_weight) and torch.equal(model.w2_weight, ref.w2_weight)
+    ref = loaded(new)
+    out["sparse_equal"] = torch.equal(model.w13_weight, ref.w13_weight) and torch.equal(model.w2_weight, ref.w2_weight)
     undo.restore()
-    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    out["undone"] = all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     for n, t in new.items():
         apply_dense(views[n], params, t, None)
-    assert torch.equal(model.w13_weight, ref.w13_weight) and torch.equal(model.w2_weight, ref.w2_weight)
+    out["dense_equal"] = torch.equal(model.w13_weight, ref.w13_weight) and torch.equal(model.w2_weight, ref.w2_weight)
+    return out
+
+
+@pytest.mark.receiver
+def test_vllm_ascends_own_post_load_layout_is_patched_through_transposed_views():
+    """vLLM-Ascend 0.23.0.post1's post-load step, run from its release: the views recorded against the
+    transposed storage write exactly what a fresh load of the patched experts gives; with fused MC2
+    its NZ cast and per-expert copies are refused by name."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from launchers.fetch_releases import fetch
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-m", "tests.ascend_moe_probe", str(fetch())], cwd=root,
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    if "import_error" in got and not got["vllm"].startswith("0.23."):
+        pytest.skip(f"vLLM-Ascend 0.23.0.post1 imports vLLM 0.23's modules (this is vLLM {got['vllm']}: "
+                    f"{got['import_error']}); it runs in .venv-vllm023")
+    print("vLLM", got["vllm"], got["method"])
+    assert got["method"] == "vllm_ascend.ops.fused_moe.fused_moe.AscendUnquantizedFusedMoEMethod"
+    assert got["nd"] == {"w13": [[E, H, 2 * I], True], "w2": [[E, I, H], True],
+                         "unsupported_without_adaptation": 3 * E,
+                         "swapped": ["RealPostLoad.w13_weight", "RealPostLoad.w2_weight"], "unsupported": 0,
+                         "restored_after_probe": True, "sparse_equal": True, "undone": True, "dense_equal": True}
+    assert "w13_weight is stored as FRACTAL_NZ" in got["refusals"]["mc2=1,eplb=False"]
+    assert "w13_weight_list is a second copy of the weights" in got["refusals"]["mc2=1,eplb=True"]
 
 
 def test_nz_weights_are_refused_with_the_setting():
@@ -116,7 +152,8 @@ def test_worker_methods_reach_a_worker_class_that_is_not_vllms_gpu_worker():
     assert not issubclass(StandInNPUWorker, Worker)
     for method in ("delta_sync_call", "delta_sync_status"):
         assert callable(getattr(StandInNPUWorker, method, None)), method
-    w = StandInNPUWorker.__new__(StandInNPUWorker)  # no engine configured: a clear answer, not an error
+    w = StandInNPUWorker.__new__(StandInNPUWorker)  # delta-sync not switched on: a clear answer, not an error
     assert w.delta_sync_status() == {"version": None, "needs_seed": True, "partial": False}
-    with pytest.raises(RuntimeError, match="no delta_sync weight transfer"):
+    with pytest.raises(RuntimeError, match="delta-sync is not switched on for this engine"):
         w.delta_sync_call("{}")
+    assert "_delta_sync_receiver" not in w.__dict__

