@@ -6,8 +6,9 @@
 # `--trainer-ranks 4 --tp 2 --pp 2 --ep 2` on the tiny MoE and checks the engine against a fresh one);
 # this script only changes the devices, the model and the engine settings below. It has not been
 # run on NPUs by this project: needs torch_npu + CANN, vllm-ascend, MindSpeed (Megatron on Ascend).
-# vllm-ascend must be a release on vLLM >= 0.32's weight-transfer API; on 0.23.0.post1 (the newest
-# published) the engine refuses to start with delta-sync (README: Supported versions).
+# The engine is the released vLLM-Ascend 0.23.0.post1, which runs on vLLM 0.23.0 (torch 2.10.0,
+# torch_npu 2.10.0.post4, CANN 9.1.0); delta-sync installs into that environment with its
+# `ascend-engine` extra (README: Supported versions). The trainer's environment is its own.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 MODEL=${MODEL:?path to the Qwen3-30B-A3B Hugging Face checkpoint}
@@ -43,21 +44,20 @@ ENGINE_HCCL_BASE_PORT=${ENGINE_HCCL_BASE_PORT:-62000}
 
 start_engine() {  # $1: checkpoint directory. The synced engine, and later the fresh one, exactly alike. ASCEND_RT_VISIBLE_DEVICES restricts this process's cards
   # (ASCEND_VISIBLE_DEVICES is the container runtime's knob, not this one).
-  # VLLM_SERVER_DEV_MODE=1: exposes /pause, /start_weight_update, /update_weights,
-  #   /finish_weight_update, /resume, which the trainer drives.
+  # VLLM_SERVER_DEV_MODE=1: exposes /pause, /resume and /collective_rpc, which the trainer drives.
   # --tensor-parallel-size 2 --enable-expert-parallel: rollout TP2, experts split over the 2 cards (EP2);
   #   pipeline parallel stays 1 and dynamic EPLB off: loader views need a fixed layout.
   # --enforce-eager: ACL graphs capture weight addresses; in-place updates keep them, graphs are not needed.
   # weight_nz_mode 0 / rl_config: ND weights (FRACTAL_NZ tiles have no affine loader view; the receiver
   #   refuses NZ by name); no fp32 shadow copies or fused MC2 expert lists, which a patch would not update.
-  # --weight-transfer-config backend delta_sync: the receiver registered by this package's vLLM plugin.
+  # "delta_sync": true in --additional-config: switches on this package's vLLM plugin (the signed
+  #   delta_sync_call and its receiver on every worker); no --weight-transfer-config (a second writer).
   ASCEND_RT_VISIBLE_DEVICES=4,5 HCCL_IF_BASE_PORT=$ENGINE_HCCL_BASE_PORT \
   VLLM_SERVER_DEV_MODE=1 \
     python -m vllm.entrypoints.openai.api_server --model "$1" --served-model-name m --host "$ENGINE_HOST" --port "$ENGINE_PORT" \
       --tensor-parallel-size 2 --enable-expert-parallel \
       --enforce-eager \
-      --additional-config '{"weight_nz_mode": 0, "rl_config": {"enabled": true}}' \
-      --weight-transfer-config '{"backend": "delta_sync"}' &
+      --additional-config '{"delta_sync": true, "weight_nz_mode": 0, "rl_config": {"enabled": true}}' &
   engine_pid=$!
   trap 'kill $engine_pid 2>/dev/null || true' EXIT
   until curl -sf "$ENGINE_URL/health" >/dev/null; do

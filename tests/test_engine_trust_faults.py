@@ -47,6 +47,7 @@ def _post(url: str, body: dict) -> tuple[int, str]:
         return e.code, e.read().decode()
 
 
+@pytest.mark.receiver
 def test_strangers_are_refused_and_the_trainer_keeps_its_channel(server):
     base = server.base
     state = load_state(server.path)
@@ -96,6 +97,7 @@ def test_strangers_are_refused_and_the_trainer_keeps_its_channel(server):
     sync.close()
 
 
+@pytest.mark.receiver
 @pytest.mark.parametrize("where", ["send", "finish"])
 def test_trainer_sigkilled_mid_update_engine_serves_previous_version(server, where):
     """``send``: killed while the workers receive a staged delta (the engine still serves);

@@ -125,6 +125,7 @@ def test_ddp_and_fsdp2_trainers_equal_their_exports(tmp_path, dense_server):
         assert engine_differs_from(base, load_state(tmp_path / parallel)) == [], parallel
 
 
+@pytest.mark.receiver
 def test_readme_example_runs_as_written(tmp_path):
     readme = (ROOT / "README.md").read_text()
     code = re.search(r"<!-- example -->\n```python\n(.*?)```", readme, re.S).group(1)

@@ -145,6 +145,13 @@ def test_npu_script_flags_exist_and_fail_here_only_for_want_of_npus():
         equivalence_main(["--phase", "fresh"])
     with pytest.raises(SystemExit, match="sparse_hccl needs NPU devices.*use sparse_gloo"):
         resolve_update_weight_args(args)
+    # the engine half: delta-sync switched on for the released vLLM-Ascend, ND weights, one writer
+    import re
+
+    text = (ROOT / "launchers" / "run-qwen3-30B-A3B-npu.sh").read_text()
+    engine_cfg = json.loads(re.search(r"--additional-config '([^']*)'", text).group(1))
+    assert engine_cfg["delta_sync"] is True and engine_cfg["weight_nz_mode"] == 0
+    assert not [ln for ln in text.splitlines() if ln.strip().startswith("--weight-transfer-config")]
 
 
 def test_sparse_hccl_without_npus_fails_at_start(tmp_path):
