@@ -60,6 +60,17 @@ def ensure_secret() -> str:
     return os.environ[ENV]
 
 
+#: the HTTP header that carries a signed envelope for a route the engine's API server guards
+#: (``/pause``, ``/resume``, ``/sleep``, ``/wake_up``: ``patches/vllm_http_guard.py``)
+ROUTE_HEADER = "X-Delta-Sync-Call"
+
+
+def route_call(path: str, query: dict | None = None) -> dict:
+    """What a signed call to an HTTP route signs: the route and its query, nothing else (the
+    guarded routes take no body)."""
+    return {"method": f"route:{path}", "payload": {"query": {str(k): str(v) for k, v in (query or {}).items()}}}
+
+
 def canonical(payload: dict) -> bytes:
     return json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
 
@@ -91,6 +102,11 @@ class Signer:
         nonce = self.nonce()
         return {"method": method, "payload": payload, "nonce": nonce,
                 "mac": mac(self._key, method.encode(), nonce.encode(), canonical(payload))}
+
+    def sign_route(self, path: str, query: dict | None = None) -> str:
+        """The :data:`ROUTE_HEADER` value for a POST to ``path`` with ``query``."""
+        call = route_call(path, query)
+        return json.dumps(self.sign(call["method"], call["payload"]))
 
     def channel_token(self, nonce: str) -> str:
         return channel_token(self._key, nonce)

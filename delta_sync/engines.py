@@ -17,7 +17,7 @@ import time
 import urllib.parse
 from typing import Protocol
 
-from .auth import Signer, load_secret
+from .auth import ROUTE_HEADER, Signer, load_secret
 from .errors import EngineError
 
 
@@ -140,13 +140,18 @@ class HttpEngine(_SignedEngine):
         for conn, _ in idle:
             conn.close()
 
-    def _post(self, path: str, body: dict | None = None, query: dict | None = None):
+    def _post(self, path: str, body: dict | None = None, query: dict | None = None, signed: bool = False):
+        """POST ``body`` to ``path``; ``signed``: with this trainer's signature of the route and query
+        (the routes a delta-sync engine's API server guards: pause, resume)."""
         url = self._prefix + path + ("?" + urllib.parse.urlencode(query) if query else "")
         data = json.dumps(body or {}).encode()
+        headers = {"Content-Type": "application/json"}
         conn, reused = self._connection()
         while True:
+            if signed:  # a fresh nonce per attempt: a retried request is not a replay
+                headers[ROUTE_HEADER] = self._signer.sign_route(path, query)
             try:
-                conn.request("POST", url, body=data, headers={"Content-Type": "application/json"})
+                conn.request("POST", url, body=data, headers=headers)
                 r = conn.getresponse()
                 raw = r.read()
                 break
@@ -187,14 +192,14 @@ class HttpEngine(_SignedEngine):
         self._cleared = False
 
     def pause(self, mode: str = "wait") -> None:
-        self._post("/pause", query={"mode": mode})
+        self._post("/pause", query={"mode": mode}, signed=True)
         # vLLM's "wait" and "abort" pauses clear the KV and prefix caches once drained, and a paused
         # engine schedules nothing: the caches stay empty until resume
         self._cleared = mode != "keep"
 
     def resume(self) -> None:
         self._cleared = False
-        self._post("/resume")
+        self._post("/resume", signed=True)
 
     def reset_prefix_cache(self) -> None:
         """Drop cached KV of the old weights (one call; none after a pause that already cleared it)."""

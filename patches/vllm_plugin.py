@@ -55,6 +55,9 @@ def register() -> None:
         vllm_cpu_layout.install()
     _patch_worker()
     _install_pause_lease()
+    from . import vllm_http_guard
+
+    vllm_http_guard.install()
     spin = os.environ.get(SPIN_ENV)
     if spin:
         _cap_shm_spin(float(spin))
@@ -224,7 +227,7 @@ def delta_sync_call(self, request: str = "{}"):
     handler = _HANDLERS.get(method)
     if handler is None and method != "release":
         raise ValueError(f"unknown delta_sync_call method {method!r}")
-    if not receiver.claim(method, verifier.session):
+    if method not in _READ_ONLY and not receiver.claim(method, verifier.session):
         return {"released": True}
     with receiver.authorized(version=payload.get("version") if method == "finish" else None), _config(self), \
             gc_held():  # the CPU worker's heap is not frozen: no full GC pass lands in a call
@@ -294,6 +297,8 @@ def _on_report(worker, receiver, payload: dict):
     return receiver.report(digests=bool(payload.get("digests")), names=payload.get("names"))
 
 
+#: verified methods that read and write nothing: a monitor's call neither takes nor renews the trainer's claim
+_READ_ONLY = ("report",)
 #: what each verified method does on the worker (``release`` only ends the trainer's claim)
 _HANDLERS = {"init": _on_init, "start": _on_start, "update": _on_update, "finish": _on_finish,
              "discard": _on_discard, "report": _on_report}
@@ -320,10 +325,12 @@ def _install_pause_lease() -> None:
     for the lease (``DELTA_SYNC_PAUSE_LEASE_S``), unless a seed/full update was cut off after it
     started writing (then it stays paused: serving half-written weights is worse than not serving).
 
-    The trainer holds the lease simply by working: every call it makes (``collective_rpc``,
-    which carries all weight-transfer calls) renews it, and a long update holds it while in flight.
-    A trainer SIGKILLed after ``/pause`` (or a stranger's ``/pause``) therefore costs at most one
-    lease of serving time."""
+    The trainer holds the lease simply by working: every ``delta_sync_call`` of its that succeeds
+    renews it (over HTTP the API server verified its signature first: ``patches/vllm_http_guard.py``;
+    other RPCs renew nothing), and a long update holds it while in flight. A trainer SIGKILLed after
+    ``/pause`` therefore costs at most one lease of serving time. The engine stays paused past the
+    lease where resuming would serve weights no update settled: a cut-off seed/full update, workers
+    on different versions, or a status call that fails (logged, not fatal to the watcher)."""
     try:
         from vllm.v1.engine.async_llm import AsyncLLM
     except Exception:  # no async engine in this vLLM build: nothing to lease
@@ -374,13 +381,15 @@ def _lease_methods(cls) -> None:
         mode = _commit_mode(args, kwargs)
         if mode is not None:  # pause here, in this process, rather than in a call of its own
             await self.pause_generation(mode=mode, clear_cache=True)
+        if kwargs.get("method", args[0] if args else None) != "delta_sync_call":
+            return await rpc(self, *args, **kwargs)  # only the trainer's calls hold the lease
         st = _lease_state(self)
         st["in_flight"] = st.get("in_flight", 0) + 1
         try:
             out = await rpc(self, *args, **kwargs)
         finally:
             st["in_flight"] -= 1
-            st["last"] = time.monotonic()
+        st["last"] = time.monotonic()  # renewed by a call that succeeded (HTTP ones were verified first)
         if mode is not None:  # the workers took the version: serve it (a failure above stays paused)
             if mode == "keep":  # frozen requests kept their KV of the old weights
                 await self.reset_prefix_cache()
@@ -441,10 +450,25 @@ def _lease_state(llm) -> dict:
     return st
 
 
+def _keep_paused_because(status) -> str | None:
+    """Why a paused engine must not resume on its own, from its workers' ``delta_sync_status``
+    (None: it may): a cut-off seed/full update, or workers on different versions (a finish that
+    failed on some of them), or no answer."""
+    status = [s for s in status or [] if s]
+    if not status:
+        return "no worker answered the status call"
+    if any(s.get("partial") for s in status):
+        return "a seed/full update was cut off mid-write"
+    versions = {s.get("version") for s in status}
+    if len(versions) > 1:
+        return f"the workers hold different versions ({', '.join(sorted(map(str, versions)))})"
+    return None
+
+
 async def _watch(llm, lease: float, resume, rpc) -> None:
     """Runs while the engine is paused; ``resume``/``rpc`` are vLLM's own (they do not renew the lease)."""
     st = _lease_state(llm)
-    warned = False
+    warned: str | None = None
 
     def held() -> bool:  # a trainer call is in flight or ended within the lease
         return bool(st["in_flight"]) or time.monotonic() - st["last"] < lease
@@ -455,15 +479,20 @@ async def _watch(llm, lease: float, resume, rpc) -> None:
             return
         if held():
             continue
-        status = await rpc(llm, "delta_sync_status")
+        try:
+            status = await rpc(llm, "delta_sync_status")
+        except Exception as e:  # noqa: BLE001 - the watcher must not die: it fails closed, loudly
+            status, why = None, f"the workers' status call failed ({type(e).__name__}: {e})"
+        else:
+            why = _keep_paused_because(status)
         if held():
             continue  # a trainer call came in meanwhile: the lease is renewed, not expired
         idle = time.monotonic() - st["last"]
-        if any(s and s.get("partial") for s in status or []):
-            if not warned:
-                log.error("delta-sync: pause lease expired (%.0f s without a trainer call), but a seed/full "
-                          "update was cut off mid-write: staying paused until a trainer sends a seed", idle)
-                warned = True
+        if why is not None:
+            if warned != why:
+                log.error("delta-sync: pause lease expired (%.0f s without a trainer call), but %s: staying "
+                          "paused until a trainer's update settles it", idle, why)
+                warned = why
             continue
         versions = sorted({str(s.get("version")) for s in status or [] if s})
         log.warning("delta-sync: pause lease expired (%.0f s without a trainer call); resuming on version %s",

@@ -112,3 +112,72 @@ def test_receiver_refuses_forged_or_oversized_headers(case):
     results = run_ranks(_keyed_node, 2, free_port(), case, init_world=False, timeout=90)
     assert results[0] == "sent"
     assert ("MAC does not match" if case == "forged" else "out of bounds") in results[1]
+
+
+def test_the_api_server_guard_signs_or_refuses_before_the_app_runs():
+    """``DeltaSyncGuard`` in front of an app that records what reached it: a signed /pause with its
+    query passes once (a replay, another query or another route is refused), unsigned control routes
+    and vLLM's weight routes never reach the app, /collective_rpc passes the body on untouched for
+    the plugin's methods and refuses any other worker method unless an operator allows it."""
+    import asyncio
+    import json
+
+    from delta_sync.auth import ROUTE_HEADER, Signer, Verifier
+    from patches.vllm_http_guard import DeltaSyncGuard
+
+    key = b"k" * 32
+    reached = []
+
+    async def app(scope, receive, send):
+        body = (await receive()).get("body", b"")
+        reached.append((scope["path"], body))
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    guard = DeltaSyncGuard(app, verifier=Verifier(key))
+
+    def call(path, body=b"", header=None, query=b""):
+        scope = {"type": "http", "method": "POST", "path": path, "query_string": query,
+                 "headers": [(ROUTE_HEADER.lower().encode(), header.encode())] if header else []}
+        sent = []
+
+        async def receive():
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        async def send(message):
+            sent.append(message)
+
+        asyncio.run(guard(scope, receive, send))
+        status = sent[0]["status"]
+        return status, (json.loads(sent[1]["body"])["error"]["message"] if status != 200 else "")
+
+    signer = Signer(key)
+    pause = signer.sign_route("/pause", {"mode": "wait"})
+    assert call("/pause", header=pause, query=b"mode=wait") == (200, "")
+    status, msg = call("/pause", header=pause, query=b"mode=wait")
+    assert status == 401 and "already used" in msg
+    status, msg = call("/pause", header=signer.sign_route("/pause", {"mode": "wait"}), query=b"mode=abort")
+    assert status == 401 and "not this request" in msg
+    status, msg = call("/resume", header=signer.sign_route("/pause"))
+    assert status == 401 and "signature is for route:/pause" in msg
+    for path in ("/pause", "/resume", "/sleep", "/wake_up"):
+        status, msg = call(path)
+        assert status == 401 and "needs the trainer's signature" in msg, path
+    for path in ("/update_weights", "/start_weight_update", "/update_weight_version"):
+        assert call(path)[0] == 403, path
+    envelope = json.dumps(signer.sign("report", {}))
+    rpc = json.dumps({"method": "delta_sync_call", "args": [envelope]}).encode()
+    assert call("/collective_rpc", rpc) == (200, "")
+    assert reached[-1] == ("/collective_rpc", rpc)  # the app reads the body the guard read
+    assert call("/collective_rpc", rpc)[0] == 401  # replayed
+    status, msg = call("/collective_rpc", json.dumps({"method": "reload_weights"}).encode())
+    assert status == 403 and "'reload_weights' is refused" in msg
+    assert call("/collective_rpc", json.dumps({"method": "delta_sync_status"}).encode())[0] == 200
+    assert [p for p, _ in reached] == ["/pause", "/collective_rpc", "/collective_rpc"]
+    import os
+
+    os.environ["DELTA_SYNC_RPC_ALLOW"] = "reload_weights"
+    try:
+        assert call("/collective_rpc", json.dumps({"method": "reload_weights"}).encode())[0] == 200
+    finally:
+        del os.environ["DELTA_SYNC_RPC_ALLOW"]

@@ -47,16 +47,21 @@ def _post(url: str, body: dict) -> tuple[int, str]:
         return e.code, e.read().decode()
 
 
-@pytest.mark.receiver
-def test_strangers_are_refused_and_the_trainer_keeps_its_channel(server):
-    base = server.base
-    state = load_state(server.path)
+def _synced_to_v1(base: str, path):
+    """A trainer that seeded the engine and sent v1; the engine's greedy outputs at v1."""
+    state = load_state(path)
     sync = WeightSync([base])
     sync.update(state.items())
     evolve(state, 1)
     assert sync.update(state.items()).kind == "delta"
     ids = prompt_ids(base)
-    before = complete(base, ids)
+    return state, sync, ids, complete(base, ids)
+
+
+@pytest.mark.receiver
+def test_strangers_are_refused_and_the_trainer_keeps_its_channel(server):
+    base = server.base
+    state, sync, ids, before = _synced_to_v1(base, server.path)
     channel = sync.channel
     recorded = []
     trainer_invoke = sync.engines[0]._invoke
@@ -94,6 +99,91 @@ def test_strangers_are_refused_and_the_trainer_keeps_its_channel(server):
     rep = sync.update(state.items())  # same channel, same session: nothing a stranger did stuck
     assert rep.kind == "delta" and sync.channel is channel
     sync.verify()
+    sync.close()
+
+
+def _get_json(url: str):
+    with urllib.request.urlopen(url, timeout=30) as r:
+        return json.loads(r.read())
+
+
+def _paused(base: str) -> bool:
+    return bool(_get_json(base + "/is_paused")["is_paused"])
+
+
+def _message(text: str) -> str:
+    try:
+        return json.loads(text)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return text
+
+
+@pytest.mark.receiver
+def test_every_route_that_writes_pauses_or_sleeps_is_signed_or_refused(server):
+    """A stranger on the engine's network, without the secret: vLLM's worker methods through
+    /collective_rpc (reload_weights, sleep, ...), /sleep, /wake_up, /pause, /resume and vLLM's own
+    weight-transfer routes are refused by the API server (401 / 403, with what to do), nothing
+    behind them runs, and the trainer's next delta is exact."""
+    base = server.base
+    state, sync, ids, before = _synced_to_v1(base, server.path)
+    got = {}
+    for method in ("reload_weights", "load_model", "sleep", "wake_up", "update_config", "init_weight_transfer_engine"):
+        got[f"rpc {method}"] = _post(base + "/collective_rpc", {"method": method, "args": []})
+    for route in ("/sleep", "/wake_up", "/pause", "/resume", "/init_weight_transfer_engine", "/start_weight_update",
+                  "/update_weights", "/finish_weight_update", "/update_weight_version"):
+        got[route] = _post(base + route, {})
+    forged = Signer(b"x" * 32).sign_route("/pause")  # signed, but not with this engine's secret
+    req = urllib.request.Request(base + "/pause", data=b"{}", method="POST",
+                                 headers={"Content-Type": "application/json", "X-Delta-Sync-Call": forged})
+    try:
+        urllib.request.urlopen(req, timeout=30)
+        got["forged /pause"] = (200, "")
+    except urllib.error.HTTPError as e:
+        got["forged /pause"] = (e.code, e.read().decode())
+    for what, (status, text) in got.items():
+        message = _message(text)
+        if what.startswith("rpc "):
+            assert status == 403 and "refused on a delta-sync engine" in message and "DELTA_SYNC_RPC_ALLOW" in message, \
+                (what, status, text)
+        elif what in ("/sleep", "/wake_up", "/pause", "/resume"):
+            assert status == 401 and "needs the trainer's signature" in message, (what, status, text)
+        elif what == "forged /pause":
+            assert status == 401 and "does not match this engine's secret" in message, (what, status, text)
+        else:
+            assert status == 403 and "change only through the trainer's signed delta_sync_call" in message, \
+                (what, status, text)
+    assert not _paused(base)
+    assert complete(base, ids) == before and engine_differs_from(base, state) == []
+    assert _post(base + "/collective_rpc", {"method": "delta_sync_status"})[0] == 200  # read-only, open
+    evolve(state, 2)
+    assert sync.update(state.items()).kind == "delta"  # pause / resume signed by the trainer still work
+    sync.verify()
+    sync.close()
+
+
+@pytest.mark.receiver
+def test_a_seed_cut_off_mid_write_stays_paused_past_the_lease_and_refuses_a_strangers_resume(server):
+    """A trainer SIGKILLed while its seed writes in place: the engine holds half-written weights,
+    so it stays paused past the lease, an unsigned /resume is refused (401), and it serves again only
+    after the next trainer's seed, exactly."""
+    base = server.base
+    proc = subprocess.Popen([sys.executable, "-m", "tests.fault_trainer", base, str(server.path), "seed"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == -9 and "KILL seed" in out, out[-3000:]
+    time.sleep(LEASE_S + 2)
+    assert _paused(base)
+    status = HttpEngine(base).report()
+    assert all(s["partial"] and s["needs_seed"] for s in status), status
+    code, text = _post(base + "/resume", {})
+    assert code == 401 and "needs the trainer's signature" in _message(text), (code, text)
+    assert _paused(base)
+    state = load_state(server.path)
+    evolve(state, 4)
+    sync = WeightSync([base])
+    assert sync.update(state.items()).kind == "seed"
+    assert not _paused(base) and engine_differs_from(base, state) == []
+    assert all(o["token_ids"] for o in complete(base, prompt_ids(base)))
     sync.close()
 
 

@@ -496,9 +496,17 @@ def test_a_second_trainer_is_refused_while_the_first_holds_the_engine(engine):
     kind, path, llm = engine
     if kind != "dense":
         pytest.skip("claims do not depend on the model")
+    from delta_sync.engines import InProcessEngine
+
     state, first = _seeded(llm, path)
     worker = _worker_engine(llm)
+    # a monitor's report while the trainer is silent past the bound: read-only, it takes no claim
+    worker.claim_s = 0.3
+    time.sleep(0.4)
+    assert InProcessEngine(llm, name="monitor").report()[0]["version"] == first.version
     worker.claim_s = 30.0  # the suite runs with claims off (conftest); production default 60 s
+    evolve(state, 1)
+    assert first.update(state.items()).kind == "delta"  # still the trainer's engine
     second = WeightSync([llm], mode="delta")
     try:
         before = greedy(llm, PROMPTS)
@@ -506,7 +514,7 @@ def test_a_second_trainer_is_refused_while_the_first_holds_the_engine(engine):
             second.update(state.items())
         assert f"kept: engine weights at version v{first.version}" in str(e.value)
         assert greedy(llm, PROMPTS) == before and worker.version == first.version
-        evolve(state, 1)
+        evolve(state, 2)
         assert first.update(state.items()).kind == "delta"  # its channel and claim are intact
         first.close()  # releases the engine
         rep = second.update(state.items())
@@ -654,7 +662,7 @@ def test_a_commit_call_pauses_finishes_and_resumes_in_the_api_server(mode, monke
     llm = Fake(True, False)
     sent = {}
     engine = HttpEngine("http://127.0.0.1:1", secret="s" * 32)
-    monkeypatch.setattr(engine, "_post", lambda path, body=None, query=None: sent.update(path=path, body=body))
+    monkeypatch.setattr(engine, "_post", lambda path, body=None, query=None, signed=False: sent.update(path=path, body=body))
     engine.commit(3, mode)
     body = sent["body"]
     assert sent["path"] == "/collective_rpc" and body["kwargs"] == {COMMIT_KWARG: mode}
@@ -692,7 +700,7 @@ def test_http_engine_skips_the_cache_reset_a_clearing_pause_made(monkeypatch):
 
     posted: list[str] = []
     engine = HttpEngine("http://127.0.0.1:1", secret="s" * 32)
-    monkeypatch.setattr(engine, "_post", lambda path, body=None, query=None: posted.append(path))
+    monkeypatch.setattr(engine, "_post", lambda path, body=None, query=None, signed=False: posted.append(path))
     engine.reset_prefix_cache()
     for mode in ("wait", "abort", "keep"):
         engine.pause(mode)
@@ -735,6 +743,45 @@ def test_the_pause_lease_does_not_resume_under_a_trainer_call_that_came_in_meanw
 
     asyncio.run(asyncio.wait_for(_watch(llm, 0.2, resume, rpc), 10))
     assert calls == ["delta_sync_status"]
+
+
+@pytest.mark.parametrize("status,why", [
+    (RuntimeError("a worker is gone"), "status call failed (RuntimeError: a worker is gone)"),
+    ([{"version": 3, "partial": False}, {"version": 2, "partial": False}], "different versions (2, 3)"),
+    ([{"version": None, "partial": True}], "cut off mid-write"),
+])
+def test_the_pause_lease_keeps_an_unsettled_engine_paused_and_says_why(status, why, caplog):
+    """Past the lease, the watcher resumes only an engine whose workers agree on one complete
+    version; a failing status call keeps it paused too (the watcher logs and keeps watching)."""
+    import asyncio
+    import logging
+    from types import SimpleNamespace
+
+    from patches.vllm_plugin import _lease_state, _watch
+
+    calls: list = []
+    llm = SimpleNamespace()
+    polls = iter([True, True, True, False])  # paused through three watches, then resumed by a trainer
+
+    async def is_paused():
+        return next(polls)
+
+    llm.is_paused = is_paused
+    _lease_state(llm)["last"] = time.monotonic() - 60.0
+
+    async def rpc(_llm, method):
+        calls.append(method)
+        if isinstance(status, Exception):
+            raise status
+        return status
+
+    async def resume(_llm):
+        calls.append("resume")
+
+    with caplog.at_level(logging.ERROR, logger="patches.vllm_plugin"):
+        asyncio.run(asyncio.wait_for(_watch(llm, 0.05, resume, rpc), 10))
+    assert "resume" not in calls and calls.count("delta_sync_status") == 3
+    assert [r.getMessage() for r in caplog.records if why in r.getMessage()], caplog.text
 
 
 def test_a_vllm_weight_transfer_engine_beside_delta_sync_is_refused_at_init():
