@@ -4,11 +4,14 @@ The engine gets the secret when it starts (``DELTA_SYNC_SECRET`` in its environm
 gets the same one. The secret itself never travels. Every weight-transfer call (init, start,
 update, finish, discard, report) is an *envelope*::
 
-    {"method": "finish", "payload": {...}, "nonce": "<session>:<counter>", "mac": "<hex>"}
+    {"method": "finish", "payload": {...}, "nonce": "<session>:<counter>", "engine": "<id>", "mac": "<hex>"}
 
-``mac`` is HMAC-SHA256 over a domain tag, the method, the nonce and the canonical JSON of the
-payload; the engine recomputes it and compares in constant time. Nonces carry a random session id
-(one per signer) and a counter that only grows, so a recorded call cannot be replayed. The
+``mac`` is HMAC-SHA256 over a domain tag, the method, the nonce, the engine it is meant for and the
+canonical JSON of the payload; the engine recomputes it and compares in constant time. Nonces carry
+a random session id (one per signer) and a counter that only grows, so a recorded call cannot be
+replayed to the same engine; ``engine`` is the engine's identity for this boot (vLLM's
+``instance_id``, new at every start), which a verifier bound to an engine requires, so a recorded
+call is refused by a sibling engine with the same secret and by the same engine after a restart. The
 channel's rendezvous token is derived from the secret and a fresh nonce
 (:func:`channel_token`), so the token is not sent either, and bucket headers carry a MAC under it.
 """
@@ -97,26 +100,39 @@ class Signer:
         with self._lock:
             return f"{self._session}:{next(self._counter)}"
 
-    def sign(self, method: str, payload: dict | None = None) -> dict:
+    def sign(self, method: str, payload: dict | None = None, engine: str = "") -> dict:
+        """An envelope for ``method`` with ``payload``, for the engine whose identity is ``engine``."""
         payload = payload or {}
         nonce = self.nonce()
-        return {"method": method, "payload": payload, "nonce": nonce,
-                "mac": mac(self._key, method.encode(), nonce.encode(), canonical(payload))}
+        return {"method": method, "payload": payload, "nonce": nonce, "engine": engine,
+                "mac": mac(self._key, method.encode(), nonce.encode(), engine.encode(), canonical(payload))}
 
-    def sign_route(self, path: str, query: dict | None = None) -> str:
+    def sign_route(self, path: str, query: dict | None = None, engine: str = "") -> str:
         """The :data:`ROUTE_HEADER` value for a POST to ``path`` with ``query``."""
         call = route_call(path, query)
-        return json.dumps(self.sign(call["method"], call["payload"]))
+        return json.dumps(self.sign(call["method"], call["payload"], engine))
 
     def channel_token(self, nonce: str) -> str:
         return channel_token(self._key, nonce)
 
+    def identity_proven(self, challenge: str, engine: str, proof: str | None) -> bool:
+        """Did an engine holding the secret answer ``challenge`` with identity ``engine``?"""
+        return isinstance(proof, str) and hmac.compare_digest(
+            mac(self._key, b"identity", challenge.encode(), engine.encode()), proof)
+
+
+#: what a verifier bound to an engine says when a call was signed for another one (clients that see
+#: it ask the engine for its identity again: it restarted)
+OTHER_ENGINE = "was signed for engine"
+
 
 class Verifier:
-    """Engine side: checks envelopes. ``key=None`` (no secret configured) refuses every call."""
+    """Engine side: checks envelopes. ``key=None`` (no secret configured) refuses every call;
+    ``engine``: this engine's identity, which every envelope must name (None: any)."""
 
-    def __init__(self, key: bytes | None):
+    def __init__(self, key: bytes | None, engine: str | None = None):
         self._key = key
+        self.engine = engine
         self._seen: OrderedDict[str, tuple[int, set[int]]] = OrderedDict()
         self._lock = threading.Lock()
         self.session: str | None = None
@@ -134,10 +150,16 @@ class Verifier:
         payload = envelope.get("payload") or {}
         if not isinstance(payload, dict):
             raise AuthError("envelope payload is not an object", kept=kept)
-        method, nonce = envelope["method"], envelope["nonce"]
-        want = mac(self._key, method.encode(), nonce.encode(), canonical(payload))
+        method, nonce, engine = envelope["method"], envelope["nonce"], envelope.get("engine", "")
+        if not isinstance(engine, str):
+            raise AuthError(f"{method!r}: malformed engine identity", kept=kept)
+        want = mac(self._key, method.encode(), nonce.encode(), engine.encode(), canonical(payload))
         if not hmac.compare_digest(want, envelope["mac"]):
             raise AuthError(f"{method!r}: the call's MAC does not match this engine's secret", kept=kept)
+        if self.engine is not None and engine != self.engine:
+            raise AuthError(f"{method!r} {OTHER_ENGINE} {engine or '(none)'}, this is engine {self.engine}: a call "
+                            "captured on another engine with the same secret, or before this engine restarted",
+                            kept=kept)
         session, _, counter = nonce.rpartition(":")
         if not session or not counter.isdigit():
             raise AuthError(f"{method!r}: malformed nonce", kept=kept)
@@ -157,6 +179,12 @@ class Verifier:
             self._seen[session] = (newest, seen)
             while len(self._seen) > _SESSIONS:
                 self._seen.popitem(last=False)
+
+    def prove_identity(self, challenge: str) -> str | None:
+        """This engine's answer to a client's ``challenge``: its identity, MACed (None without a secret)."""
+        if self._key is None:
+            return None
+        return mac(self._key, b"identity", challenge.encode(), (self.engine or "").encode())
 
     def channel_token(self, nonce: str) -> str:
         if self._key is None:

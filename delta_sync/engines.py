@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import http.client
 import json
+import secrets
 import threading
 import time
 import urllib.parse
 from typing import Protocol
 
-from .auth import ROUTE_HEADER, Signer, load_secret
+from .auth import OTHER_ENGINE, ROUTE_HEADER, Signer, load_secret
 from .errors import EngineError
 
 
@@ -51,11 +52,40 @@ class _SignedEngine:
 
     def __init__(self, secret: str | None):
         self._signer = Signer(load_secret(secret))
+        #: the engine's identity for this boot (every envelope names it), asked on first use
+        self._engine_id: str | None = None
 
     def _invoke(self, what: str, request: str) -> list: ...
 
+    def _status(self, challenge: str) -> list: ...
+
+    def identity(self) -> str:
+        """The engine's identity for this boot, proven by every worker with the secret."""
+        if self._engine_id is None:
+            challenge = secrets.token_hex(16)
+            statuses = [s for s in self._status(challenge) or [] if s]
+            ids = {s.get("engine") for s in statuses}
+            if len(ids) != 1 or not all(self._signer.identity_proven(challenge, s.get("engine") or "", s.get("proof"))
+                                        for s in statuses):
+                raise EngineError(self.name, f"the engine's workers did not prove one identity with this secret "
+                                  f"(identities {sorted(map(str, ids))}); is it a delta-sync engine started with "
+                                  "the same DELTA_SYNC_SECRET?", kind="identity")
+            self._engine_id = ids.pop() or ""
+        return self._engine_id
+
+    def _signed(self, send):
+        """``send(engine_id)``; once more with the identity asked anew where the engine says the call
+        was signed for another engine (it restarted since this client asked: a new boot, a new id)."""
+        try:
+            return send(self.identity())
+        except EngineError as e:
+            if OTHER_ENGINE not in str(e):
+                raise
+            self._engine_id = None
+            return send(self.identity())
+
     def _call(self, method: str, payload: dict | None = None) -> list:
-        return self._invoke(method, json.dumps(self._signer.sign(method, payload)))
+        return self._signed(lambda engine: self._invoke(method, json.dumps(self._signer.sign(method, payload, engine))))
 
     def init(self, init_info: dict) -> None:
         # the channel token stays here: the workers derive it from the secret and channel_nonce
@@ -140,16 +170,16 @@ class HttpEngine(_SignedEngine):
         for conn, _ in idle:
             conn.close()
 
-    def _post(self, path: str, body: dict | None = None, query: dict | None = None, signed: bool = False):
-        """POST ``body`` to ``path``; ``signed``: with this trainer's signature of the route and query
-        (the routes a delta-sync engine's API server guards: pause, resume)."""
+    def _post(self, path: str, body: dict | None = None, query: dict | None = None, signed: str | None = None):
+        """POST ``body`` to ``path``; ``signed`` (the engine's identity): with this trainer's signature
+        of the route and query (the routes a delta-sync engine's API server guards: pause, resume)."""
         url = self._prefix + path + ("?" + urllib.parse.urlencode(query) if query else "")
         data = json.dumps(body or {}).encode()
         headers = {"Content-Type": "application/json"}
         conn, reused = self._connection()
         while True:
-            if signed:  # a fresh nonce per attempt: a retried request is not a replay
-                headers[ROUTE_HEADER] = self._signer.sign_route(path, query)
+            if signed is not None:  # a fresh nonce per attempt: a retried request is not a replay
+                headers[ROUTE_HEADER] = self._signer.sign_route(path, query, signed)
             try:
                 conn.request("POST", url, body=data, headers=headers)
                 r = conn.getresponse()
@@ -182,24 +212,28 @@ class HttpEngine(_SignedEngine):
             raise
         return (out or {}).get("results", [])
 
+    def _status(self, challenge: str) -> list:
+        out = self._post("/collective_rpc", {"method": "delta_sync_status", "args": [challenge]})
+        return (out or {}).get("results", [])
+
     def commit(self, version: int, mode: str = "wait") -> None:
         """A delta's pause -> finish -> resume in one HTTP call: the API server (delta-sync plugin)
         pauses generation with ``mode``, runs the workers' signed finish, resets the prefix cache
         after a ``keep`` pause, and resumes. A failed finish leaves the engine paused, as
         :meth:`finish` after :meth:`pause` would; the caller decides what serves next."""
-        request = json.dumps(self._signer.sign("finish", {"version": version}))
-        self._invoke("commit", request, {COMMIT_KWARG: mode})
+        self._signed(lambda engine: self._invoke(
+            "commit", json.dumps(self._signer.sign("finish", {"version": version}, engine)), {COMMIT_KWARG: mode}))
         self._cleared = False
 
     def pause(self, mode: str = "wait") -> None:
-        self._post("/pause", query={"mode": mode}, signed=True)
+        self._signed(lambda engine: self._post("/pause", query={"mode": mode}, signed=engine))
         # vLLM's "wait" and "abort" pauses clear the KV and prefix caches once drained, and a paused
         # engine schedules nothing: the caches stay empty until resume
         self._cleared = mode != "keep"
 
     def resume(self) -> None:
         self._cleared = False
-        self._post("/resume", signed=True)
+        self._signed(lambda engine: self._post("/resume", signed=engine))
 
     def reset_prefix_cache(self) -> None:
         """Drop cached KV of the old weights (one call; none after a pause that already cleared it)."""
@@ -242,6 +276,9 @@ class InProcessEngine(_SignedEngine):
 
     def _invoke(self, what: str, request: str) -> list:
         return self._guard(what, self.llm.collective_rpc, "delta_sync_call", None, (request,))
+
+    def _status(self, challenge: str) -> list:
+        return self._guard("identity", self.llm.collective_rpc, "delta_sync_status", None, (challenge,))
 
     def pause(self, mode: str = "wait") -> None:
         pass

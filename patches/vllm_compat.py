@@ -38,19 +38,14 @@ def _attr(module: str, name: str):
 
 # ---- worker ------------------------------------------------------------------------------------
 def worker_model(worker) -> torch.nn.Module:
-    """The model a worker serves: ``worker.get_model()`` (vLLM's GPU/CPU workers and vLLM-Ascend's
-    ``NPUWorker`` in every generation; the model runner behind it moved in vLLM 0.34), else its
-    model runner's."""
-    model = None
+    """The model a worker serves: ``worker.get_model()``, which vLLM's GPU/CPU workers and
+    vLLM-Ascend's ``NPUWorker`` have in every generation supported (the model runner behind it
+    moved in vLLM 0.34; ``tests/test_vllm_static.py`` checks the method is still there)."""
     try:
-        model = worker.get_model()
-    except (AttributeError, NotImplementedError):
-        runner = getattr(worker, "model_runner", None)
-        get = getattr(runner, "get_model", None)
-        model = get() if get is not None else getattr(runner, "model", None)
-    if model is None:
-        raise RuntimeError(f"{type(worker).__name__} has no loaded model (model_runner.get_model())")
-    return model
+        return worker.get_model()
+    except (AttributeError, NotImplementedError) as e:
+        raise RuntimeError(f"{type(worker).__name__} has no loaded model to receive weights into "
+                           f"(get_model(): {type(e).__name__})") from e
 
 
 def vllm_weight_transfer(vllm_config) -> str | None:

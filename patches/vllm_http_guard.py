@@ -87,10 +87,23 @@ class DeltaSyncGuard:
         self._verifier = verifier
         self._on: bool | None = None if owner is not None else True
 
-    @property
-    def verifier(self) -> Verifier:
-        if self._verifier is None:  # refuses every signed call where no secret is configured
-            self._verifier = Verifier(load_secret(required=False))
+    async def verifier(self) -> Verifier:
+        """This engine's verifier: the secret, and the identity its workers hold for this boot (asked
+        of them once; every envelope must name it). Refuses every signed call where no secret is set."""
+        if self._verifier is None:
+            client = getattr(getattr(self.owner, "state", None), "engine_client", None)
+            if client is None:
+                raise Refusal(503, "the engine is not serving yet; nothing ran")
+            try:
+                statuses = await client.collective_rpc("delta_sync_status")
+            except Exception as e:  # noqa: BLE001 - answered as a refusal, never as an open door
+                raise Refusal(503, f"the engine's workers did not say their identity ({type(e).__name__}: {e}); "
+                                   "nothing ran") from None
+            ids = {s.get("engine") for s in statuses or [] if isinstance(s, dict)}
+            if len(ids) != 1 or not next(iter(ids)):
+                raise Refusal(503, f"the engine's workers hold no single identity ({sorted(map(str, ids))}); "
+                                   "nothing ran")
+            self._verifier = Verifier(load_secret(required=False), engine=ids.pop())
         return self._verifier
 
     def on(self) -> bool:
@@ -110,22 +123,26 @@ class DeltaSyncGuard:
                 raise Refusal(403, f"{path} is refused on a delta-sync engine: its weights change only through "
                                    "the trainer's signed delta_sync_call; nothing changed")
             if path in SIGNED_ROUTES:
-                self.check_route(path, scope)
+                self.check_route(await self.verifier(), path, scope)
             elif path == "/collective_rpc":
                 body = await _read_body(receive)
-                self.check_rpc(body)
+                if self.check_rpc(body):
+                    (await self.verifier()).check(_envelope(body))
                 receive = _replay(body, receive)
         except Refusal as r:
             return await _refuse(send, r.status, str(r))
+        except (AuthError, ValueError) as e:  # a delta_sync_call envelope that does not verify
+            return await _refuse(send, 401, str(e))
         return await self.app(scope, receive, send)
 
-    def check_route(self, path: str, scope) -> None:
+    @staticmethod
+    def check_route(verifier: Verifier, path: str, scope) -> None:
         headers = dict(scope.get("headers") or [])
         raw = headers.get(ROUTE_HEADER.lower().encode())
         query = dict(urllib.parse.parse_qsl(scope.get("query_string", b"").decode()))
         try:
             envelope = json.loads(raw) if raw else None
-            method, payload = self.verifier.check(envelope)
+            method, payload = verifier.check(envelope)
         except (AuthError, ValueError) as e:
             raise Refusal(401, f"{path} on a delta-sync engine needs the trainer's signature ({ROUTE_HEADER} "
                                f"header, made with DELTA_SYNC_SECRET by delta_sync.engines.HttpEngine): {e}") from None
@@ -133,7 +150,10 @@ class DeltaSyncGuard:
         if (method, payload) != (want["method"], want["payload"]):
             raise Refusal(401, f"{path}: the signature is for {method} {payload}, not this request; nothing changed")
 
-    def check_rpc(self, body: bytes) -> None:
+    @staticmethod
+    def check_rpc(body: bytes) -> bool:
+        """Refuses a worker method outside the allowed ones; True for a ``delta_sync_call``, whose
+        envelope the caller verifies."""
         try:
             request = json.loads(body or b"{}")
         except ValueError:
@@ -143,14 +163,13 @@ class DeltaSyncGuard:
             raise Refusal(403, f"/collective_rpc {method!r} is refused on a delta-sync engine: only the plugin's "
                                f"signed delta_sync_call and delta_sync_status run here (an operator allows others "
                                f"by name in {RPC_ALLOW_ENV}); nothing ran")
-        if method != "delta_sync_call":
-            return
-        args = request.get("args") or []
-        try:
-            envelope = json.loads(args[0]) if args and isinstance(args[0], str) else None
-            self.verifier.check(envelope)
-        except (AuthError, ValueError) as e:
-            raise Refusal(401, str(e)) from None
+        return method == "delta_sync_call"
+
+
+def _envelope(body: bytes):
+    """The envelope a ``delta_sync_call`` body carries (its first argument), or None."""
+    args = json.loads(body).get("args") or []
+    return json.loads(args[0]) if args and isinstance(args[0], str) else None
 
 
 async def _read_body(receive) -> bytes:

@@ -202,8 +202,16 @@ def _verifier(worker):
     if verifier is None:
         from delta_sync.auth import Verifier, load_secret
 
-        verifier = worker._delta_sync_verifier = Verifier(load_secret(required=False))  # refuses all without one
+        # refuses all without a secret; every call must name this engine's identity for this boot
+        verifier = worker._delta_sync_verifier = Verifier(load_secret(required=False),
+                                                          engine=engine_identity(getattr(worker, "vllm_config", None)))
     return verifier
+
+
+def engine_identity(vllm_config) -> str:
+    """The engine's identity for this boot: vLLM's ``instance_id`` as the workers hold it (made where
+    the engine core builds its config: a new one at every start; the API server asks the workers)."""
+    return str(getattr(vllm_config, "instance_id", "") or "")
 
 
 def delta_sync_call(self, request: str = "{}"):
@@ -314,9 +322,17 @@ def _config(worker):
     return set_current_vllm_config(cfg)
 
 
-def delta_sync_status(self) -> dict:
+def delta_sync_status(self, challenge: str | None = None) -> dict:
+    """Version, ``needs_seed``, ``partial`` and the engine's identity; with a client's ``challenge``,
+    also the identity's proof (a MAC under the engine secret) that clients sign their calls for."""
     receiver = _receiver(self)
-    return receiver.status() if receiver is not None else {"version": None, "needs_seed": True, "partial": False}
+    out = receiver.status() if receiver is not None else {"version": None, "needs_seed": True, "partial": False}
+    if _enabled_on(self):  # the identity is no secret; its proof answers a client's challenge
+        verifier = _verifier(self)
+        out["engine"] = verifier.engine
+        if challenge is not None:
+            out["proof"] = verifier.prove_identity(str(challenge))
+    return out
 
 
 # ---- pause lease (API server process) ----------------------------------------------------------

@@ -34,10 +34,31 @@ def test_signed_call_verifies_and_names_what_was_refused():
         env = sign.sign("start")
         bad = dict(env, nonce="nocounter")
         from delta_sync.auth import canonical, mac
-        bad["mac"] = mac(KEY, b"start", b"nocounter", canonical({}))
+        bad["mac"] = mac(KEY, b"start", b"nocounter", b"", canonical({}))
         check.check(bad)
     with pytest.raises(AuthError, match=f"started without {ENV}"):
         Verifier(None).check(sign.sign("start"))
+
+
+def test_a_call_signed_for_one_engine_is_refused_by_another():
+    """The MAC covers the engine's identity for this boot: a call captured on engine A (a sibling
+    with the same secret, or A before it restarted) is refused by engine B, naming both; a forged
+    identity breaks the MAC. Identities are proven to the client with the secret."""
+    sign = Signer(KEY)
+    a, b = Verifier(KEY, engine="1700000000000000001"), Verifier(KEY, engine="1700000000000000002")
+    call = sign.sign("finish", {"version": 3}, engine=a.engine)
+    with pytest.raises(AuthError, match="'finish' was signed for engine 1700000000000000001, this is engine "
+                                        "1700000000000000002: a call captured on another engine"):
+        b.check(dict(call))
+    assert a.check(dict(call))[0] == "finish"
+    with pytest.raises(AuthError, match="does not match"):  # relabelled for B: the MAC breaks
+        b.check(dict(sign.sign("finish", {"version": 3}, engine=a.engine), engine=b.engine))
+    with pytest.raises(AuthError, match="signed for engine \\(none\\)"):
+        b.check(sign.sign("report"))
+    assert sign.identity_proven("c1", b.engine, b.prove_identity("c1"))
+    assert not sign.identity_proven("c2", b.engine, b.prove_identity("c1"))
+    assert not sign.identity_proven("c1", a.engine, b.prove_identity("c1"))
+    assert not Signer(b"x" * 32).identity_proven("c1", b.engine, b.prove_identity("c1"))
 
 
 def test_counters_may_arrive_out_of_order_but_never_twice():

@@ -70,6 +70,9 @@ def test_strangers_are_refused_and_the_trainer_keeps_its_channel(server):
     sync.engines[0]._invoke = trainer_invoke
 
     stranger = HttpEngine(base, secret="a-stranger-guesses-wrong")
+    with pytest.raises(EngineError, match="did not prove one identity with this secret"):
+        stranger.identity()  # the engine's answer does not verify under the stranger's secret
+    stranger._engine_id = sync.engines[0].identity()  # but the identity itself is no secret
     init = {"host": "127.0.0.1", "port": free_port(), "world_size": 2, "rank_offset": 1,
             "channel_nonce": "n", "timeout_s": 5}
     refusals = {}
@@ -223,7 +226,8 @@ def test_soak_200_deltas_under_live_requests_then_engine_killed_and_restarted(se
     """200 deltas while a client streams requests; then one element is corrupted on the engine
     only, the engine is SIGKILLed mid-update and restarted on an independent export of the soaked
     weights: the trainer keeps its snapshot, the fresh engine equals the soaked one and differs
-    from the corrupted one (the fresh-checkpoint check's both verdicts), the next update seeds."""
+    from the corrupted one (the fresh-checkpoint check's both verdicts), a call captured before the
+    restart is refused after it, and the next update (signed for the new boot) seeds."""
     base = server.base
     state = load_state(server.path)
     sync = WeightSync([base])
@@ -265,6 +269,11 @@ def test_soak_200_deltas_under_live_requests_then_engine_killed_and_restarted(se
     assert errors == [] and done[0] >= 20
     assert engine_growth <= 0.05 and trainer_growth <= 0.05
     sync.verify()
+    captured = []  # a call the trainer really sent, replayed to the engine after its restart below
+    invoke = sync.engines[0]._invoke
+    sync.engines[0]._invoke = lambda what, request, *a: (captured.append(request), invoke(what, request, *a))[1]
+    sync.engines[0].report()
+    sync.engines[0]._invoke = invoke
     live = complete(base, ids)
     synced = {k: v.clone() for k, v in state.items()}
     # one element flipped on the engine only (the export below stays true): the fresh-checkpoint
@@ -296,6 +305,8 @@ def test_soak_200_deltas_under_live_requests_then_engine_killed_and_restarted(se
     # restarted on an independent export of the soaked weights: equal to the soaked engine, and
     # different from the corrupted one, first at the first generated token that differs
     server.start(export(state, server.path, tmp_path / "export"))
+    code, text = _post(base + "/collective_rpc", {"method": "delta_sync_call", "args": [captured[0]]})
+    assert code == 401 and "was signed for engine" in _message(text), (code, text)  # a new boot, a new identity
     fresh = complete(base, ids)
     assert fresh == live
     bad = equivalence.compare(corrupted_live, fresh)

@@ -66,9 +66,15 @@ def _closed(server: _Server, n: int) -> None:
         assert server.changed.wait_for(lambda: server.closed >= n, timeout=30), (server.closed, n)
 
 
+def _client(server: _Server) -> HttpEngine:
+    engine = HttpEngine(server.url, secret="s" * 32)
+    engine._engine_id = ""  # this server is no vLLM engine: the identity its calls are signed for is known
+    return engine
+
+
 def test_calls_share_a_connection_until_it_idles_past_the_limit(monkeypatch):
     server = _Server()
-    engine = HttpEngine(server.url, secret="s" * 32)
+    engine = _client(server)
     try:
         for _ in range(5):
             engine.pause("keep")
@@ -97,7 +103,7 @@ def test_calls_share_a_connection_until_it_idles_past_the_limit(monkeypatch):
 
 def test_a_server_that_closes_connections_or_goes_away(monkeypatch):
     server = _Server(close_each=True)
-    engine = HttpEngine(server.url, secret="s" * 32)
+    engine = _client(server)
     engine.resume()
     engine.resume()
     assert server.connections == 2 and not engine._idle  # "Connection: close" is honoured

@@ -47,7 +47,10 @@ def test_real_npu_worker_syncs_seed_and_deltas_through_signed_calls():
     assert got["verified"] and got["weights_equal"] and got["model_is_the_workers"]
     assert got["views"] > 0 and got["fallback"] == []
     assert got["reloads_after_signed_calls"] == []  # no layerwise reload, ever
-    assert got["status"] == {"version": 2, "needs_seed": False, "partial": False}
+    status = got["status"]
+    assert {k: status[k] for k in ("version", "needs_seed", "partial")} == {"version": 2, "needs_seed": False,
+                                                                          "partial": False}
+    assert status["engine"]  # the identity every signed call named
 
 
 def test_worker_classes_imported_before_the_plugin_are_gated_too():

@@ -75,6 +75,18 @@ def test_two_engines_share_one_channel(tp2_server):
         assert ranks == [1, 2, 3]
         assert {r["version"] for r in http.report() + sync.engines[1].report()} == {2}
         assert greedy(llm, PROMPTS)  # still serving
+        # the two engines share the secret; a call captured on one is refused by the other (its MAC
+        # binds the engine it was signed for), and nothing is written
+        captured = []
+        invoke = http._invoke
+        http._invoke = lambda what, request, *a: (captured.append(request), invoke(what, request, *a))[1]
+        http.discard()
+        http._invoke = invoke
+        with pytest.raises(Exception, match=f"was signed for engine {http.identity()}, this is engine "
+                                            f"{sync.engines[1].identity()}"):
+            llm.collective_rpc("delta_sync_call", args=(captured[0],))
+        assert http.identity() != sync.engines[1].identity()
+        assert {r["version"] for r in http.report() + sync.engines[1].report()} == {2}
         sync.close()
     finally:
         if llm is not None:
