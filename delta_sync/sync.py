@@ -366,6 +366,11 @@ class WeightSync:
             try:
                 t = _materialize(tensor.detach())
                 if self.dtype is not None and t.dtype != self.dtype:
+                    if t.dtype.is_floating_point != self.dtype.is_floating_point:  # a cast would invent values
+                        raise PatchValidationError(
+                            name, f"is {t.dtype}, not a {'floating' if self.dtype.is_floating_point else 'integer'} "
+                            f"tensor like the {self.dtype} weights: converting it would write other values; "
+                            "pass the weight itself", kept=f"engines and trainer snapshot at v{self.version}")
                     t = t.to(self.dtype)
                 if name in seen:
                     raise PatchValidationError(name, f"given twice in one update (the second time as {mname!r})",

@@ -306,6 +306,7 @@ class DeltaSyncReceiver:
                                      kept=self._kept())
             if upd.kind in BULK_KINDS:
                 self._bulk.check_complete(upd, self.shapes, self._kept())
+                self._check_every_parameter_written(upd)
             else:
                 if self.version is None or self.needs_seed:
                     raise NeedsSeed(f"delta v{upd.version} arrived but this engine has no base version",
@@ -322,6 +323,30 @@ class DeltaSyncReceiver:
                              "bulk_apply_s": self._bulk.apply_s, "placed_ranges": float(self._bulk.placed),
                              "check_s": upd.check_s}
         self._staged = upd
+
+    def _check_every_parameter_written(self, upd) -> None:
+        """A seed/full update must write every element of every parameter this worker holds (through
+        the loader views of the names it sent); an element it left out would keep the value this
+        engine loaded at start, and every digest of the names sent would still agree. Names that went
+        through vLLM's own loader write where that decides: with one of those in the update, the
+        parameters are not counted against it."""
+        if any(name in self.fallback for name in self._bulk.done):
+            return
+        written: dict[str, int] = {}
+        for name in self._bulk.done:
+            for seg in self.views[name].segments:
+                written[seg.param] = written.get(seg.param, 0) + seg.numel
+        short = [(pname, written.get(pname, 0), p.numel()) for pname, p in self._bulk.params(self.model).items()
+                 if p.numel() and written.get(pname, 0) < p.numel()]
+        if short:
+            pname, got, want = short[0]
+            others = ", ".join(n for n, _, _ in short[1:4]) + (", ..." if len(short) > 4 else "")
+            raise PatchValidationError(
+                pname, f"{upd.kind} v{upd.version} wrote {got} of this parameter's {want} elements"
+                f"{f' ({len(short) - 1} more parameter(s) short: {others})' if len(short) > 1 else ''}: the rest "
+                "would keep the values the engine loaded at start. A seed must carry every tensor the model "
+                "loads", kept="engine paused with partially written weights; needs_seed: the next update must be a "
+                "full seed")
 
     def _in_place(self) -> bool:
         """Can large bulk ranges be received straight into the parameters? Where a worker holds

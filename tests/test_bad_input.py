@@ -94,6 +94,24 @@ def test_bad_seed_is_refused_and_the_next_update_seeds(kind, match, caplog):
         sync.close()
 
 
+def test_an_integer_tensor_for_float_weights_is_refused_not_cast():
+    """``WeightSync(dtype=bf16)`` converts float tensors of another width; an integer tensor given
+    for a float weight (a user's mistake: token ids, a step counter) would be cast and written as
+    weights. It is refused, naming the tensor, and nothing is sent."""
+    state = _state()
+    receiver = MemoryReceiver()
+    sync = WeightSync([receiver], dtype=torch.bfloat16, timeout_s=60)
+    try:
+        bad = dict(state, **{"layers.2.w": torch.ones(16, 8, dtype=torch.int64)})
+        with pytest.raises(PatchValidationError, match="'layers.2.w': is torch.int64, not a floating tensor like "
+                                                       "the torch.bfloat16 weights"):
+            sync.update(bad.items())
+        assert receiver.tensors == {}
+        assert sync.update(state.items()).kind == "seed" and receiver.mismatched(state.items()) == []
+    finally:
+        sync.close()
+
+
 @pytest.mark.parametrize("kwargs,match", [({"mode": "sparse"}, "mode must be"), ({"pause_mode": "later"}, "pause_mode"),
                                           ({"drift_sweep": -1}, "drift_sweep"), ({"verify_every": -2}, "verify_every")])
 def test_bad_options_fail_at_construction(kwargs, match):

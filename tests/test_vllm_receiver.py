@@ -487,6 +487,30 @@ def test_seed_in_another_dtype_is_refused_with_the_fix(engine):
     sync.close()
 
 
+def test_a_first_seed_that_leaves_a_tensor_out_is_refused_naming_the_parameter(engine):
+    """On an engine never seeded there are no earlier names to compare with: a seed without one
+    tensor would leave that parameter at the values loaded at start while every digest agreed. The
+    engine counts what the seed wrote into each parameter and refuses it, naming the parameter; the
+    next full seed repairs it."""
+    kind, path, llm = engine
+    state = load_state(path)
+
+    def fresh_receiver(worker):  # as on an engine just started: no names, views or fallbacks known
+        worker = getattr(worker, "worker", worker)
+        worker.__dict__.pop("_delta_sync_receiver").shutdown()
+
+    llm.collective_rpc(fresh_receiver)
+    sync = WeightSync([llm])
+    left_out = "model.layers.0.self_attn.o_proj.weight"
+    with pytest.raises(EngineError, match="'model.layers.0.self_attn.o_proj.weight': seed v0 wrote 0 of this "
+                                          "parameter's [0-9]+ elements: .*every tensor the model loads"):
+        sync.update([(n, t) for n, t in state.items() if n != left_out])
+    assert sync.needs_seed
+    assert sync.update(state.items()).kind == "seed"
+    sync.verify()
+    sync.close()
+
+
 def test_a_second_trainer_is_refused_while_the_first_holds_the_engine(engine):
     """One trainer per engine: a second trainer (same secret, another session) is refused with a
     typed error and writes nothing, the first one's channel goes on; a closed WeightSync releases
@@ -662,6 +686,7 @@ def test_a_commit_call_pauses_finishes_and_resumes_in_the_api_server(mode, monke
     llm = Fake(True, False)
     sent = {}
     engine = HttpEngine("http://127.0.0.1:1", secret="s" * 32)
+    engine._engine_id = ""  # no engine behind the URL: the identity to sign for is given
     monkeypatch.setattr(engine, "_post", lambda path, body=None, query=None, signed=False: sent.update(path=path, body=body))
     engine.commit(3, mode)
     body = sent["body"]
@@ -700,6 +725,7 @@ def test_http_engine_skips_the_cache_reset_a_clearing_pause_made(monkeypatch):
 
     posted: list[str] = []
     engine = HttpEngine("http://127.0.0.1:1", secret="s" * 32)
+    engine._engine_id = ""  # no engine behind the URL: the identity to sign for is given
     monkeypatch.setattr(engine, "_post", lambda path, body=None, query=None, signed=False: posted.append(path))
     engine.reset_prefix_cache()
     for mode in ("wait", "abort", "keep"):
