@@ -169,16 +169,25 @@ def memory_free(device: torch.device | str) -> int:
     return int(free)
 
 
-def make_process_group(backend: str, store, rank: int, world_size: int, timeout, device: torch.device):
+def make_process_group(backend: str, store, rank: int, world_size: int, timeout, device: torch.device,
+                       bind: str | None = None):
     """A process group over ``store`` that is independent of torch.distributed's default group.
 
     The engine already has its own default group (vLLM TP); this one links the sender with every
-    engine worker, so it is constructed directly and never registered globally.
+    engine worker, so it is constructed directly and never registered globally. ``bind`` (gloo):
+    the local address its connections listen on; by default gloo takes the address this host's
+    name resolves to, which may be reachable from networks the channel's store was kept off.
     """
     from torch.distributed import distributed_c10d as c10d
 
     if backend == "gloo":
-        pg = c10d.ProcessGroupGloo(store, rank, world_size, timeout)
+        if bind is None:
+            pg = c10d.ProcessGroupGloo(store, rank, world_size, timeout)
+        else:
+            opts = c10d.ProcessGroupGloo._Options()
+            opts._timeout = timeout
+            opts._devices = [c10d.ProcessGroupGloo.create_device(hostname=bind)]
+            pg = c10d.ProcessGroupGloo(store, rank, world_size, opts)
     elif backend == "nccl":
         opts = c10d.ProcessGroupNCCL.Options()
         opts._timeout = timeout

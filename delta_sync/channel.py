@@ -56,6 +56,34 @@ PREAMBLE_BYTES = 64 << 10
 _SIZES = struct.Struct("<3q")  # header bytes, index count, value buffers
 
 
+def local_address_towards(host: str, port: int) -> str | None:
+    """The address of this host's interface that reaches ``host`` (``host`` itself where it is one of
+    this host's: the sender's store address); None for a wildcard host (0.0.0.0, ::), where the
+    channel leaves the choice to the backend. Gloo's connections listen on it, not on whatever this
+    host's name resolves to."""
+    import ipaddress
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+    except OSError:
+        return None
+    family, _, _, _, addr = infos[0]
+    if ipaddress.ip_address(addr[0]).is_unspecified:
+        return None
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.bind((addr[0], 0))  # one of this host's addresses (the sender's own store address)
+            return addr[0]
+        except OSError:
+            pass
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:  # connect() on UDP sends nothing
+        try:
+            probe.connect(addr)
+            return probe.getsockname()[0]
+        except OSError:
+            return None
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port free on ``host`` right now, for a server that binds it itself later (another
     process may take it first). The channel's own store does not use it: see :func:`listen`."""
@@ -141,7 +169,8 @@ class Channel:
                                f"same rank offset?)")
         _await_claims(ns, rank, world_size, timeout_s, waiting)
         try:
-            pg = accelerator.make_process_group(backend, PrefixStore("pg", ns), rank, world_size, timeout, device)
+            pg = accelerator.make_process_group(backend, PrefixStore("pg", ns), rank, world_size, timeout, device,
+                                                bind=local_address_towards(host, port) if backend == "gloo" else None)
         except Exception as e:
             raise ChannelError(f"rank {rank}: rendezvous of {world_size} ranks over {backend} failed "
                                f"({type(e).__name__}: {e}); check the token and that every engine "

@@ -202,3 +202,61 @@ def test_the_api_server_guard_signs_or_refuses_before_the_app_runs():
         assert call("/collective_rpc", json.dumps({"method": "reload_weights"}).encode())[0] == 200
     finally:
         del os.environ["DELTA_SYNC_RPC_ALLOW"]
+
+
+def _sockets_of_this_process() -> dict[str, tuple[str, str]]:
+    """inode -> (local address as /proc/net/tcp writes it, state) of this process's TCP sockets."""
+    import os
+
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    out = {}
+    for line in open("/proc/net/tcp").read().splitlines()[1:]:
+        cols = line.split()
+        if cols[9] in inodes:
+            out[cols[9]] = (cols[1].split(":")[0], cols[3])
+    return out
+
+
+def test_the_gloo_channel_listens_and_connects_only_on_the_address_it_is_given():
+    """The store was bound to the given address; gloo's own listening sockets took the address this
+    host's name resolves to (here 127.0.0.1), reachable from wherever that is. A channel given
+    127.0.0.2 now listens only there (outgoing connections keep the source address the kernel picks)."""
+    import threading
+
+    before = set(_sockets_of_this_process())
+    port, channels, errors = free_port(), {}, []
+
+    def join(rank):
+        try:
+            channels[rank] = Channel.connect("127.0.0.2", port, rank, 2, "tok", backend="gloo", timeout_s=30)
+        except Exception as e:  # noqa: BLE001 - reported by the assertion below
+            errors.append(e)
+
+    threads = [threading.Thread(target=join, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and len(channels) == 2, errors
+    x = torch.arange(4, dtype=torch.float32)
+    got = torch.zeros(4)
+    sender = threading.Thread(target=channels[0].broadcast, args=(x,))
+    sender.start()
+    channels[1].broadcast(got)
+    sender.join(30)
+    assert torch.equal(got, x)
+    listening = {inode: addr for inode, (addr, state) in _sockets_of_this_process().items()
+                 if inode not in before and state == "0A"}
+    try:
+        assert len(listening) >= 2, "the store and gloo's listeners were not seen"
+        assert set(listening.values()) == {"0200007F"}, listening  # 127.0.0.2 only
+    finally:
+        for c in channels.values():
+            c.close()
