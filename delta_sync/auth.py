@@ -68,10 +68,10 @@ def ensure_secret() -> str:
 ROUTE_HEADER = "X-Delta-Sync-Call"
 
 
-def route_call(path: str, query: dict | None = None) -> dict:
-    """What a signed call to an HTTP route signs: the route and its query, nothing else (the
-    guarded routes take no body)."""
-    return {"method": f"route:{path}", "payload": {"query": {str(k): str(v) for k, v in (query or {}).items()}}}
+def route_call(path: str, query: str = "") -> dict:
+    """What a signed call to an HTTP route signs: the route and its raw query string, exactly as sent
+    (the guarded routes take no body)."""
+    return {"method": f"route:{path}", "payload": {"query": query}}
 
 
 def canonical(payload: dict) -> bytes:
@@ -80,6 +80,12 @@ def canonical(payload: dict) -> bytes:
 
 def mac(key: bytes, *parts: bytes) -> str:
     return hmac.new(key, _TAG + b"\0".join(parts), hashlib.sha256).hexdigest()
+
+
+def identity_proof(key: bytes, challenge: str, engine: str) -> str:
+    """An engine's answer to a client's challenge, under a key of its own derived from the secret
+    (a caller chooses the challenge: nothing it gets back is a MAC any envelope could carry)."""
+    return mac(hmac.new(key, b"delta-sync/identity", hashlib.sha256).digest(), challenge.encode(), engine.encode())
 
 
 def channel_token(key: bytes, nonce: str) -> str:
@@ -107,8 +113,8 @@ class Signer:
         return {"method": method, "payload": payload, "nonce": nonce, "engine": engine,
                 "mac": mac(self._key, method.encode(), nonce.encode(), engine.encode(), canonical(payload))}
 
-    def sign_route(self, path: str, query: dict | None = None, engine: str = "") -> str:
-        """The :data:`ROUTE_HEADER` value for a POST to ``path`` with ``query``."""
+    def sign_route(self, path: str, query: str = "", engine: str = "") -> str:
+        """The :data:`ROUTE_HEADER` value for a POST to ``path`` with the raw query string ``query``."""
         call = route_call(path, query)
         return json.dumps(self.sign(call["method"], call["payload"], engine))
 
@@ -117,8 +123,7 @@ class Signer:
 
     def identity_proven(self, challenge: str, engine: str, proof: str | None) -> bool:
         """Did an engine holding the secret answer ``challenge`` with identity ``engine``?"""
-        return isinstance(proof, str) and hmac.compare_digest(
-            mac(self._key, b"identity", challenge.encode(), engine.encode()), proof)
+        return isinstance(proof, str) and hmac.compare_digest(identity_proof(self._key, challenge, engine), proof)
 
 
 #: what a verifier bound to an engine says when a call was signed for another one (clients that see
@@ -184,7 +189,7 @@ class Verifier:
         """This engine's answer to a client's ``challenge``: its identity, MACed (None without a secret)."""
         if self._key is None:
             return None
-        return mac(self._key, b"identity", challenge.encode(), (self.engine or "").encode())
+        return identity_proof(self._key, challenge, self.engine or "")
 
     def channel_token(self, nonce: str) -> str:
         if self._key is None:

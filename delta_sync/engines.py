@@ -173,13 +173,14 @@ class HttpEngine(_SignedEngine):
     def _post(self, path: str, body: dict | None = None, query: dict | None = None, signed: str | None = None):
         """POST ``body`` to ``path``; ``signed`` (the engine's identity): with this trainer's signature
         of the route and query (the routes a delta-sync engine's API server guards: pause, resume)."""
-        url = self._prefix + path + ("?" + urllib.parse.urlencode(query) if query else "")
+        raw_query = urllib.parse.urlencode(query) if query else ""
+        url = self._prefix + path + ("?" + raw_query if raw_query else "")
         data = json.dumps(body or {}).encode()
         headers = {"Content-Type": "application/json"}
         conn, reused = self._connection()
         while True:
             if signed is not None:  # a fresh nonce per attempt: a retried request is not a replay
-                headers[ROUTE_HEADER] = self._signer.sign_route(path, query, signed)
+                headers[ROUTE_HEADER] = self._signer.sign_route(path, raw_query, signed)
             try:
                 conn.request("POST", url, body=data, headers=headers)
                 r = conn.getresponse()

@@ -22,6 +22,7 @@ import json
 import os
 import subprocess
 import sys
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,7 +96,11 @@ def fetch(release: Release = ASCEND, cache: Path = CACHE) -> Path:
             continue
         dest.parent.mkdir(parents=True, exist_ok=True)
         part = dest.with_suffix(".part")
-        urllib.request.urlretrieve(entry["url"], part)
+        try:
+            urllib.request.urlretrieve(urllib.parse.urljoin(url, entry["url"]), part)
+        except OSError as e:
+            tried.append(f"{entry['url']}: {type(e).__name__}: {e}")
+            continue
         got = _sha256(part)
         if got != release.sha256:
             part.unlink()

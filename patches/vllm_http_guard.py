@@ -29,18 +29,18 @@ from __future__ import annotations
 
 import json
 import os
-import urllib.parse
 
 from delta_sync.auth import ROUTE_HEADER, AuthError, Verifier, load_secret, route_call
 
 from . import enabled
 
-#: routes that pause, resume or sleep the engine: accepted with the trainer's signature
-SIGNED_ROUTES = ("/pause", "/resume", "/sleep", "/wake_up")
-#: vLLM's own ways to write or relabel weights: a delta-sync engine takes weights only from delta_sync_call
+#: routes that pause, resume, sleep or free the engine's memory: accepted with the trainer's signature
+SIGNED_ROUTES = ("/pause", "/resume", "/sleep", "/wake_up", "/release_kv_cache_memory")
+#: vLLM's own ways to write, reset or relabel weights: a delta-sync engine takes weights only from
+#: delta_sync_call (``/weight_checker`` resets every weight with ``action=reset``)
 REFUSED_ROUTES = ("/init_weight_transfer_engine", "/start_weight_update", "/update_weights",
                   "/finish_weight_update", "/shutdown_weight_transfer_engine", "/start_draft_weight_update",
-                  "/update_weight_version", "/scale_elastic_ep")
+                  "/update_weight_version", "/scale_elastic_ep", "/weight_checker")
 #: worker methods any caller may reach through /collective_rpc (the first checks its own signature)
 OPEN_RPC = ("delta_sync_call", "delta_sync_status")
 #: comma-separated further worker methods an operator allows through /collective_rpc
@@ -117,7 +117,7 @@ class DeltaSyncGuard:
     async def __call__(self, scope, receive, send):
         if scope.get("type") != "http" or scope.get("method") != "POST" or not self.on():
             return await self.app(scope, receive, send)
-        path = scope.get("path", "").rstrip("/") or "/"
+        path = _route_path(scope)
         try:
             if path in REFUSED_ROUTES:
                 raise Refusal(403, f"{path} is refused on a delta-sync engine: its weights change only through "
@@ -139,7 +139,7 @@ class DeltaSyncGuard:
     def check_route(verifier: Verifier, path: str, scope) -> None:
         headers = dict(scope.get("headers") or [])
         raw = headers.get(ROUTE_HEADER.lower().encode())
-        query = dict(urllib.parse.parse_qsl(scope.get("query_string", b"").decode()))
+        query = scope.get("query_string", b"").decode()
         try:
             envelope = json.loads(raw) if raw else None
             method, payload = verifier.check(envelope)
@@ -159,7 +159,7 @@ class DeltaSyncGuard:
         except ValueError:
             raise Refusal(400, "/collective_rpc: the body is not JSON") from None
         method = request.get("method") if isinstance(request, dict) else None
-        if method not in allowed_rpc():
+        if not isinstance(method, str) or method not in allowed_rpc():
             raise Refusal(403, f"/collective_rpc {method!r} is refused on a delta-sync engine: only the plugin's "
                                f"signed delta_sync_call and delta_sync_status run here (an operator allows others "
                                f"by name in {RPC_ALLOW_ENV}); nothing ran")
@@ -169,7 +169,16 @@ class DeltaSyncGuard:
 def _envelope(body: bytes):
     """The envelope a ``delta_sync_call`` body carries (its first argument), or None."""
     args = json.loads(body).get("args") or []
-    return json.loads(args[0]) if args and isinstance(args[0], str) else None
+    return json.loads(args[0]) if isinstance(args, list) and args and isinstance(args[0], str) else None
+
+
+def _route_path(scope) -> str:
+    """The path the app routes on: without the server's ``root_path`` (``--root-path``: Starlette
+    strips it before matching routes, so must the guard) and without a trailing slash."""
+    path, root = scope.get("path", ""), scope.get("root_path", "")
+    if root and path.startswith(root):
+        path = path[len(root):]
+    return path.rstrip("/") or "/"
 
 
 async def _read_body(receive) -> bytes:

@@ -43,7 +43,7 @@ DEFAULT_LEASE_S = 60.0
 
 #: the lifecycle methods of vLLM's worker that a delta-sync engine serves only inside delta_sync_call
 _GATED = ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update",
-          "shutdown_weight_transfer_engine")
+          "shutdown_weight_transfer_engine", "start_draft_weight_update", "reset_weights", "reload_weights")
 
 
 def register() -> None:

@@ -173,19 +173,34 @@ def test_the_api_server_guard_signs_or_refuses_before_the_app_runs():
         return status, (json.loads(sent[1]["body"])["error"]["message"] if status != 200 else "")
 
     signer = Signer(key)
-    pause = signer.sign_route("/pause", {"mode": "wait"})
+    pause = signer.sign_route("/pause", "mode=wait")
     assert call("/pause", header=pause, query=b"mode=wait") == (200, "")
     status, msg = call("/pause", header=pause, query=b"mode=wait")
     assert status == 401 and "already used" in msg
-    status, msg = call("/pause", header=signer.sign_route("/pause", {"mode": "wait"}), query=b"mode=abort")
+    status, msg = call("/pause", header=signer.sign_route("/pause", "mode=wait"), query=b"mode=abort")
     assert status == 401 and "not this request" in msg
     status, msg = call("/resume", header=signer.sign_route("/pause"))
     assert status == 401 and "signature is for route:/pause" in msg
-    for path in ("/pause", "/resume", "/sleep", "/wake_up"):
+    for path in ("/pause", "/resume", "/sleep", "/wake_up", "/release_kv_cache_memory"):
         status, msg = call(path)
         assert status == 401 and "needs the trainer's signature" in msg, path
-    for path in ("/update_weights", "/start_weight_update", "/update_weight_version"):
+    for path in ("/update_weights", "/start_weight_update", "/update_weight_version", "/weight_checker"):
         assert call(path)[0] == 403, path
+    # behind --root-path /x, Starlette routes /x/pause to /pause: guarded the same
+    scope_root = {"type": "http", "method": "POST", "path": "/x/pause", "root_path": "/x", "query_string": b"",
+                  "headers": []}
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(guard(scope_root, receive, send))
+    assert sent[0]["status"] == 401
+    for bad in (b'{"method": []}', b'[1, 2]', b'{"method": "delta_sync_call", "args": {"a": 1}}', b"not json"):
+        assert call("/collective_rpc", bad)[0] in (400, 401, 403), bad
     envelope = json.dumps(signer.sign("report", {}))
     rpc = json.dumps({"method": "delta_sync_call", "args": [envelope]}).encode()
     assert call("/collective_rpc", rpc) == (200, "")
