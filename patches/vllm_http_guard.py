@@ -8,11 +8,12 @@ route                                     guard
                                           otherwise; the workers verify it again); ``delta_sync_status``
                                           runs (read-only); any other worker method: 403, unless an
                                           operator names it in ``DELTA_SYNC_RPC_ALLOW``
-``/pause``, ``/resume``, ``/sleep``,      the trainer's signature in the ``X-Delta-Sync-Call``
-``/wake_up``                              header (:func:`delta_sync.auth.sign_route`): 401 without
+``/pause``, ``/resume``, ``/sleep``,      the trainer's signature of the route and its raw query in
+``/wake_up``,                             the ``X-Delta-Sync-Call`` header
+``/release_kv_cache_memory``              (:meth:`delta_sync.auth.Signer.sign_route`): 401 without
 vLLM's weight-transfer routes,            403: weights change only through ``delta_sync_call``
 ``/update_weight_version``,
-``/scale_elastic_ep``
+``/scale_elastic_ep``, ``/weight_checker``
 ========================================  =========================================================
 
 Every refusal is JSON ``{"error": {"message": ..., "type": ..., "code": ...}}`` naming what to do, and
@@ -22,7 +23,8 @@ pass untouched, and so does everything on an engine without delta-sync.
 The guard wraps the middleware stack of every FastAPI app in the process (:func:`install`, from the
 plugin): where vLLM builds its app differs by generation and by how the server was started, the
 ASGI app class does not. Whether delta-sync is on is read from the app's engine client
-(``app.state.engine_client.vllm_config``) at request time.
+(``app.state.engine_client.vllm_config``) at request time; paths are matched without the server's
+``root_path``, as Starlette routes them.
 """
 
 from __future__ import annotations

@@ -210,7 +210,8 @@ def _verifier(worker):
 
 def engine_identity(vllm_config) -> str:
     """The engine's identity for this boot: vLLM's ``instance_id`` as the workers hold it (made where
-    the engine core builds its config: a new one at every start; the API server asks the workers)."""
+    the engine core builds its config: a new one at every start). The API server's own config holds
+    another, so its guard asks the workers (``patches/vllm_http_guard.py``)."""
     return str(getattr(vllm_config, "instance_id", "") or "")
 
 
