@@ -167,118 +167,116 @@ DEFINE_DIFF(32, uint32_t)
 DEFINE_DIFF_MANY(16, uint16_t)
 DEFINE_DIFF_MANY(32, uint32_t)
 
-/* Position-weighted digest lanes over signed 16-bit words, fused with a non-finite scan and,
- * optionally, a copy (see delta_sync/digest.py for the definition; the torch-op path computes
- * the same bits).
+/* Keyed digest lanes over signed 16-bit words, fused with a non-finite scan and, optionally, a
+ * copy (see delta_sync/digest.py for the definition; the torch-op path computes the same bits).
  *
- * A word's weight (a*k + c) mod p is congruent to a*k + c, so a lane is
- *     D = a * S1 + c * S0  (mod p),   S0 = sum_k w_k,   S1 = sum_k k * w_k
- * and the kernel only needs S0 and S1: two multiply-adds per 16 words (by ones and by the word's
- * position in its block), not a weight-table load and multiply per lane.
+ * Word k (= k0 + j) of lane l weighs t1[l][k % R] * t2[l][(k / R) % R] * t3[l][k / R^2] mod p[l],
+ * R = KEY_ROW, so a lane is a sum over rows of R words:
+ *     D = sum_r (sum_j w_j * t1[j] mod p) * t2[r % R] * t3[r / R]   (mod p)
+ * and the kernel's inner loop is one 16-bit multiply-add per word and lane (against the row's
+ * table, which stays in L1), reduced once per row.
  *
  *   w, n       the words and their count; word j stands at position k = k0 + j
- *   lanes      number of lanes (1..4); lane l has prime p[l], multiplier a[l], addend c[l]
+ *   lanes      number of lanes (0..4); lane l has prime p[l] and tables t1 + l*R, t2 + l*R,
+ *              t3 + l*t3_len (int16: t1 < 2**14, t2 and t3 < p); k / R^2 < t3_len (caller checks)
  *   out        lanes residues in [0, p[l])
  *   exp_mask   non-zero: count words with (w & exp_mask) == exp_mask at positions with
- *              (k - k0) % stride == phase (bf16/fp16: every word; fp32: its high word)
+ *              j % stride == phase (bf16/fp16: every word; fp32: its high word)
  *   dst        non-NULL: the words are also copied there (one read of the source for both)
  *   returns    that count (0 when exp_mask is 0)
  *
- * Exact integers throughout: within a 256-word block |sum j * w_j| < 2**31 (int32 lanes, 16
- * steps of pair sums < 2**24); blocks fold into int64 sums over a 2**16-word super-block
- * (|sum| < 2**47; with AVX2 as four int64 vector lanes, reduced once per super-block, not per
- * block), and super-blocks are reduced modulo each p.
+ * Exact integers throughout: |w * t1| < 2**15 * 2**14, so a multiply-add pair and the sum of two
+ * of them stay below 2**31 (int32), and they fold into int64 per row (|row sum| < 2**40); rows
+ * are reduced modulo p before their weight (< 2**15) multiplies them.
  */
-#define DIGEST_BLOCK 256
-#define DIGEST_SUPER 65536
+#define KEY_ROW 1024
+#define KEY_SHIFT 10
 
 static int64_t mod_p(int64_t x, int64_t p) { x %= p; return x < 0 ? x + p : x; }
 
-int64_t digest_words(const int16_t *w, int64_t n, int64_t k0, int lanes, const int64_t *p,
-                     const int64_t *a, const int64_t *c, int64_t *out, int16_t exp_mask,
-                     int64_t stride, int64_t phase, int16_t *dst) {
-    int64_t s0[4] = {0, 0, 0, 0}, s1[4] = {0, 0, 0, 0};  /* residues of S0 and of S1 - k0*S0 */
-    int64_t bad = 0;
+/* sum_j x[j] * t[j], j < m (scalar: a row's partial ends, hosts without AVX2) */
+static int64_t dot16(const int16_t *x, const int16_t *t, int64_t m) {
+    int64_t s = 0;
+    for (int64_t j = 0; j < m; ++j) s += (int32_t)x[j] * (int32_t)t[j];
+    return s;
+}
+
 #ifdef __AVX2__
-    int16_t jtab[DIGEST_BLOCK] __attribute__((aligned(32)));
-    for (int j = 0; j < DIGEST_BLOCK; ++j) jtab[j] = (int16_t)j;
-#endif
-    for (int64_t s = 0; s < n; s += DIGEST_SUPER) {
-        int64_t m = n - s < DIGEST_SUPER ? n - s : DIGEST_SUPER;
-        const int16_t *x = w + s;
-        int16_t *y = dst ? dst + s : 0;
-        int64_t t_sum = 0, u_sum = 0;  /* sum w, sum (j - s) * w over this super-block */
-#ifdef __AVX2__
-        /* whole blocks fold into int64 vector sums, reduced once per super-block:
-         * lane-wise, T += tot and U += pos + b * tot (a lane's share of b * t + u) */
-        __m256i vt = _mm256_setzero_si256(), vu = _mm256_setzero_si256(), vbad = _mm256_setzero_si256();
-        int64_t vec_end = (!exp_mask || stride == 1) ? m - m % DIGEST_BLOCK : 0;
-        {
-            const __m256i ones = _mm256_set1_epi16(1), mask = _mm256_set1_epi16(exp_mask);
-            for (int64_t b = 0; b < vec_end; b += DIGEST_BLOCK) {
-                const int16_t *xb = x + b;
-                __m256i tot = _mm256_setzero_si256(), pos = _mm256_setzero_si256();
-                for (int64_t j = 0; j < DIGEST_BLOCK; j += 16) {
-                    __m256i v = _mm256_loadu_si256((const __m256i *)(xb + j));
-                    if (y) _mm256_storeu_si256((__m256i *)(y + b + j), v);
-                    tot = _mm256_add_epi32(tot, _mm256_madd_epi16(v, ones));
-                    pos = _mm256_add_epi32(pos, _mm256_madd_epi16(v, _mm256_load_si256((const __m256i *)(jtab + j))));
-                    if (exp_mask)  /* -1 per matching word; at most 4096 per slot per super-block */
-                        vbad = _mm256_add_epi16(vbad, _mm256_cmpeq_epi16(_mm256_and_si256(v, mask), mask));
-                }
-                __m256i tlo = _mm256_cvtepi32_epi64(_mm256_castsi256_si128(tot));
-                __m256i thi = _mm256_cvtepi32_epi64(_mm256_extracti128_si256(tot, 1));
-                __m256i plo = _mm256_cvtepi32_epi64(_mm256_castsi256_si128(pos));
-                __m256i phi = _mm256_cvtepi32_epi64(_mm256_extracti128_si256(pos, 1));
-                __m256i t4 = _mm256_add_epi64(tlo, thi);
-                const __m256i bb = _mm256_set1_epi64x(b);
-                vt = _mm256_add_epi64(vt, t4);
-                vu = _mm256_add_epi64(vu, _mm256_add_epi64(_mm256_add_epi64(plo, phi), _mm256_mul_epi32(t4, bb)));
-            }
+/* One whole row (KEY_ROW words): per lane sum_j x[j] * t1[j] into rows[l]; non-finite count;
+ * y non-NULL: the row is copied there in the same pass */
+static int64_t row_avx2(const int16_t *x, int16_t *y, int lanes, const int16_t *t1, int16_t exp_mask,
+                        __m256i sel, int64_t *rows) {
+    __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
+                      _mm256_setzero_si256()};
+    __m256i vbad = _mm256_setzero_si256();
+    const __m256i mask = _mm256_set1_epi16(exp_mask);
+    for (int64_t j = 0; j < KEY_ROW; j += 32) {
+        __m256i v0 = _mm256_loadu_si256((const __m256i *)(x + j));
+        __m256i v1 = _mm256_loadu_si256((const __m256i *)(x + j + 16));
+        if (y) {
+            _mm256_storeu_si256((__m256i *)(y + j), v0);
+            _mm256_storeu_si256((__m256i *)(y + j + 16), v1);
         }
-        {
-            int64_t buf[4];
-            _mm256_storeu_si256((__m256i *)buf, vt);
-            t_sum += buf[0] + buf[1] + buf[2] + buf[3];
-            _mm256_storeu_si256((__m256i *)buf, vu);
-            u_sum += buf[0] + buf[1] + buf[2] + buf[3];
-            int16_t c16[16];
-            _mm256_storeu_si256((__m256i *)c16, vbad);
-            for (int k = 0; k < 16; ++k) bad -= c16[k];
-        }
-#else
-        int64_t vec_end = 0;
-#endif
-        for (int64_t b = vec_end; b < m; b += DIGEST_BLOCK) {  /* the tail, or no AVX2 */
-            int64_t e = m - b < DIGEST_BLOCK ? m - b : DIGEST_BLOCK;
-            const int16_t *xb = x + b;
-            int32_t t = 0, u = 0;
-            for (int64_t j = 0; j < e; ++j) {
-                int32_t v = xb[j];
-                t += v;
-                u += v * (int32_t)j;
-            }
-            if (y) for (int64_t j = 0; j < e; ++j) y[b + j] = xb[j];
-            if (exp_mask) {
-                if (stride == 1) {
-                    for (int64_t j = 0; j < e; ++j) bad += (xb[j] & exp_mask) == exp_mask;
-                } else {
-                    for (int64_t j = 0; j < e; ++j)
-                        bad += ((((s + b + j) - phase) % stride) == 0) & ((xb[j] & exp_mask) == exp_mask);
-                }
-            }
-            t_sum += t;
-            u_sum += b * (int64_t)t + u;
+        if (exp_mask) {  /* -1 per matching word; at most 64 per slot per row */
+            vbad = _mm256_add_epi16(vbad, _mm256_and_si256(sel, _mm256_cmpeq_epi16(_mm256_and_si256(v0, mask), mask)));
+            vbad = _mm256_add_epi16(vbad, _mm256_and_si256(sel, _mm256_cmpeq_epi16(_mm256_and_si256(v1, mask), mask)));
         }
         for (int l = 0; l < lanes; ++l) {
-            s0[l] = mod_p(s0[l] + mod_p(t_sum, p[l]), p[l]);
-            s1[l] = mod_p(s1[l] + mod_p(s, p[l]) * mod_p(t_sum, p[l]) + mod_p(u_sum, p[l]), p[l]);
+            const int16_t *t = t1 + l * KEY_ROW + j;
+            __m256i s = _mm256_add_epi32(_mm256_madd_epi16(v0, _mm256_loadu_si256((const __m256i *)t)),
+                                         _mm256_madd_epi16(v1, _mm256_loadu_si256((const __m256i *)(t + 16))));
+            acc[l] = _mm256_add_epi64(acc[l], _mm256_add_epi64(_mm256_cvtepi32_epi64(_mm256_castsi256_si128(s)),
+                                                               _mm256_cvtepi32_epi64(_mm256_extracti128_si256(s, 1))));
         }
     }
+    int64_t buf[4];
     for (int l = 0; l < lanes; ++l) {
-        int64_t full = mod_p(s1[l] + mod_p(k0, p[l]) * s0[l], p[l]);  /* S1 = sum (k0 + j) * w_j */
-        out[l] = mod_p(mod_p(a[l], p[l]) * full + mod_p(c[l], p[l]) * s0[l], p[l]);
+        _mm256_storeu_si256((__m256i *)buf, acc[l]);
+        rows[l] = buf[0] + buf[1] + buf[2] + buf[3];
     }
+    int16_t c16[16];
+    _mm256_storeu_si256((__m256i *)c16, vbad);
+    int64_t bad = 0;
+    for (int k = 0; k < 16; ++k) bad -= c16[k];
+    return bad;
+}
+#endif
+
+int64_t digest_words(const int16_t *w, int64_t n, int64_t k0, int lanes, const int64_t *p,
+                     const int16_t *t1, const int16_t *t2, const int16_t *t3, int64_t t3_len,
+                     int64_t *out, int16_t exp_mask, int64_t stride, int64_t phase, int16_t *dst) {
+    int64_t acc[4] = {0, 0, 0, 0}, bad = 0;
+    for (int64_t i = 0; i < n;) {
+        int64_t k = k0 + i, j0 = k & (KEY_ROW - 1), m = KEY_ROW - j0;
+        if (m > n - i) m = n - i;
+        const int16_t *x = w + i;
+        int64_t rows[4] = {0, 0, 0, 0};
+        int counted = 0;
+#ifdef __AVX2__
+        /* the words counted: all (stride 1) or every other one (fp32's high words, odd slots) */
+        if (m == KEY_ROW && (!exp_mask || stride == 1 || (stride == 2 && phase == 1 && i % 2 == 0))) {
+            __m256i sel = stride == 1 ? _mm256_set1_epi16(-1) : _mm256_set1_epi32((int32_t)0xFFFF0000u);
+            bad += row_avx2(x, dst ? dst + i : 0, lanes, t1, exp_mask, sel, rows);
+            counted = 1;
+        } else
+#endif
+        {
+            if (dst)
+                for (int64_t j = 0; j < m; ++j) dst[i + j] = x[j];
+            for (int l = 0; l < lanes; ++l) rows[l] = dot16(x, t1 + l * KEY_ROW + j0, m);
+        }
+        if (exp_mask && !counted) {
+            for (int64_t j = 0; j < m; ++j)
+                bad += ((((i + j) - phase) % stride) == 0) & ((x[j] & exp_mask) == exp_mask);
+        }
+        int64_t r = k >> KEY_SHIFT;
+        for (int l = 0; l < lanes; ++l) {
+            int64_t weight = (int64_t)t2[l * KEY_ROW + (r & (KEY_ROW - 1))] * t3[l * t3_len + (r >> KEY_SHIFT)] % p[l];
+            acc[l] = (acc[l] + mod_p(rows[l], p[l]) * weight) % p[l];
+        }
+        i += m;
+    }
+    for (int l = 0; l < lanes; ++l) out[l] = acc[l];
     return bad;
 }
 

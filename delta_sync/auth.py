@@ -68,10 +68,14 @@ def ensure_secret() -> str:
 ROUTE_HEADER = "X-Delta-Sync-Call"
 
 
+#: the method a signed HTTP route's envelope names, before the route's path
+ROUTE_PREFIX = "route:"
+
+
 def route_call(path: str, query: str = "") -> dict:
     """What a signed call to an HTTP route signs: the route and its raw query string, exactly as sent
     (the guarded routes take no body)."""
-    return {"method": f"route:{path}", "payload": {"query": query}}
+    return {"method": f"{ROUTE_PREFIX}{path}", "payload": {"query": query}}
 
 
 def canonical(payload: dict) -> bytes:

@@ -13,9 +13,12 @@ or applies each range as it arrives (a seed or full update). Entries tile the bu
 Integrity: a dense entry carries ``digest``, the :mod:`delta_sync.digest` of its values at their
 flat positions, computed by the packer in the same pass that checks them for Inf/NaN. The
 receiver recomputes it over what arrived (again fused with its finiteness check), so every bulk
-byte is checked in flight and the sum over a tensor's entries is that tensor's digest: a seed is
-verified end to end without a pass of its own. Buckets with sparse entries also carry
-``checksum`` over every payload byte (indices included). Buckets are bounded by ``max_bytes``
+byte is checked in flight: a seed is verified end to end without a pass of its own. Buckets with
+sparse entries also carry ``checksum`` over every payload byte (indices included). Over a channel
+both are keyed: the header carries a fresh ``nonce``, the digest key is derived from it and the
+channel key (:meth:`delta_sync.digest.DigestKey.derive`), and each digest in the header is masked
+with that key's pad for its place, so bytes changed in flight are caught even by a party that
+can compute the public digest, and the header's MAC keeps the nonce and digests as sent. Buckets are bounded by ``max_bytes``
 (default 512 MiB) of payload, so a 30B seed streams through fixed memory.
 
 Zero copy: a dense entry of at least :data:`DIRECT_MIN_BYTES` whose source is contiguous on the
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import json
 import math
+import secrets
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
 
@@ -38,7 +42,7 @@ import torch
 import time
 
 from . import native
-from .digest import checksum_bytes, nonfinite_count, scan_many
+from .digest import PUBLIC, Digest, DigestKey, checksum_bytes, nonfinite_count, scan_many
 from .errors import ChecksumMismatch, PatchValidationError
 from .patch import DTYPES, Patch, dtype_name, first_true
 
@@ -56,6 +60,8 @@ class Bucket:
     #: entry position -> the tensor that holds that ``seg`` entry's values instead of its slice of
     #: ``values`` (the sender's source; the receiver's direct destination)
     sources: dict[int, torch.Tensor] = field(default_factory=dict)
+    #: the key its digests and checksum are computed under (a channel's buckets: one per nonce)
+    key: DigestKey = PUBLIC
 
     def wire_parts(self, dname: str) -> list[torch.Tensor]:
         """What travels for the ``dname`` value buffer, in order: the whole buffer, or its packed
@@ -74,7 +80,7 @@ class Bucket:
     def payload_checksum(self) -> str:
         parts = [self.indices.reshape(-1).view(torch.uint8)]
         parts += [t.reshape(-1).view(torch.uint8) for k in sorted(self.values) for t in self.wire_parts(k)]
-        return checksum_bytes(*parts)
+        return checksum_bytes(*parts, key=self.key)
 
     def header_bytes(self) -> bytes:
         return json.dumps(self.header, separators=(",", ":")).encode()
@@ -116,12 +122,16 @@ class BucketPacker:
     :func:`delta_sync.digest.scan_range`); :attr:`digest_s` is the time that took."""
 
     def __init__(self, version: int, kind: str, max_bytes: int = DEFAULT_BUCKET_BYTES,
-                 checksum: bool = True, kept: str | None = None, check: bool = True):
+                 checksum: bool = True, kept: str | None = None, check: bool = True,
+                 keys: Callable[[str], DigestKey] | None = None):
         if max_bytes < 64:
             raise ValueError(f"bucket size {max_bytes} B is too small")
         self.version, self.kind, self.max_bytes, self.checksum = version, kind, max_bytes, checksum
         self.kept = kept
         self.check = check  # False only to play a buggy sender in tests: receivers check regardless
+        #: the digest key of a bucket from its nonce (a channel's :meth:`~delta_sync.channel.Channel.
+        #: digest_key`); None: the public key, no nonce (buckets that never cross a channel)
+        self.keys = keys
         self.seq = 0
         self.digest_s = 0.0
         #: where the next bucket's buffers are carved (None: fresh allocations)
@@ -140,28 +150,30 @@ class BucketPacker:
         return (self.direct_min_bytes is not None and take * p.values.element_size() >= self.direct_min_bytes
                 and (self.keep is not None or (p.values.device == device and p.values.is_contiguous())))
 
-    def _scan_dense(self, ranges: list[tuple[dict, Patch, int, int, torch.Tensor | None]]) -> None:
-        """Per ``(entry, patch, done, take, out)``: copy the patch's values ``[done, done+take)``
-        into ``out`` (None: only read them) while digesting them and checking them for Inf/NaN (one
-        pass over the source, all of a bucket's ranges spread over the threads together); the
-        digest goes into the entry. Raises for the first range, in order, that holds Inf/NaN."""
+    def _scan_dense(self, ranges: list[tuple[int, dict, Patch, int, int, torch.Tensor | None]], key: DigestKey
+                    ) -> None:
+        """Per ``(position, entry, patch, done, take, out)``: copy the patch's values ``[done,
+        done+take)`` into ``out`` (None: only read them) while digesting them under ``key`` and
+        checking them for Inf/NaN (one pass over the source, all of a bucket's ranges spread over
+        the threads together); the digest, masked with the key's pad for the entry's position,
+        goes into the entry. Raises for the first range, in order, that holds Inf/NaN."""
         t0 = time.perf_counter()
         items = []
-        for _, p, done, take, out in ranges:
+        for _, _, p, done, take, out in ranges:
             src = p.values[done:done + take]
             if out is not None and src.device != out.device:  # the wire's device differs: move, then scan
                 out.copy_(src)
                 items.append((out, done, None))
             else:
                 items.append((src, done, out))
-        scanned = scan_many(items)
+        scanned = scan_many(items, key=key)
         self.digest_s += time.perf_counter() - t0
-        for (entry, p, done, take, _), (d, bad) in zip(ranges, scanned):
+        for (i, entry, p, done, take, _), (d, bad) in zip(ranges, scanned):
             if bad:
                 where = done + first_true(~torch.isfinite(p.values[done:done + take]))
                 raise PatchValidationError(p.name, f"non-finite value at flat index {where}", index=where,
                                            kept=self.kept)
-            entry["digest"] = d.hex()
+            entry["digest"] = (d + key.pad(i)).hex()
 
     def pack(self, patches: Iterable[Patch], close: bool = True) -> Iterator[Bucket]:
         """Yield buckets; with ``close`` the last one has ``header['last'] = True`` (possibly with no
@@ -184,6 +196,8 @@ class BucketPacker:
                 bufs = arena.carve([(torch.int32, counts["idx"])] + [(DTYPES[k], counts["vals"][k]) for k in names])
                 idx, vals = bufs[0], dict(zip(names, bufs[1:]))
             sources: dict[int, torch.Tensor] = {}
+            nonce = secrets.token_hex(12) if self.keys is not None else None
+            key = self.keys(nonce) if nonce is not None else PUBLIC
             if any(p.dense for _, p, _, _ in parts):  # bulk buckets: one fused pass per range
                 dense = []
                 for i, (entry, p, done, take) in enumerate(parts):
@@ -193,14 +207,14 @@ class BucketPacker:
                         # source itself (digested, not copied), or from the copy a snapshot keeps
                         entry["seg"] = True
                         kept_copy = self.keep is not None
-                        dense.append((entry, p, done, take, out if kept_copy else None))
+                        dense.append((i, entry, p, done, take, out if kept_copy else None))
                         sources[i] = out if kept_copy else p.values.narrow(0, done, take)
                     elif p.dense:
-                        dense.append((entry, p, done, take, out))
+                        dense.append((i, entry, p, done, take, out))
                     else:
                         idx.narrow(0, entry["index_offset"], take).copy_(p.indices[done:done + take])
                         out.copy_(p.values[done:done + take])
-                self._scan_dense(dense)
+                self._scan_dense(dense, key)
             elif parts:  # a delta's sparse parts: one cat per buffer, not a copy per tensor
                 dev = idx.device
                 torch.cat([_part(p.indices, d, t, dev) for _, p, d, t in parts], out=idx)
@@ -209,13 +223,15 @@ class BucketPacker:
             header = {"version": self.version, "seq": self.seq, "last": last, "kind": self.kind,
                       "entries": list(entries), "index_count": int(idx.numel()),
                       "value_counts": {k: int(v.numel()) for k, v in vals.items()}}
+            if nonce is not None:
+                header["nonce"] = nonce
             if self.check:
                 check_sparse_entries(header["entries"], idx, vals, self.kept)  # refused before it leaves
             if self.keep is not None and into is None:
                 for entry, p, done, take in parts:
                     if p.dense and take == p.count:
                         self.keep(p.name, vals[entry["dtype"]].narrow(0, entry["value_offset"], take).view(p.shape))
-            b = Bucket(header, idx, vals, sources)
+            b = Bucket(header, idx, vals, sources, key)
             header["checksum"] = b.payload_checksum() if self.checksum and idx.numel() else None
             self.seq += 1
             entries.clear(), parts.clear()
@@ -332,6 +348,9 @@ def entry_patches(bucket: Bucket, kept: str | None = None, check_dense: bool = T
     :func:`check_dense_entry` on each (a receiver that digests while it applies).
     """
     h = bucket.header
+    if h.get("checksum") is None and bucket.indices.numel() and bucket.key is not PUBLIC:
+        raise ChecksumMismatch(f"bucket {h['seq']} of version {h['version']}: sparse payload without its "
+                               "checksum", kept=kept)
     if h.get("checksum") is not None:
         got = bucket.payload_checksum()
         if got != h["checksum"]:
@@ -373,6 +392,7 @@ def entry_patches(bucket: Bucket, kept: str | None = None, check_dense: bool = T
             if not isinstance(e.get("digest"), str):
                 raise PatchValidationError(name, "dense entry without a digest", kept=kept)
             e["_where"] = f"bucket {h['seq']} of version {h['version']}"  # for a later check's message
+            e["_key"], e["_pad"] = bucket.key, bucket.key.pad(i)  # what a later check digests under
             p = Patch(name, shape, DTYPES[e["dtype"]], None, vals)
         out.append((e, p))
     if used_idx != bucket.indices.numel() or any(used[k] != v.numel() for k, v in bucket.values.items()):
@@ -381,7 +401,8 @@ def entry_patches(bucket: Bucket, kept: str | None = None, check_dense: bool = T
                                    f"{ {k: v.numel() for k, v in bucket.values.items()} }", kept=kept)
     if check_dense:  # the bucket's dense ranges digested together (one device sync), checked in order
         dense = [(e, p) for e, p in out if p.indices is None]
-        for (e, p), (got, bad) in zip(dense, scan_many([(p.values, int(e["start"]), None) for e, p in dense])):
+        scans = scan_many([(p.values, int(e["start"]), None) for e, p in dense], key=bucket.key)
+        for (e, p), (got, bad) in zip(dense, scans):
             check_dense_entry(e, got, bad, p.values, kept)
     check_sparse_entries(h["entries"], bucket.indices, bucket.values, kept)
     return out
@@ -389,11 +410,13 @@ def entry_patches(bucket: Bucket, kept: str | None = None, check_dense: bool = T
 
 def check_dense_entry(entry: dict, digest, bad: int, values: torch.Tensor, kept: str | None = None) -> None:
     """Refuse a dense entry whose values (as received: ``values``) have another digest than the
-    sender's, or hold Inf/NaN; ``digest`` and ``bad`` are what a scan of them found."""
+    sender's, or hold Inf/NaN; ``digest`` and ``bad`` are what a scan of them under the entry's key
+    (``entry["_key"]``, set by :func:`entry_patches`) found."""
     name, start, n = entry.get("name", "<unnamed>"), int(entry["start"]), int(entry["count"])
-    if digest.hex() != entry["digest"]:
+    got = (digest + entry.get("_pad", Digest())).hex()
+    if got != entry["digest"]:
         raise ChecksumMismatch(f"{entry.get('_where', 'a bucket')}: {name!r} values "
-                               f"[{start}, {start + n}) digest {digest.hex()} != header {entry['digest']}", kept=kept)
+                               f"[{start}, {start + n}) digest {got} != header {entry['digest']}", kept=kept)
     if bad:
         where = start + first_true(~torch.isfinite(values))
         raise PatchValidationError(name, f"non-finite value at flat index {where}", index=where, kept=kept)

@@ -27,6 +27,7 @@ import datetime
 import hashlib
 import hmac
 import logging
+import os
 import socket
 import struct
 import threading
@@ -38,6 +39,7 @@ from torch.distributed import PrefixStore, TCPStore
 
 from . import accelerator, collectives
 from .bucket import Arena, Bucket, parse_header, value_segments
+from .digest import DigestKey
 from .errors import ChannelError
 from .patch import DTYPES
 
@@ -54,6 +56,10 @@ _MAC_BYTES = 32
 #: trip that waits for the receiver, 1-10 ms here while both sides' cores are busy with the stream)
 PREAMBLE_BYTES = 64 << 10
 _SIZES = struct.Struct("<3q")  # header bytes, index count, value buffers
+#: seconds a device channel's peer may stay silent before it counts as dead (see :class:`PeerWatch`)
+PEER_TIMEOUT_S = float(os.environ.get("DELTA_SYNC_PEER_TIMEOUT_S", "20"))
+#: seconds between a device channel's liveness beats
+BEAT_S = 1.0
 
 
 def local_address_towards(host: str, port: int) -> str | None:
@@ -114,8 +120,9 @@ def _namespace(token: str) -> str:
 
 class Channel:
     def __init__(self, pg, rank: int, world_size: int, device: torch.device, backend: str, store=None,
-                 key: bytes = b""):
+                 key: bytes = b"", watch: "PeerWatch | None" = None):
         self.pg, self.rank, self.world_size = pg, rank, world_size
+        self._watch = watch  # device backends: a dead peer aborts the group (see PeerWatch)
         self.device, self.backend = device, backend
         self._store = store  # keeps the TCP store (and its listening socket) alive for the group's lifetime
         self._key = key  # bucket headers are MACed under the channel token
@@ -176,7 +183,9 @@ class Channel:
                                f"({type(e).__name__}: {e}); check the token and that every engine "
                                f"worker joined") from None
         log.info("channel rank %d/%d up on %s via %s", rank, world_size, device, backend)
-        return cls(pg, rank, world_size, device, backend, store, key=token.encode())
+        # gloo fails a collective as soon as a peer's connection drops; NCCL/HCCL wait for the timeout
+        watch = None if backend == "gloo" else PeerWatch(ns, rank, world_size, pg)
+        return cls(pg, rank, world_size, device, backend, store, key=token.encode(), watch=watch)
 
     # ---- primitives ------------------------------------------------------------------------
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
@@ -190,7 +199,8 @@ class Channel:
         except collectives.DeviceMismatch:
             raise
         except Exception as e:
-            raise ChannelError(f"rank {self.rank}: broadcast from {src} failed: {e}") from None
+            dead = self._watch.dead if self._watch is not None else None
+            raise ChannelError(f"rank {self.rank}: broadcast from {src} failed: {dead or e}") from None
 
     def arenas(self) -> list | None:
         """The bulk arenas this end reuses from one update to the next, or None (a fresh set).
@@ -202,6 +212,8 @@ class Channel:
         return self._arenas if self.device.type == "cpu" else None
 
     def close(self) -> None:
+        if self._watch is not None:
+            self._watch.stop()
         try:
             if hasattr(self.pg, "shutdown"):
                 self.pg.shutdown()
@@ -212,6 +224,10 @@ class Channel:
         self._arenas = []
 
     # ---- buckets ---------------------------------------------------------------------------
+    def digest_key(self, nonce: str) -> DigestKey:
+        """The key a bucket's payload is digested under: from the channel key and the bucket's nonce."""
+        return DigestKey.derive(self._key, nonce)
+
     def send_bucket(self, bucket: Bucket) -> None:
         raw = bucket.header_bytes()
         raw += hmac.digest(self._key, raw, "sha256")
@@ -251,6 +267,7 @@ class Channel:
             raise ChannelError(f"rank {self.rank}: a bucket header's MAC does not match the channel key "
                                "(not from this channel's sender)")
         header = parse_header(raw)
+        key = self.digest_key(str(header.get("nonce", "")))
         counts = header["value_counts"]
         if len(counts) != nval:
             raise ChannelError(f"bucket {header['seq']}: header lists {len(counts)} value buffers, "
@@ -277,7 +294,8 @@ class Channel:
                 raise ChannelError(f"rank {self.rank}: the destination named for {e.get('name')!r} is "
                                    f"{tuple(t.shape)} {t.dtype} on {t.device}, the entry is {e.get('count')} "
                                    f"{e.get('dtype')} (a seg entry, contiguous, on {self.device})")
-        bucket = Bucket(header, self.broadcast(bufs[0]) if nidx else bufs[0], dict(zip(names, bufs[1:])), dests)
+        bucket = Bucket(header, self.broadcast(bufs[0]) if nidx else bufs[0], dict(zip(names, bufs[1:])), dests,
+                        key)
         for k in names:
             self.broadcast_all(bucket.wire_parts(k))
         return bucket
@@ -426,6 +444,61 @@ class _Copied:
 
 #: rank 0's mark in the store that it gave the channel up before every rank joined (its reason)
 _ABANDONED = "abandoned"
+
+
+class PeerWatch:
+    """Notices a dead peer of a device channel long before the process group's timeout.
+
+    A collective with a dead NCCL/HCCL peer blocks until the group's timeout (300 s by default,
+    after which the backend's watchdog may take the process down); gloo's fails as soon as the
+    peer's connection drops. So every rank but 0 adds a beat to its counter in the channel's store
+    every ``beat_s``, and rank 0 (which hosts the store) reads them: a rank whose counter stood
+    still for ``bound_s`` is dead to rank 0, and a store that stops answering means rank 0 died.
+    Either way the watch aborts the process group, so a blocked collective raises at once, and
+    :attr:`dead` says who died (the channel's error names it). The channel is then unusable: the
+    next update makes a new one. A peer whose host vanishes without closing its connections is
+    noticed by rank 0 after ``bound_s``, by the others only at the store's own timeout."""
+
+    def __init__(self, ns, rank: int, world_size: int, pg, bound_s: float | None = None,
+                 beat_s: float = BEAT_S):
+        self.ns, self.rank, self.world_size, self.pg = ns, rank, world_size, pg
+        self.bound_s = PEER_TIMEOUT_S if bound_s is None else bound_s
+        self.beat_s = beat_s
+        #: why the group was aborted (a dead peer), or None
+        self.dead: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="delta_sync-peers", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        seen = {r: (-1, time.monotonic()) for r in range(1, self.world_size)}
+        while not self._stop.wait(self.beat_s):
+            try:
+                if self.rank != 0:
+                    self.ns.add(f"beat/{self.rank}", 1)
+                    continue
+                now = time.monotonic()
+                for r, (count, since) in seen.items():
+                    got = self.ns.add(f"beat/{r}", 0)
+                    if got != count:
+                        seen[r] = (got, now)
+                    elif now - since > self.bound_s:
+                        return self._abort(f"rank {r} sent no liveness beat for {self.bound_s:g} s (its process "
+                                           "died or hangs); the channel was aborted")
+            except Exception as e:  # the store's host (rank 0) is gone, or its connection broke
+                if not self._stop.is_set():
+                    return self._abort(f"the channel store on rank 0 stopped answering ({type(e).__name__}: "
+                                       f"{e}): the sender died; the channel was aborted")
+
+    def _abort(self, why: str) -> None:
+        self.dead = why
+        log.error("delta-sync channel rank %d: %s", self.rank, why)
+        if not collectives.pg_abort(self.pg):
+            log.error("delta-sync channel rank %d: the process group has no abort; collectives in flight "
+                      "wait for its timeout", self.rank)
+
+    def stop(self) -> None:
+        self._stop.set()
 
 
 def _await_claims(ns: PrefixStore, rank: int, world_size: int, timeout_s: float,

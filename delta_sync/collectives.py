@@ -151,6 +151,20 @@ def pg_broadcast_all(pg, tensors: list[torch.Tensor], src: int = 0) -> None:
         w.wait()
 
 
+def pg_abort(pg) -> bool:
+    """Abort a raw process group so that collectives blocked in it raise (NCCL's ``abort``,
+    HCCL's, or a ``shutdown``); False if it has none that worked."""
+    for name in ("abort", "_abort", "shutdown"):
+        fn = getattr(pg, name, None)
+        if callable(fn):
+            try:
+                fn()
+                return True
+            except Exception:  # noqa: BLE001 - the next way may work; the caller logs if none did
+                continue
+    return False
+
+
 # ---- the trainer's pair of groups -----------------------------------------------------------------
 @dataclass(frozen=True)
 class TrainerGroups:

@@ -114,8 +114,8 @@ def kernel() -> ctypes.CDLL | None:
                                         ctypes.c_void_p]
     lib.digest_words.restype = ctypes.c_int64
     lib.digest_words.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
-                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                                 ctypes.c_int16, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                 ctypes.c_void_p, ctypes.c_int16, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
     return lib
 
 

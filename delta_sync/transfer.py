@@ -106,7 +106,7 @@ class BucketSender:
                  checksum: bool = True, kept: str | None = None, before_first: Callable[[], None] | None = None):
         self.channel = channel
         self._before_first = before_first  # called once, on the caller's thread, before bucket 0 leaves
-        self.packer = BucketPacker(version, kind, bucket_bytes, checksum, kept=kept)
+        self.packer = BucketPacker(version, kind, bucket_bytes, checksum, kept=kept, keys=channel.digest_key)
         self.stats = SendStats()
         self._names: set[str] = set()
         self._slots = _Slots(BUCKETS_IN_FLIGHT, channel.device, channel.arenas())

@@ -83,14 +83,42 @@ def check_snapshot(device, g) -> dict:
 
 
 def check_digest(device, g) -> dict:
-    from delta_sync.digest import lane_sums, scan_range
+    from delta_sync.digest import DigestKey, lane_sums, scan_range
 
     t = _randn(2_000_001, g, "cpu")
     t[17] = float("nan")
     want, bad = scan_range(t, 5)
     sums = lane_sums(t.to(device).view(torch.int16), 5, exp_mask=0x7F80).tolist()
     assert tuple(sums[:4]) == tuple(want) and sums[4] == bad == 1, (sums, want, bad)
-    return {"digest": want.hex()}
+    key = DigestKey.derive(b"device-check", "nonce")  # a bucket's key: the same bits on the device
+    keyed, _ = scan_range(t, 5, key=key)
+    on_device, _ = scan_range(t.to(device), 5, key=key)
+    assert keyed == on_device and keyed != want, (keyed, on_device)
+    return {"digest": want.hex(), "keyed": keyed.hex()}
+
+
+def check_peer_abort(device, g, port: int) -> dict:
+    """The device backend's process group (one rank: one device here) carries a broadcast, and
+    :func:`collectives.pg_abort` (what the channel's liveness watch calls when a peer dies) finds
+    an abort that works: a broadcast after it raises instead of waiting for the group's timeout."""
+    from torch.distributed import TCPStore
+
+    from delta_sync import accelerator, collectives
+
+    backend = accelerator.backend_for(device.type)
+    store = TCPStore("127.0.0.1", port, 1, True, timeout=datetime.timedelta(seconds=60))
+    pg = accelerator.make_process_group(backend, store, 0, 1, datetime.timedelta(seconds=60), device)
+    collectives.pg_broadcast_all(pg, [_randn(1000, g, device)])
+    aborted = collectives.pg_abort(pg)
+    t0 = time.perf_counter()
+    try:
+        collectives.pg_broadcast_all(pg, [_randn(1000, g, device)])
+        accelerator_sync(device)
+        raised = False
+    except Exception:
+        raised = True
+    return {"backend": backend, "aborted": aborted, "broadcast_after_abort_raised": raised,
+            "raise_s": round(time.perf_counter() - t0, 3)}
 
 
 def check_gather_and_device_rule(device, g, port: int) -> dict:
@@ -453,6 +481,7 @@ def main(argv: list[str] | None = None) -> dict:
     steps = [("diff", lambda: check_diff(device, g)), ("snapshot", lambda: check_snapshot(device, g)),
              ("digest", lambda: check_digest(device, g)),
              ("gather", lambda: check_gather_and_device_rule(device, g, free_port())),
+             ("peer_abort", lambda: check_peer_abort(device, g, free_port())),
              ("local_channel", lambda: check_local_channel(device, g)),
              ("in_place", lambda: check_in_place(device, g)),
              ("fast_path", lambda: check_fast_path(device, g)), ("loader_views", lambda: check_loader_views(device, g))]

@@ -26,7 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from delta_sync import native
-from delta_sync.digest import PRIMES, Digest, digest_range, element_sums, scan_range
+from delta_sync.digest import PRIMES, Digest, DigestKey, digest_range, element_sums, scan_range
 
 
 @dataclass(frozen=True)
@@ -491,9 +491,9 @@ def apply_dense_range(view: LoaderView, params: dict[str, torch.Tensor], values:
 
 
 def apply_dense_range_scanned(view: LoaderView, params: dict[str, torch.Tensor], values: torch.Tensor,
-                              start: int) -> tuple[Digest, int] | None:
+                              start: int, key: DigestKey | None = None) -> tuple[Digest, int] | None:
     """:func:`apply_dense_range` through a view that holds the whole tensor in contiguous segments
-    (TP=1), each copy fused with the digest and Inf/NaN count of what it copies; returns their sums
+    (TP=1), each copy fused with the digest (under ``key``) and Inf/NaN count of what it copies; returns their sums
     over the range, to compare with the sender's after the write. None, writing nothing, for any
     other view (strided or partial segments): the caller checks the values first."""
     if not view.segments or not all(seg.contiguous for seg in view.segments) or \
@@ -505,7 +505,7 @@ def apply_dense_range_scanned(view: LoaderView, params: dict[str, torch.Tensor],
         hit = _run_slices(seg, flat_param(params[seg.param]), src, start)
         if hit is not None:
             dst, part, lo = hit
-            d, b = scan_range(part, lo, copy_to=dst)
+            d, b = scan_range(part, lo, copy_to=dst, key=key)
             total, bad = total + d, bad + b
     return total, bad
 

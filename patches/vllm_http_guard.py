@@ -125,7 +125,8 @@ class DeltaSyncGuard:
                 raise Refusal(403, f"{path} is refused on a delta-sync engine: its weights change only through "
                                    "the trainer's signed delta_sync_call; nothing changed")
             if path in SIGNED_ROUTES:
-                self.check_route(await self.verifier(), path, scope)
+                envelope = self.check_route(await self.verifier(), path, scope)
+                await self.check_with_workers(path, envelope)
             elif path == "/collective_rpc":
                 body = await _read_body(receive)
                 if self.check_rpc(body):
@@ -137,8 +138,22 @@ class DeltaSyncGuard:
             return await _refuse(send, 401, str(e))
         return await self.app(scope, receive, send)
 
+    async def check_with_workers(self, path: str, envelope: dict) -> None:
+        """The workers verify a signed route's envelope too (and do nothing else with it): their nonce
+        state is the engine's, while this one is per API-server process, so a call replayed to another
+        API server of the same engine (``--api-server-count`` > 1) is refused there."""
+        client = getattr(getattr(self.owner, "state", None), "engine_client", None)
+        if client is None:  # a guard without an engine (tests of the guard alone)
+            return
+        try:
+            await client.collective_rpc("delta_sync_call", args=(json.dumps(envelope),))
+        except Exception as e:  # noqa: BLE001 - answered as a refusal, never as an open door
+            raise Refusal(401, f"{path}: the engine's workers refused the signature ({type(e).__name__}: {e}); "
+                               "nothing changed") from None
+
     @staticmethod
-    def check_route(verifier: Verifier, path: str, scope) -> None:
+    def check_route(verifier: Verifier, path: str, scope) -> dict:
+        """The route's verified envelope; :class:`Refusal` (401) for anything else."""
         headers = dict(scope.get("headers") or [])
         raw = headers.get(ROUTE_HEADER.lower().encode())
         query = scope.get("query_string", b"").decode()
@@ -151,6 +166,7 @@ class DeltaSyncGuard:
         want = route_call(path, query)
         if (method, payload) != (want["method"], want["payload"]):
             raise Refusal(401, f"{path}: the signature is for {method} {payload}, not this request; nothing changed")
+        return envelope
 
     @staticmethod
     def check_rpc(body: bytes) -> bool:

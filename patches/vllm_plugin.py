@@ -32,6 +32,8 @@ import logging
 import os
 import time
 
+from delta_sync.auth import ROUTE_PREFIX
+
 from . import ENABLE_ENV, enabled, vllm_compat
 
 log = logging.getLogger(__name__)
@@ -215,15 +217,28 @@ def engine_identity(vllm_config) -> str:
     return str(getattr(vllm_config, "instance_id", "") or "")
 
 
+@contextlib.contextmanager
+def _lease_held(worker):
+    """Counts a verified trainer call in flight on this worker and, when it succeeds, when it
+    ended: what ``delta_sync_status`` tells every API server's lease watcher, so the engine has one
+    lease however many API servers relay the trainer's calls."""
+    lease = worker.__dict__.setdefault("_delta_sync_lease", {"in_flight": 0, "last": None})
+    lease["in_flight"] += 1
+    try:
+        yield
+        lease["last"] = time.monotonic()
+    finally:
+        lease["in_flight"] -= 1
+
+
 def delta_sync_call(self, request: str = "{}"):
     """``collective_rpc("delta_sync_call", args=(json.dumps(envelope),))``: one verified call.
 
     It drives the worker's delta-sync receiver itself, never the worker's own weight-transfer
     lifecycle: that differs by platform and version (vLLM 0.23's workers and vLLM-Ascend's
     ``NPUWorker`` run a layerwise reload around the transfer), and a delta-sync update must run the
-    same everywhere. The worker's update session (start ... finish) is kept here."""
-    from delta_sync.gc_hold import gc_held
-
+    same everywhere. The worker's update session (start ... finish) is kept here. A signed HTTP
+    route's envelope (``/pause``, ...) is only verified here, so its nonce is used engine-wide."""
     if not _enabled_on(self):  # named before the signature: nothing here could accept it
         _receiver(self, create=True)
     try:
@@ -232,6 +247,15 @@ def delta_sync_call(self, request: str = "{}"):
         envelope = None
     verifier = _verifier(self)
     method, payload = verifier.check(envelope)
+    if method.startswith(ROUTE_PREFIX):  # a signed HTTP route, checked here too (its nonce is now used)
+        return {"route": method[len(ROUTE_PREFIX):]}
+    with _lease_held(self):
+        return _dispatch(self, verifier, method, payload)
+
+
+def _dispatch(self, verifier, method: str, payload: dict):
+    from delta_sync.gc_hold import gc_held
+
     receiver = _receiver(self, create=True)
     handler = _HANDLERS.get(method)
     if handler is None and method != "release":
@@ -328,6 +352,10 @@ def delta_sync_status(self, challenge: str | None = None) -> dict:
     also the identity's proof (a MAC under the engine secret) that clients sign their calls for."""
     receiver = _receiver(self)
     out = receiver.status() if receiver is not None else {"version": None, "needs_seed": True, "partial": False}
+    lease = self.__dict__.get("_delta_sync_lease")
+    if lease is not None:  # the trainer's calls as this worker saw them (any API server relayed them)
+        out["lease"] = {"in_flight": lease["in_flight"],
+                        "idle_s": None if lease["last"] is None else time.monotonic() - lease["last"]}
     if _enabled_on(self):  # the identity is no secret; its proof answers a client's challenge
         verifier = _verifier(self)
         out["engine"] = verifier.engine
@@ -482,6 +510,16 @@ def _keep_paused_because(status) -> str | None:
     return None
 
 
+def _held_by_workers(status, lease: float) -> bool:
+    """Does a worker report a trainer call in flight or ended within the lease? (Calls relayed by
+    another API server of this engine renew the lease there, not here: the workers saw them all.)"""
+    for s in status or []:
+        held = (s or {}).get("lease") or {}
+        if held.get("in_flight") or (held.get("idle_s") is not None and held["idle_s"] < lease):
+            return True
+    return False
+
+
 async def _watch(llm, lease: float, resume, rpc) -> None:
     """Runs while the engine is paused; ``resume``/``rpc`` are vLLM's own (they do not renew the lease)."""
     st = _lease_state(llm)
@@ -502,8 +540,8 @@ async def _watch(llm, lease: float, resume, rpc) -> None:
             status, why = None, f"the workers' status call failed ({type(e).__name__}: {e})"
         else:
             why = _keep_paused_because(status)
-        if held():
-            continue  # a trainer call came in meanwhile: the lease is renewed, not expired
+        if held() or _held_by_workers(status, lease):
+            continue  # a trainer call came in meanwhile (here, or through another API server)
         idle = time.monotonic() - st["last"]
         if why is not None:
             if warned != why:

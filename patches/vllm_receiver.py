@@ -405,7 +405,8 @@ class DeltaSyncReceiver:
             for entry, p in entries:
                 self._write_bulk_range(entry, p, placed)
             # ranges received in place: their digests, spread over the threads together
-            scans = scan_many([(p.values, int(entry["start"]), None) for entry, p in placed])
+            scans = scan_many([(p.values, int(entry["start"]), None) for entry, p in placed],
+                              key=placed[0][0]["_key"] if placed else None)
             for (entry, p), scanned in zip(placed, scans):
                 check_dense_entry(entry, *scanned, p.values, "needs_seed")
         except DeltaSyncError:
@@ -453,12 +454,12 @@ class DeltaSyncReceiver:
             placed.append((entry, p))
             return
         with torch.no_grad():
-            scanned = apply_dense_range_scanned(view, params, p.values, start) \
+            scanned = apply_dense_range_scanned(view, params, p.values, start, entry["_key"]) \
                 if view is not None and self._whole() else None
             if scanned is not None:  # written and digested in one pass: compare after the write
                 check_dense_entry(entry, *scanned, p.values, "needs_seed")
                 return
-            check_dense_entry(entry, *scan_range(p.values, start), p.values, "needs_seed")
+            check_dense_entry(entry, *scan_range(p.values, start, key=entry["_key"]), p.values, "needs_seed")
             if view is not None:
                 apply_dense_range(view, params, p.values, start)
             else:  # vLLM's loader needs the whole tensor: hold its ranges until the last one

@@ -1,6 +1,7 @@
 """Trust: signed calls, replay refusal, the channel's keyed headers, bounded sizes, loopback store."""
 
 import datetime
+import time
 
 import pytest
 import torch
@@ -275,3 +276,89 @@ def test_the_gloo_channel_listens_and_connects_only_on_the_address_it_is_given()
     finally:
         for c in channels.values():
             c.close()
+
+
+def test_a_signed_route_replayed_to_another_api_server_of_the_engine_is_refused():
+    """With ``--api-server-count`` > 1 each API-server process has its own guard and nonce window;
+    the workers are the engine's. A signed /pause accepted by one API server is refused by another
+    (the workers saw its nonce), and a worker that refuses the signature refuses the route."""
+    import asyncio
+    import json
+    from types import SimpleNamespace
+
+    from delta_sync.auth import ROUTE_HEADER, Signer, Verifier
+    from patches.vllm_http_guard import DeltaSyncGuard
+
+    key = b"k" * 32
+    workers = Verifier(key)  # the engine's workers: one nonce state for the engine
+    rpcs = []
+
+    class EngineClient:
+        async def collective_rpc(self, method, args=()):
+            rpcs.append(method)
+            return [dict(zip(("method", "payload"), workers.check(json.loads(args[0]))))]
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    owner = SimpleNamespace(state=SimpleNamespace(engine_client=EngineClient()))
+    servers = [DeltaSyncGuard(app, verifier=Verifier(key), owner=owner) for _ in range(2)]
+    for guard in servers:
+        guard._on = True
+
+    def call(guard, header):
+        scope = {"type": "http", "method": "POST", "path": "/pause", "query_string": b"",
+                 "headers": [(ROUTE_HEADER.lower().encode(), header.encode())]}
+        sent = []
+
+        async def receive():
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message):
+            sent.append(message)
+        asyncio.run(guard(scope, receive, send))
+        body = sent[1]["body"]
+        return sent[0]["status"], (json.loads(body)["error"]["message"] if sent[0]["status"] != 200 else "")
+
+    pause = Signer(key).sign_route("/pause")
+    assert call(servers[0], pause) == (200, "") and rpcs == ["delta_sync_call"]
+    status, msg = call(servers[1], pause)  # its own window has not seen the nonce; the workers have
+    assert status == 401 and "workers refused" in msg and "already used" in msg
+    status, msg = call(servers[1], Signer(b"x" * 32).sign_route("/pause"))  # refused before the workers
+    assert status == 401 and len(rpcs) == 2
+
+
+@pytest.mark.parametrize("lease_report", [{"in_flight": 1, "idle_s": None}, {"in_flight": 0, "idle_s": 0.01}])
+def test_the_pause_lease_is_the_engines_not_one_api_servers(lease_report, caplog):
+    """An API server whose own lease ran out (the trainer's calls went through another API server of
+    this engine) asks the workers, who saw every call: a call in flight, or one that ended within
+    the lease, keeps the engine paused, quietly; once the workers' calls are older than the lease
+    too, it resumes."""
+    import asyncio
+    import logging
+    from types import SimpleNamespace
+
+    from patches.vllm_plugin import _lease_state, _watch
+
+    calls: list = []
+    llm = SimpleNamespace()
+
+    async def is_paused():
+        return True
+
+    llm.is_paused = is_paused
+    _lease_state(llm)["last"] = time.monotonic() - 60.0
+    reports = iter([lease_report, lease_report, {"in_flight": 0, "idle_s": 5.0}])
+
+    async def rpc(_llm, method):
+        calls.append(method)
+        return [{"version": 3, "partial": False, "lease": next(reports)}]
+
+    async def resume(_llm):
+        calls.append("resume")
+
+    with caplog.at_level(logging.WARNING, logger="patches.vllm_plugin"):
+        asyncio.run(asyncio.wait_for(_watch(llm, 0.05, resume, rpc), 10))
+    assert calls == ["delta_sync_status"] * 3 + ["resume"]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]

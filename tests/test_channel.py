@@ -1,6 +1,8 @@
 """Trainer ranks -> gather -> sender -> channel -> receivers, over real gloo processes."""
 
 import datetime
+import threading
+import time
 
 import pytest
 import torch
@@ -189,6 +191,68 @@ def test_in_process_channel_carries_updates_bit_for_bit():
     sender.close()
 
 
+def _forge(words: torch.Tensor, at: int, d: int = 4096) -> None:
+    """Add ``+d, -2d, +d`` to three neighbouring 16-bit words: every lane of a digest whose weight
+    is affine in the position (and both of its sums) stays put."""
+    words[at:at + 3] += torch.tensor([d, -2 * d, d], dtype=torch.int16)
+
+
+@pytest.mark.parametrize("kind", ["seed", "delta"])
+def test_payload_bytes_forged_in_flight_are_refused(kind):
+    """An on-path party that rewrites value bytes of a bucket (not its MACed header) is caught: a
+    seed's dense ranges by their keyed digests, a delta's by its keyed checksum. Nothing of the
+    forged version is applied, and the next, untouched version still arrives."""
+    from delta_sync.errors import ChecksumMismatch
+
+    def receiver(chan):
+        seen = []
+        for _ in range(3):
+            try:
+                seen.append(("ok", receive_update(chan)))
+            except ChecksumMismatch as e:
+                seen.append(("refused", str(e)))
+        chan.close()
+        return seen
+
+    sender, futs = _local_ranks(2, f"tok-forge-{kind}", receiver)
+    g = torch.Generator().manual_seed(7)
+    base = (torch.rand(64, 32, generator=g) * 0.5 + 0.25).bfloat16()
+    changed = base.clone()
+    changed.view(-1)[::5] += 1
+    real = sender.broadcast_all
+    forged = []
+
+    def tamper(tensors, src=0):
+        out = []
+        for t in tensors:
+            if not forged and t.dtype == torch.bfloat16 and t.numel() >= 8:
+                t = t.clone()
+                _forge(t.view(torch.int16), 2)
+                forged.append(t.numel())
+            out.append(t)
+        real(out, src)
+    from delta_sync.patch import Patch
+
+    def dense(t):
+        return Patch("w", tuple(t.shape), t.dtype, None, t.reshape(-1))
+    send_update(sender, 0, "seed", [dense(base)])
+    sender.broadcast_all = tamper
+    if kind == "seed":
+        send_update(sender, 1, "seed", [dense(changed)])
+    else:
+        idx = (changed != base).view(-1).nonzero().squeeze(1).to(torch.int32)
+        send_update(sender, 1, "delta", [Patch("w", tuple(base.shape), base.dtype, idx, changed.view(-1)[idx.long()])])
+    assert forged, "nothing was forged: the test would prove nothing"
+    sender.broadcast_all = real
+    send_update(sender, 2, "seed", [dense(changed)])
+    seen = futs[0].result(timeout=60)
+    assert seen[0][0] == "ok" and seen[0][1].kind == "seed" and seen[2][0] == "ok"
+    assert torch.equal(seen[2][1].patches[0].values.view(changed.shape), changed)
+    assert seen[1][0] == "refused", f"a forged {kind} was accepted"
+    assert ("digest" if kind == "seed" else "checksum") in seen[1][1]
+    sender.close()
+
+
 def test_in_process_broadcasts_are_in_flight_together():
     """The source issues a bucket's broadcasts without waiting for each copy (as gloo and NCCL do):
     all of them are out before any receiver runs; each one waits until every rank copied it."""
@@ -305,3 +369,105 @@ def test_a_rank_that_never_comes_is_named_after_one_timeout():
     with pytest.raises(ChannelError, match=r"rendezvous of 3 ranks timed out after 2 s: rank\(s\) \[1, 2\] never came"):
         Channel.connect("127.0.0.1", free_port(), 0, 3, "tok-alone", timeout_s=2)
     assert time.monotonic() - t0 < 3.5
+
+
+class _HangingDeviceGroupFake:
+    """Stands in for an NCCL/HCCL process group with a dead peer (no such backend runs here): a
+    broadcast never completes until the group is aborted, then it raises, as NCCL's does. It
+    reports gloo's name only so the collectives' device check takes host tensors."""
+
+    def __init__(self):
+        self.aborted = threading.Event()
+
+    def name(self) -> str:
+        return "gloo"
+
+    def broadcast(self, tensors, opts):
+        group = self
+
+        class Work:
+            def wait(self):
+                if not group.aborted.wait(120):
+                    raise AssertionError("never aborted")
+                raise RuntimeError("NCCL communicator was aborted")
+        return Work()
+
+    def abort(self):
+        self.aborted.set()
+
+
+def _blocked_broadcast(chan):
+    """Run ``chan.broadcast`` on a thread; returns (thread, box with its error and duration)."""
+    box = {}
+
+    def run():
+        t0 = time.monotonic()
+        try:
+            chan.broadcast(torch.zeros(8))
+        except Exception as e:
+            box["error"] = e
+        box["s"] = time.monotonic() - t0
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    return th, box
+
+
+def test_a_sender_killed_mid_broadcast_unblocks_a_device_receiver():
+    """An engine worker blocked in an NCCL/HCCL broadcast whose sender was SIGKILLed: the liveness
+    watch sees the sender's store stop answering, aborts the group, and the broadcast raises a
+    ChannelError naming the sender within seconds, not at the group's 300 s timeout."""
+    import subprocess
+    import sys
+
+    from torch.distributed import PrefixStore, TCPStore
+
+    from delta_sync.channel import PeerWatch
+
+    port = free_port()
+    host = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from torch.distributed import TCPStore; "
+        f"s = TCPStore('127.0.0.1', {port}, None, True, wait_for_workers=False, use_libuv=True); "
+        "print('up', flush=True); time.sleep(600)")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert host.stdout.readline().strip() == "up"
+        ns = PrefixStore("ns", TCPStore("127.0.0.1", port, None, False, use_libuv=True,
+                                        timeout=datetime.timedelta(seconds=30)))
+        pg = _HangingDeviceGroupFake()
+        watch = PeerWatch(ns, 1, 2, pg, bound_s=30, beat_s=0.2)
+        chan = Channel(pg, 1, 2, torch.device("cpu"), "nccl", key=b"k", watch=watch)
+        th, box = _blocked_broadcast(chan)
+        time.sleep(1.0)
+        assert th.is_alive() and watch.dead is None  # beats land while the sender lives
+        host.kill()
+        th.join(20)
+        assert not th.is_alive() and pg.aborted.is_set()
+        assert isinstance(box["error"], ChannelError) and "sender died" in str(box["error"]), box
+        assert box["s"] < 15
+        chan.close()
+    finally:
+        host.kill()
+        host.wait()
+
+
+def test_a_silent_device_receiver_unblocks_the_sender():
+    """The sender blocked in a broadcast to an engine worker that stopped (its beats end): after
+    the bound the watch aborts the group and the broadcast raises naming that rank."""
+    from torch.distributed import PrefixStore, TCPStore
+
+    from delta_sync.channel import PeerWatch
+
+    port = free_port()
+    server = TCPStore("127.0.0.1", port, None, True, wait_for_workers=False, use_libuv=True)
+    client = TCPStore("127.0.0.1", port, None, False, use_libuv=True)
+    receiver = PeerWatch(PrefixStore("ns", client), 1, 2, _HangingDeviceGroupFake(), bound_s=1.0, beat_s=0.1)
+    pg = _HangingDeviceGroupFake()
+    watch = PeerWatch(PrefixStore("ns", server), 0, 2, pg, bound_s=1.0, beat_s=0.1)
+    chan = Channel(pg, 0, 2, torch.device("cpu"), "nccl", key=b"k", watch=watch)
+    th, box = _blocked_broadcast(chan)
+    time.sleep(2.0)
+    assert th.is_alive() and watch.dead is None  # a beating receiver is alive past the bound
+    receiver.stop()  # the worker dies: no more beats
+    th.join(10)
+    assert not th.is_alive() and pg.aborted.is_set()
+    assert "rank 1 sent no liveness beat" in str(box["error"])
+    chan.close()

@@ -183,8 +183,8 @@ def test_device_check_script_runs_its_checks_on_the_host():
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["ok"] and set(result["checks"]) == {"diff", "snapshot", "digest", "gather", "local_channel", "in_place",
-                                                      "fast_path", "loader_views"}
+    assert result["ok"] and set(result["checks"]) == {"diff", "snapshot", "digest", "gather", "peer_abort",
+                                                      "local_channel", "in_place", "fast_path", "loader_views"}
     assert all(c["ok"] for c in result["checks"].values()) and result["diff_over_copy"] > 0
     pipe = result["pipeline"]  # exact, or it would have failed; the embedding was received in place
     assert pipe["placed_ranges"] >= 3 and {"seed", "full", "delta", "digest_over_copy"} <= set(pipe)

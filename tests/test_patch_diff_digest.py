@@ -417,16 +417,41 @@ def test_digest_additive_and_sensitive():
         assert Digest.parse(d.hex()) == d
 
 
+def test_keyed_digest_catches_what_a_linear_one_cannot():
+    """``+d, -2d, +d`` on three neighbouring words keeps both sums an affine position weight reduces
+    to (this digest's earlier form): every lane of it agreed on the forged bytes. Under the tables
+    it changes every lane, under the public key and under any derived key; a key derived from
+    another nonce or secret gives another digest, the same inputs the same one; pads differ by place."""
+    import delta_sync.digest as dg
+    g = torch.Generator().manual_seed(11)
+    t = (torch.rand(4096, generator=g) * 0.5 + 0.25).bfloat16()
+    forged = t.clone()
+    forged.view(torch.int16)[1000:1003] += torch.tensor([4096, -8192, 4096], dtype=torch.int16)
+    s, f = t.view(torch.int16).to(torch.int64), forged.view(torch.int16).to(torch.int64)
+    k = torch.arange(s.numel())
+    assert (s - f).abs().max() == 8192
+    assert int(s.sum()) == int(f.sum()) and int((k * s).sum()) == int((k * f).sum())  # S0 and S1 agree
+    keys = [dg.PUBLIC, dg.DigestKey.derive(b"s" * 32, "n1"), dg.DigestKey.derive(b"s" * 32, "n2"),
+            dg.DigestKey.derive(b"t" * 32, "n1")]
+    digests = [dg.digest_tensor(t, key) for key in keys]
+    for key, d in zip(keys, digests):
+        other = dg.digest_tensor(forged, key)
+        assert all(a != b for a, b in zip(d, other)), "a lane kept its value on forged bytes"
+    assert len(set(digests)) == len(digests)
+    assert dg.digest_tensor(t, dg.DigestKey.derive(b"s" * 32, "n1")) == digests[1]
+    assert keys[1].pad(0) != keys[1].pad(1) and keys[1].pad(0) != keys[2].pad(0)
+    with pytest.raises(ValueError, match="positions reach"):
+        dg.scan_range(t, dg.MAX_WORDS)
+
+
 def test_digest_crosses_chunk_boundary(monkeypatch):
     """The device formula's rows and steps (shrunk here) cut anywhere give the host kernel's digest."""
     import delta_sync.digest as dg
     t = torch.randn(5000).bfloat16()
     t[4321] = float("inf")
     d = dg.digest_tensor(t)
-    monkeypatch.setattr(dg, "ROW", 64)
-    monkeypatch.setattr(dg, "DEVICE_CHUNK_WORDS", 64 * 7 + 10)  # steps end inside rows, rows short
-    monkeypatch.setattr(dg, "_consts_cache", {})
-    for start in (0, 100, 123_456_789_012):
+    monkeypatch.setattr(dg, "DEVICE_CHUNK_WORDS", 1024 * 2 + 10)  # steps end inside rows, rows short
+    for start in (0, 100, 1023, 2_000_000_000):
         want, bad = dg.scan_range(t, start)
         got = dg.lane_sums(dg._words(t), start, exp_mask=0x7F80).tolist()
         assert Digest(*got[:4]) == want and got[4] == bad == 1
@@ -558,7 +583,7 @@ def test_host_kernel_order_and_bounds_check_agrees_with_the_rules():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_host_kernel_equals_the_device_formula(dtype, monkeypatch):
-    """The host kernel (S0/S1 sums, AVX2 or scalar, threaded, optionally copying) gives the bits
+    """The host kernel (per-row table products, AVX2 or scalar, threaded, optionally copying) gives the bits
     of the torch-op lane sums that devices run, with the same non-finite count, at any length,
     offset and split; a copying scan leaves an exact copy."""
     import delta_sync.digest as dg
@@ -571,21 +596,21 @@ def test_host_kernel_equals_the_device_formula(dtype, monkeypatch):
         if n > 10:
             x[n // 3], x[n // 2] = float("nan"), float("-inf")
         w, mask = dg._words_per_element(x), dg._EXP_MASK[dtype]
-        for start in (0, 7, 123_456_789_012):
+        for start in (0, 7, 2_000_000_000):
             ref = dg.lane_sums(dg._words(x), start * w, 4, mask, w).tolist()
             want = [r % p for r, p in zip(ref[:4], dg.PRIMES)]
-            got, bad = dg._scan_words(dg._words(x), start * w, 4, mask, w)
+            got, bad = dg._scan_words(dg._words(x), start * w, 4, mask, w, dg.PUBLIC)
             out = torch.full_like(x, 7)
             got2, bad2 = dg.scan_range(x, start, copy_to=out)
             assert [v % p for v, p in zip(got, dg.PRIMES)] == want and bad == ref[4] == (2 if n > 10 else 0)
             assert list(got2) == want and bad2 == bad
             assert torch.equal(out.view(torch.int16 if dtype != torch.float32 else torch.int32),
                                x.view(torch.int16 if dtype != torch.float32 else torch.int32))
-    # extreme words over more than one 65536-word super-block: no intermediate sum overflows
+    # extreme words over many rows: no intermediate sum overflows
     for fill in (-32768, 32767):
         words = torch.full((3 * 65536 + 17,), fill, dtype=torch.int16)
         ref = dg.lane_sums(words, 5, 4, 0, 1).tolist()
-        got, _ = dg._scan_words(words, 5, 4, 0, 1)
+        got, _ = dg._scan_words(words, 5, 4, 0, 1, dg.PUBLIC)
         assert [v % p for v, p in zip(got, dg.PRIMES)] == [r % p for r, p in zip(ref[:4], dg.PRIMES)]
 
 
@@ -651,14 +676,11 @@ def test_device_path_digests_many_ranges_with_one_sync(monkeypatch):
         x = (torch.randn(n, generator=g) * 3000).to((torch.bfloat16, torch.float32, torch.float16)[k % 3])
         if n > 100:
             x[n // 2], x[n // 3] = float("nan"), float("-inf")
-        items.append((x, 11 * k + (123_456_789_012 if k == 4 else 0), torch.zeros_like(x) if k % 2 else None))
+        items.append((x, 11 * k + (2_000_000_000 if k == 4 else 0), torch.zeros_like(x) if k % 2 else None))
     want = [dg.scan_range(v, st) for v, st, _ in items]  # the host kernel
     monkeypatch.setattr(native, "kernel", lambda: None)  # from here, the torch ops devices run
     monkeypatch.setattr(dg, "DEVICE_SMALL_WORDS", 10_000)  # 70_000 and 12_345 (bf16) alone
-    monkeypatch.setattr(dg, "SMALL_ROW", 16)
-    monkeypatch.setattr(dg, "ROW", 1024)
     monkeypatch.setattr(dg, "DEVICE_CHUNK_WORDS", 8192)  # several batches of small ranges, several chunks
-    monkeypatch.setattr(dg, "_consts_cache", {})
     syncs = []
     real = torch.Tensor.tolist
     monkeypatch.setattr(torch.Tensor, "tolist", lambda t: syncs.append(t.shape) or real(t))

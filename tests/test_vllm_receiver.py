@@ -344,8 +344,10 @@ def test_a_seed_damaged_in_flight_is_caught_where_it_is_applied(engine, damage):
             if damage == "NaN":  # with a digest to match (a sender that skipped its own check)
                 pos = vals.numel() // 2
                 vals[pos] = float("nan")
-                e = next(e for e in bucket.header["entries"] if e["value_offset"] <= pos < e["value_offset"] + e["count"])
-                e["digest"] = scan_range(vals[e["value_offset"]:e["value_offset"] + e["count"]], e["start"])[0].hex()
+                i, e = next((i, e) for i, e in enumerate(bucket.header["entries"])
+                            if e["value_offset"] <= pos < e["value_offset"] + e["count"])
+                digest, _ = scan_range(vals[e["value_offset"]:e["value_offset"] + e["count"]], e["start"], key=bucket.key)
+                e["digest"] = (digest + bucket.key.pad(i)).hex()  # the sender holds the key
             else:
                 vals.view(torch.int16)[vals.numel() // 2] ^= 0x0100
         plain_send(bucket)
