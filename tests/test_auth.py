@@ -136,6 +136,28 @@ def test_receiver_refuses_forged_or_oversized_headers(case):
     assert ("MAC does not match" if case == "forged" else "out of bounds") in results[1]
 
 
+def _post(guard, path, body=b"", header=None, query=b""):
+    """POST ``path`` through an ASGI ``guard``: (status, the refusal's message or "")."""
+    import asyncio
+    import json
+
+    from delta_sync.auth import ROUTE_HEADER
+
+    scope = {"type": "http", "method": "POST", "path": path, "query_string": query,
+             "headers": [(ROUTE_HEADER.lower().encode(), header.encode())] if header else []}
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(guard(scope, receive, send))
+    status = sent[0]["status"]
+    return status, (json.loads(sent[1]["body"])["error"]["message"] if status != 200 else "")
+
+
 def test_the_api_server_guard_signs_or_refuses_before_the_app_runs():
     """``DeltaSyncGuard`` in front of an app that records what reached it: a signed /pause with its
     query passes once (a replay, another query or another route is refused), unsigned control routes
@@ -159,19 +181,7 @@ def test_the_api_server_guard_signs_or_refuses_before_the_app_runs():
     guard = DeltaSyncGuard(app, verifier=Verifier(key))
 
     def call(path, body=b"", header=None, query=b""):
-        scope = {"type": "http", "method": "POST", "path": path, "query_string": query,
-                 "headers": [(ROUTE_HEADER.lower().encode(), header.encode())] if header else []}
-        sent = []
-
-        async def receive():
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        async def send(message):
-            sent.append(message)
-
-        asyncio.run(guard(scope, receive, send))
-        status = sent[0]["status"]
-        return status, (json.loads(sent[1]["body"])["error"]["message"] if status != 200 else "")
+        return _post(guard, path, body, header, query)
 
     signer = Signer(key)
     pause = signer.sign_route("/pause", "mode=wait")
@@ -308,18 +318,7 @@ def test_a_signed_route_replayed_to_another_api_server_of_the_engine_is_refused(
         guard._on = True
 
     def call(guard, header):
-        scope = {"type": "http", "method": "POST", "path": "/pause", "query_string": b"",
-                 "headers": [(ROUTE_HEADER.lower().encode(), header.encode())]}
-        sent = []
-
-        async def receive():
-            return {"type": "http.request", "body": b"", "more_body": False}
-
-        async def send(message):
-            sent.append(message)
-        asyncio.run(guard(scope, receive, send))
-        body = sent[1]["body"]
-        return sent[0]["status"], (json.loads(body)["error"]["message"] if sent[0]["status"] != 200 else "")
+        return _post(guard, "/pause", header=header)
 
     pause = Signer(key).sign_route("/pause")
     assert call(servers[0], pause) == (200, "") and rpcs == ["delta_sync_call"]
