@@ -181,7 +181,30 @@ def movable(flat: torch.Tensor, pos: torch.Tensor, *buffers: torch.Tensor | None
         for t in buffers)
 
 
-def move_rows(rows: list[tuple], spans: list[tuple[int, int]] | None = None) -> None:
+def movable_rows(rows: list[tuple]) -> bool:
+    """Do all ``(flat, pos, offset, values, old)`` rows pass :func:`movable`? Each target is checked
+    once, however many rows write it, and each row's buffers with a few attribute reads: a MoE's
+    tens of thousands of rows per update cost milliseconds here, not a call of ``movable`` each."""
+    if kernel() is None:
+        return False
+    targets: dict[int, bool] = {}
+    for flat, pos, _, values, old in rows:
+        ok = targets.get(id(flat))
+        if ok is None:
+            ok = targets[id(flat)] = (flat.device.type == "cpu" and flat.element_size() in _MOVE_BYTES
+                                      and flat.is_contiguous())
+        if not (ok and pos.dtype in _MOVE_POS and pos.device.type == "cpu" and pos.dim() == 1
+                and pos.is_contiguous()):
+            return False
+        n, dtype = pos.numel(), flat.dtype
+        for t in (values, old):
+            if t is not None and not (t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous()
+                                      and t.numel() == n):
+                return False
+    return True
+
+
+def move_rows(rows: list[tuple], spans: list[tuple[int, int]] | None = None, checked: bool = False) -> None:
     """Patch positions of contiguous host tensors, many patches per foreign call. Each row is
     ``(flat, pos, offset, values, old)``: ``old[i] = flat[offset + pos[i]]`` (when ``old`` is not
     None), then ``flat[offset + pos[i]] = values[i]`` (when ``values`` is not None), for int32 or
@@ -191,10 +214,12 @@ def move_rows(rows: list[tuple], spans: list[tuple[int, int]] | None = None) -> 
     Every position of every row is checked first: one outside its tensor raises IndexError, and
     nothing was read or written. ``spans``: ``(lo, hi)`` row ranges that then run concurrently,
     one thread each (rows writing one tensor belong in one span). Rows must pass :func:`can_move`,
-    their buffers be of the tensor's dtype and the positions' count (ValueError otherwise)."""
+    their buffers be of the tensor's dtype and the positions' count (ValueError otherwise; ``checked``:
+    the caller ran :func:`movable_rows` on them already)."""
     if not rows:
         return
-    bad_row = next((k for k, (f, p, _, v, o) in enumerate(rows) if not movable(f, p, v, o)), None)
+    bad_row = None if checked else next((k for k, (f, p, _, v, o) in enumerate(rows) if not movable(f, p, v, o)),
+                                        None)
     if bad_row is not None:
         flat, pos = rows[bad_row][:2]
         raise ValueError(f"row {bad_row} ({flat.dtype} {flat.device} target, {pos.dtype} positions) is not for the "

@@ -246,15 +246,17 @@ class UndoLog:
     entries: list[tuple[torch.Tensor, torch.Tensor | None, int, torch.Tensor]] = field(default_factory=list)
 
     def change_rows(self, rows: list[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]],
-                    spans: list[tuple[int, int]]) -> None:
+                    spans: list[tuple[int, int]], checked: bool = False) -> None:
         """:meth:`change` of many ``(target, pos, offset, values)`` rows that the host kernel takes
         (:func:`delta_sync.native.movable`), in one foreign call per span of rows (``spans``:
         concurrent row ranges, see :func:`delta_sync.native.move_rows`): each position's old value
-        is read and the new one written in the same visit."""
+        is read and the new one written in the same visit (``checked``: the rows passed
+        :func:`delta_sync.native.movable_rows`; the old values' buffers made here are of course fit)."""
         if not rows:
             return
-        olds = torch.empty(sum(r[1].numel() for r in rows), dtype=rows[0][0].dtype).split([r[1].numel() for r in rows])
-        native.move_rows([(t, pos, off, v, old) for (t, pos, off, v), old in zip(rows, olds)], spans)
+        counts = [r[1].numel() for r in rows]
+        olds = torch.empty(sum(counts), dtype=rows[0][0].dtype).split(counts)
+        native.move_rows([(t, pos, off, v, old) for (t, pos, off, v), old in zip(rows, olds)], spans, checked)
         self.entries += [(t, pos, off, old) for (t, pos, off, _), old in zip(rows, olds)]
 
     def change(self, target: torch.Tensor, pos: torch.Tensor | None, values: torch.Tensor, offset: int = 0) -> None:
@@ -404,15 +406,15 @@ def apply_sparse_many(views: dict[str, LoaderView], params: dict[str, torch.Tens
     sizes = [sum(i.numel() for i, _, _ in parts) for _, parts in per_param]
     flats = [flat_param(params[pname]) for pname, _ in per_param]
     device = flats[0].device if flats else None
-    if all(native.can_move(flat, i) for flat, (_, parts) in zip(flats, per_param) for i, _, _ in parts):
+    rows = [(flat, idx, off, vals if vals.dtype == flat.dtype else vals.to(flat.dtype))
+            for flat, (_, parts) in zip(flats, per_param) for idx, off, vals in parts]
+    if native.movable_rows([(*row, None) for row in rows]):
         # host kernel: each tensor's int32 indices at its parameter offset, a few foreign calls for all
-        rows = [(flat, idx, off, vals.to(flat.dtype)) for flat, (_, parts) in zip(flats, per_param)
-                for idx, off, vals in parts]
         spans = _row_spans([len(parts) for _, parts in per_param], sizes, device)
         if undo is None:
-            native.move_rows([(*row, None) for row in rows], spans)
+            native.move_rows([(*row, None) for row in rows], spans, checked=True)
         else:
-            undo.change_rows(rows, spans)
+            undo.change_rows(rows, spans, checked=True)
         return written + sum(sizes)
 
     def run(lo: int, hi: int) -> None:  # parameters lo:hi (one thread's share; disjoint storages)

@@ -246,7 +246,7 @@ def test_apply_failure_midway_restores_previous_version(engine, monkeypatch):
 
     calls = {"n": 0}
 
-    def refused(rows, spans=None):  # the kernel checks every position before it touches any
+    def refused(rows, spans=None, checked=False):  # the kernel checks every position before it touches any
         calls["n"] += 1
         raise IndexError("injected failure before any write")
     monkeypatch.setattr(native, "move_rows", refused)
