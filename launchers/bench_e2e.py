@@ -1028,6 +1028,9 @@ def main(argv: list[str]) -> dict:
     ap = argparse.ArgumentParser(prog="python -m delta_sync.bench e2e", description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=28, help="layers of the random Qwen3-0.6B-shaped checkpoint")
     ap.add_argument("--model", default=None, help="an existing HF checkpoint directory (*.safetensors) instead")
+    ap.add_argument("--model-kind", default=None,
+                    help="a checkpoint of launchers.checkpoints built here instead, e.g. moe-30b-skeleton "
+                         "(Qwen3-30B-A3B's 18,867 tensor names and layout at tiny dimensions; -L<n>: n layers)")
     ap.add_argument("--bucket-bytes", type=int, default=None, help="default: model bytes / 8, at most 512 MiB")
     ap.add_argument("--densities", default=DENSITIES)
     ap.add_argument("--lr", type=float, default=1e-6, help="AdamW step of the last delta")
@@ -1060,6 +1063,10 @@ def main(argv: list[str]) -> dict:
 
     from launchers.bench_apply import _checkpoint
 
+    if args.model_kind:
+        from launchers.checkpoints import build
+
+        args.model = str(build(args.model_kind))
     path = Path(args.model) if args.model else _checkpoint(Path(args.cache), args.layers)
     files = _safetensors(path)
     size = _checkpoint_size(files)

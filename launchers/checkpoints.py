@@ -46,6 +46,24 @@ MOE = {
                      head_dim=64),
                 dict(intermediate_size=3072, moe_intermediate_size=384, num_experts=32, num_experts_per_tok=4)),
 }
+#: Qwen3-30B-A3B's names and layout (48 layers x 128 experts x 3 matrices: 18,867 tensors) at tiny
+#: dimensions (39M parameters): the per-tensor costs of a sync at the production tensor count.
+#: ``moe-30b-skeleton-L12``: the same with 12 layers (slope fits over the layer count).
+SKELETON = "moe-30b-skeleton"
+MOE[SKELETON] = (dict(hidden_size=64, num_hidden_layers=48, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=32),  # vLLM's CPU attention takes head_dim >= 32
+                 dict(intermediate_size=128, moe_intermediate_size=32, num_experts=128, num_experts_per_tok=8))
+
+
+def moe_kind(kind: str) -> tuple[dict, dict] | None:
+    """``MOE[kind]``, or a skeleton of another depth (``moe-30b-skeleton-L<n>``); None if neither."""
+    if kind in MOE:
+        return MOE[kind]
+    base, _, layers = kind.rpartition("-L")
+    if base == SKELETON and layers.isdigit() and int(layers) > 0:
+        shape, experts = MOE[SKELETON]
+        return dict(shape, num_hidden_layers=int(layers)), experts
+    return None
 
 
 def _tokenizer(path: Path) -> None:
@@ -87,8 +105,8 @@ def build(kind: str, seed: int = 0) -> Path:
 
         if kind == "dense":
             model = Qwen3ForCausalLM(Qwen3Config(intermediate_size=256, tie_word_embeddings=True, **COMMON))
-        elif kind in MOE:
-            shape, experts = MOE[kind]
+        elif moe_kind(kind) is not None:
+            shape, experts = moe_kind(kind)
             model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**dict(COMMON, **shape), **experts, norm_topk_prob=True,
                                                        decoder_sparse_step=1, mlp_only_layers=[],
                                                        tie_word_embeddings=False))
@@ -144,6 +162,14 @@ def qwen3_shapes(layers: int = 28, hidden: int = 1024, inter: int = 3072, vocab:
                     p + "mlp.down_proj.weight": (hidden, inter)})
         out.update(_norms(p, hidden))
     return out
+
+
+def skeleton_shapes(layers: int = 48) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of :data:`SKELETON` (``moe-30b-skeleton``) with ``layers`` layers."""
+    shape, experts = MOE[SKELETON]
+    return qwen3_moe_shapes(layers, hidden=shape["hidden_size"], expert_inter=experts["moe_intermediate_size"],
+                            experts=experts["num_experts"], vocab=VOCAB, heads=shape["num_attention_heads"],
+                            kv_heads=shape["num_key_value_heads"], head_dim=shape["head_dim"])
 
 
 def qwen3_moe_shapes(layers: int = 48, hidden: int = 2048, expert_inter: int = 768, experts: int = 128,

@@ -39,6 +39,7 @@ import sys
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from launchers.checkpoints import qwen3_moe_shapes, qwen3_shapes
 
@@ -350,7 +351,7 @@ PIPELINES = {"qwen3-0.6b": lambda layers: qwen3_shapes(layers=layers or 28),
 
 
 def bench_pipeline(device, g, shapes: dict[str, tuple[int, ...]], density: float = 0.002,
-                   profile_dir: str | None = None) -> dict:
+                   profile_dir: str | None = None, count_ops: bool = False) -> dict:
     """The library's bulk and delta paths on one device, against a device copy of the same bytes.
 
     A sender thread and a receiver thread share an in-process channel on the device (one GPU
@@ -358,10 +359,12 @@ def bench_pipeline(device, g, shapes: dict[str, tuple[int, ...]], density: float
     link: ``*_over_copy`` is the library's own cost per byte, what a link would hide or not.
     seed/full: digest and send every tensor (large ones in place), the receiver checks each
     range's digest; delta: the snapshot store's diff, pack, send, assemble and apply of ``density``.
-    Every stage's throughput feeds the README's scale table."""
+    Every stage's throughput feeds the README's scale table. ``count_ops``: one more delta, its
+    torch operations counted on both ends (:class:`OpCounter`; not among the timed runs)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from delta_sync.digest import scan_many
+    from delta_sync.gc_hold import gc_held  # as WeightSync and the engine hold it
     from delta_sync.patch import Patch, apply_patch
     from delta_sync.snapshot import SnapshotStore
     from delta_sync.transfer import receive_update, send_update
@@ -373,7 +376,9 @@ def bench_pipeline(device, g, shapes: dict[str, tuple[int, ...]], density: float
     place, sink, placed = _in_place_receiver(got)
     tx, rx = _channel_pair(device, "device-check-pipeline")
     store = SnapshotStore(device=device)
-    plan = ["seed", "full", "full", "delta", "delta"]
+    plan = ["seed", "full", "full", "delta", "delta"] + (["delta"] if count_ops else [])
+    counters = {"sender": OpCounter(), "receiver": OpCounter()}
+    counted = len(plan) - 1 if count_ops else -1
     done: list[dict] = []  # per version, the receiver's stage times
     sending: list[float] = []  # per version, when the sender began to send
     profile = cProfile.Profile() if profile_dir else None  # the sender's last delta (one profiler per process)
@@ -383,10 +388,11 @@ def bench_pipeline(device, g, shapes: dict[str, tuple[int, ...]], density: float
             for v, kind in enumerate(plan):
                 t0 = time.perf_counter()
                 if kind == "delta":
-                    upd = receive_update(rx)
-                    t1 = time.perf_counter()
-                    for p in upd.patches:
-                        apply_patch(got[p.name], p)
+                    with gc_held(), counters["receiver"] if v == counted else contextlib.nullcontext():
+                        upd = receive_update(rx)
+                        t1 = time.perf_counter()
+                        for p in upd.patches:
+                            apply_patch(got[p.name], p)
                 else:
                     receive_update(rx, bulk_sink=sink, place=place)
                     t1 = time.perf_counter()
@@ -406,7 +412,8 @@ def bench_pipeline(device, g, shapes: dict[str, tuple[int, ...]], density: float
                     for t in state.values():
                         t.copy_(_perturb(t, density, g))
                 sync()
-                with profile if profile and v == len(plan) - 1 else contextlib.nullcontext():
+                with gc_held(), profile if profile and v == len(plan) - 1 else \
+                        counters["sender"] if v == counted else contextlib.nullcontext():
                     t0 = time.perf_counter()
                     patches = store.prepare_many(list(state.items()), full=kind != "delta")
                     sync()
@@ -419,6 +426,8 @@ def bench_pipeline(device, g, shapes: dict[str, tuple[int, ...]], density: float
                         if fut.done():
                             fut.result()
                         time.sleep(1e-4)
+                if v == counted:
+                    continue  # counted, not timed
                 runs.setdefault(kind, []).append({"total_s": done[v]["end"] - t0, "prepare_s": t1 - t0,
                                                   "send_s": t2 - t1,
                                                   **{k: x for k, x in done[v].items() if k != "end"}})
@@ -438,7 +447,30 @@ def bench_pipeline(device, g, shapes: dict[str, tuple[int, ...]], density: float
             "digest_s": round(t_digest, 5), "digest_over_copy": round(t_digest / t_copy, 3),
             **{f"{k}_over_copy": round(r["total_s"] / t_copy, 2) for k, r in best.items()},
             **{k: {x: round(y, 5) for x, y in r.items()} for k, r in best.items()},
-            "placed_ranges": len(placed), "density": density}
+            "placed_ranges": len(placed), "density": density,
+            **({"delta_ops": {k: c.counts() for k, c in counters.items()}} if count_ops else {})}
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the torch operations run while it is entered (in this thread: dispatch modes are
+    per thread), and among them those whose result size depends on the data or that read a
+    value back (``nonzero``, ``item``, ...): on a device each of those waits for the device."""
+
+    SYNCING = frozenset({"nonzero", "_local_scalar_dense", "item", "masked_select", "unique", "_unique2",
+                         "unique_consecutive", "equal", "is_nonzero", "argwhere"})
+
+    def __init__(self):
+        super().__init__()
+        self.ops = self.syncs = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        if func.overloadpacket.__name__ in self.SYNCING:
+            self.syncs += 1
+        return func(*args, **(kwargs or {}))
+
+    def counts(self) -> dict:
+        return {"ops": self.ops, "syncs": self.syncs}
 
 
 def accelerator_sync(device):

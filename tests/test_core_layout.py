@@ -83,3 +83,16 @@ def test_e2e_bench_counts_busy_cores():
     # (busy, stolen, total) ticks: 30 of 200 busy and 10 stolen between the readings
     assert cpu_share((100, 5, 1000), (130, 15, 1200)) == {"busy": 0.15, "stolen": 0.05}
     assert cpu_share((7, 0, 50), (7, 0, 50)) == {"busy": 0.0, "stolen": 0.0}  # no tick in between
+
+
+def test_skeleton_bench_fits_the_cost_per_tensor_and_counts_ops():
+    """``bench skeleton`` on 1 and 2 layers of the Qwen3-30B-A3B skeleton (393 and 786 tensors),
+    torch-op path: the pipeline is exact (or it raises), each delta's ops are counted on both ends
+    and grow with the tensor count, and the fit projects the full model's 18,867 tensors."""
+    out = subprocess.run([sys.executable, "-m", "delta_sync.bench", "skeleton", "--layers", "1,2", "--torch-path"],
+                         check=True, capture_output=True, text=True, timeout=300)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    runs = result["runs"]
+    assert result["bench"] == "skeleton" and result["path"] == "torch ops" and [r["tensors"] for r in runs] == [396, 789]
+    assert runs[1]["delta_sender_ops"] > runs[0]["delta_sender_ops"] > 0 and runs[0]["delta_receiver_ops"] > 0
+    assert result["per_tensor"]["delta_sender_ops"] > 0 and "delta_total_s" in result["at_18867_tensors"]
