@@ -84,6 +84,11 @@ class DeltaSyncUpdateInfo:
     version: int | None = None  # if set, the version the sender announced out of band
 
 
+#: the digest ``report`` gives a name applied through vLLM's loader when a parameter the loader
+#: writes changed behind the updates: no digest has it (every lane is below its prime, < 0x8000)
+DRIFTED = "f" * 16
+
+
 def _parse(cls, payload, what: str, kept: str):
     """``cls(**payload)``, or a :class:`DeltaSyncError` naming the keys that do not fit."""
     if not isinstance(payload, dict):
@@ -178,6 +183,10 @@ class DeltaSyncReceiver:
         #: checkpoint value of every name without a view, as handed to vLLM's loader (its digest
         #: is what ``report`` can say for it: the loader's result cannot be read back)
         self.fallback_values: dict[str, torch.Tensor] = {}
+        #: digest of every parameter that loader views do not cover whole (what vLLM's loader writes
+        #: for the names above), read from the parameter after the last update: drift there is
+        #: caught against these, since those names' own digests come from the kept values
+        self.loader_params: dict[str, str] = {}
         self.shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         #: the received, not yet applied update, or None
         self._staged: ReceivedUpdate | None = None
@@ -498,6 +507,7 @@ class DeltaSyncReceiver:
             self.version, self.needs_seed, self.last_error = upd.version, False, None
             self.partial = False
             self._fingerprint = _fingerprint(self.model)
+            self._record_loader_params()
             return
         t0 = time.perf_counter()
         undo = UndoLog()
@@ -511,6 +521,7 @@ class DeltaSyncReceiver:
             raise DeltaSyncError(self.last_error, kept=kept) from e
         self.version, self.needs_seed, self.last_error = upd.version, False, None
         self._fingerprint = _fingerprint(self.model)  # vLLM's loader, on the fallback path, may move storage
+        self._record_loader_params()
         self.last_timings.update(apply_s=time.perf_counter() - t0, undo_bytes=float(undo.nbytes))
 
     # ---- apply ---------------------------------------------------------------------------------
@@ -572,6 +583,29 @@ class DeltaSyncReceiver:
             if p.numel():
                 undo.record_view(p.data)
 
+    def _loader_param_digests(self) -> dict[str, str]:
+        """Digest of every parameter the loader views do not cover whole (none without names that
+        went through vLLM's loader: then nothing is read)."""
+        if not self.fallback_values:
+            return {}
+        params = dict(self.model.named_parameters())
+        covered: dict[str, int] = {}
+        for view in self.views.values():
+            for seg in view.segments:
+                covered[seg.param] = covered.get(seg.param, 0) + seg.numel
+        return {n: digest_tensor(p.detach()).hex() for n, p in sorted(params.items())
+                if covered.get(n, 0) < p.numel()}
+
+    def _record_loader_params(self) -> None:
+        self.loader_params = self._loader_param_digests()
+
+    def _loader_drift(self) -> list[str]:
+        """The parameters written through vLLM's loader that changed since the last update."""
+        if not self.loader_params:
+            return []
+        now = self._loader_param_digests()
+        return [n for n, d in self.loader_params.items() if now.get(n) != d]
+
     # ---- reporting -----------------------------------------------------------------------------
     def status(self) -> dict:
         """What anyone may read (the pause lease asks it): version, whether a seed is needed, and
@@ -587,14 +621,18 @@ class DeltaSyncReceiver:
             t0 = time.perf_counter()
             params = dict(self.model.named_parameters())
             d = {}
-            for name in (names or sorted(set(self.views) | set(self.fallback_values))):
+            wanted = names or sorted(set(self.views) | set(self.fallback_values))
+            drift = self._loader_drift() if any(n in self.fallback_values for n in wanted) else []
+            if drift:  # what the loader wrote changed behind the updates: no kept value vouches for it
+                out["loader_drift"] = drift
+            for name in wanted:
                 view = self.views.get(name)
                 if view is not None:
                     digest, count = digest_view(view, params)
                     d[name] = [digest.hex(), count, int(torch.Size(view.shape).numel())]
                 elif name in self.fallback_values:  # what vLLM's loader was given (whole, on every worker)
                     held = self.fallback_values[name]
-                    d[name] = [digest_tensor(held).hex(), held.numel(), held.numel()]
+                    d[name] = [DRIFTED if drift else digest_tensor(held).hex(), held.numel(), held.numel()]
             out["digests"] = d
             out["digest_s"] = time.perf_counter() - t0
         return out

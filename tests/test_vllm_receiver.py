@@ -18,7 +18,7 @@ from delta_sync.bucket import Bucket  # noqa: E402
 from delta_sync.digest import scan_range  # noqa: E402
 from delta_sync.errors import EngineError, PatchValidationError  # noqa: E402
 from delta_sync.patch import Patch  # noqa: E402
-from delta_sync.sync import WeightSync  # noqa: E402
+from delta_sync.sync import DriftDetected, WeightSync  # noqa: E402
 from delta_sync.transfer import send_update  # noqa: E402
 
 from launchers.checkpoints import build  # noqa: E402
@@ -437,6 +437,19 @@ def test_names_without_a_view_go_through_vllms_loader(engine, tmp_path):
     live = greedy(llm, PROMPTS)
     fresh = fresh_engine(export(state, path, tmp_path / "patched"))
     assert live == fresh, f"max logprob error {max_logprob_error(live, fresh)}"
+    # their digests come from the values the loader was given; drift in what it wrote is still seen
+    assert sync.verify() and "model.norm.weight" in worker_engine.loader_params
+
+    def flip(worker):
+        eng = getattr(worker, "worker", worker)._delta_sync_receiver
+        dict(eng.model.named_parameters())["model.norm.weight"].data.view(torch.int16).view(-1)[3] ^= 1
+
+    llm.collective_rpc(flip)
+    with pytest.raises(DriftDetected, match="digest mismatch"):
+        sync.verify()
+    assert worker_engine.report(digests=True)["loader_drift"] == ["model.norm.weight"]
+    rep = sync.update(state.items())  # the re-seed writes it again
+    assert rep.kind == "seed" and sync.verify() and "loader_drift" not in worker_engine.report(digests=True)
     sync.close()
 
 
