@@ -168,7 +168,7 @@ class Channel:
         timeout = datetime.timedelta(seconds=timeout_s)
         try:
             store = _store(host, port, rank == 0, timeout, listener)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - named as the channel's error, with the cause in its text
             raise ChannelError(f"rank {rank}: cannot reach the channel store at {host}:{port}: {e}") from None
         ns = PrefixStore(_namespace(token), store)
         if ns.add(f"claim/{rank}", 1) != 1:
@@ -178,7 +178,7 @@ class Channel:
         try:
             pg = accelerator.make_process_group(backend, PrefixStore("pg", ns), rank, world_size, timeout, device,
                                                 bind=local_address_towards(host, port) if backend == "gloo" else None)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - named as the channel's error, with the cause in its text
             raise ChannelError(f"rank {rank}: rendezvous of {world_size} ranks over {backend} failed "
                                f"({type(e).__name__}: {e}); check the token and that every engine "
                                f"worker joined") from None
@@ -198,7 +198,7 @@ class Channel:
             collectives.pg_broadcast_all(self.pg, tensors, src)
         except collectives.DeviceMismatch:
             raise
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - the channel's error, naming a dead peer where the watch saw one
             dead = self._watch.dead if self._watch is not None else None
             raise ChannelError(f"rank {self.rank}: broadcast from {src} failed: {dead or e}") from None
 
@@ -217,7 +217,7 @@ class Channel:
         try:
             if hasattr(self.pg, "shutdown"):
                 self.pg.shutdown()
-        except Exception:  # best effort: the peer may be gone already
+        except Exception:  # noqa: BLE001 - best effort: the peer may be gone already
             pass
         self.pg = None
         self._store = None
@@ -485,7 +485,7 @@ class PeerWatch:
                     elif now - since > self.bound_s:
                         return self._abort(f"rank {r} sent no liveness beat for {self.bound_s:g} s (its process "
                                            "died or hangs); the channel was aborted")
-            except Exception as e:  # the store's host (rank 0) is gone, or its connection broke
+            except Exception as e:  # noqa: BLE001 - the store's host (rank 0) is gone, or its connection broke
                 if not self._stop.is_set():
                     return self._abort(f"the channel store on rank 0 stopped answering ({type(e).__name__}: "
                                        f"{e}): the sender died; the channel was aborted")

@@ -348,7 +348,7 @@ def scan_many(items: list[tuple[torch.Tensor, int, torch.Tensor | None]], lanes:
         _scan_device(items, [i for i, ok in enumerate(host) if not ok], out, key)
         if not lanes:  # device ranges were digested anyway: their digests are dropped alike
             out = [None if o is None else (Digest(), o[1]) for o in out]
-    except BaseException as e:
+    except BaseException as e:  # noqa: BLE001 - every range finishes first; the first error is raised below
         error = error or e
     if error is not None:
         raise error

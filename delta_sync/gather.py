@@ -148,7 +148,7 @@ class PatchGather:
     def _produce(produce) -> tuple[list[Ordered], tuple[str, str] | None]:
         try:
             return (produce() if callable(produce) else list(produce)), None
-        except Exception as e:  # becomes the same GatherError on every rank
+        except Exception as e:  # noqa: BLE001 - becomes the same GatherError on every rank
             return [], (f"{type(e).__name__}: {e}", traceback.format_exc(limit=4))
 
     def _agree(self, values: list[int], failure: tuple[str, str] | None,
@@ -179,7 +179,7 @@ class PatchGather:
         if failure is None and rank != self.dst and items:
             try:
                 buf, meta_bytes = _pack(items, g.device)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - becomes the same GatherError on every rank
                 failure = (f"{type(e).__name__}: {e}", traceback.format_exc(limit=4))
         sizes = self._agree([buf.numel(), meta_bytes], failure, kept)
         if rank != self.dst:

@@ -134,7 +134,7 @@ def run_spread(calls: list) -> tuple[list, BaseException | None]:
     for k, step in enumerate([*calls[:1], *(f.result for f in futures)]):
         try:
             results[k] = step()
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001 - every call finishes first; the first error goes to the caller
             error = error or e
     return results, error
 

@@ -257,7 +257,7 @@ class WeightSync:
         try:
             return any(r.get("needs_seed") or r.get("version") != self.version
                        for e in self.engines for r in e.report())
-        except Exception:
+        except Exception:  # noqa: BLE001 - an engine that cannot say counts as having lost its base
             return True
 
     def _drop_channel(self) -> None:
@@ -377,20 +377,20 @@ class WeightSync:
                                                kept=f"engines and trainer snapshot at v{self.version}")
                 elements[0] += t.numel()
                 seen[name] = t.numel() * t.element_size()
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - yielded in order, raised after the stream
                 yield seq, name, e
                 continue
             yield seq, name, t
 
     # ---- delta: diff, gather, validate, publish ---------------------------------------------------
-    def _delta(self, version: int, named_tensors, timings: dict) -> tuple[Outcome | None, BaseException | None, int]:
+    def _delta(self, version: int, named_tensors, timings: dict) -> tuple[Outcome | None, BaseException | None, int]:  # noqa: C901 - still to be split into phases
         sharded = self.sharded
         fast = sharded is not None and sharded.ready()
         elements = [0]
         kept = f"engines and trainer snapshot at v{self.version}"
         timings["diff_s"] = 0.0
 
-        def diffed() -> Iterator[list[Ordered]]:
+        def diffed() -> Iterator[list[Ordered]]:  # noqa: C901 - still to be split into phases
             """This rank's patches, a diff batch at a time (bounded by DIFF_BATCH_*); ``diff_s``: the
             time spent here, not in the consumer between batches. Raises, once the stream is read to
             its end, the first failure of any tensor."""
@@ -429,7 +429,7 @@ class WeightSync:
                         held += nbytes
                         if len(batch) >= DIFF_BATCH_TENSORS or held >= DIFF_BATCH_BYTES:
                             ready = diff_batch()
-                except Exception as e:
+                except Exception as e:  # noqa: BLE001 - raised once the stream is read to its end
                     failure = e
                 if ready:
                     timings["diff_s"] += time.perf_counter() - t0
@@ -439,7 +439,7 @@ class WeightSync:
             if failure is None and batch:
                 try:
                     ready = diff_batch()
-                except Exception as e:
+                except Exception as e:  # noqa: BLE001 - raised once the stream is read to its end
                     failure = e
             missing = [n for n in self._catalog if n not in seen]
             if failure is None and missing:
@@ -490,7 +490,7 @@ class WeightSync:
             except GatherError:
                 self._rollback()  # every rank raises the same error
                 raise
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - the update's outcome, the same on every rank
                 return Outcome(False, f"{type(e).__name__}: {e}"), e, elements[0]
             timings["prepare_s"] = time.perf_counter() - t0
             if self.rank != 0:
@@ -515,7 +515,7 @@ class WeightSync:
                 early.cancel()
 
     # ---- seed / full: one streaming pass ----------------------------------------------------------
-    def _bulk(self, version: int, kind: str, named_tensors, timings: dict
+    def _bulk(self, version: int, kind: str, named_tensors, timings: dict  # noqa: C901 - still to be split into phases
               ) -> tuple[Outcome | None, BaseException | None, int]:
         """Every rank reads the stream once; rank 0 packs and sends every tensor as it comes. Before
         the last bucket, the ranks agree that nobody failed; a failure aborts the update instead.
@@ -559,7 +559,7 @@ class WeightSync:
                         later.append((name, t))
                     if self.rank == 0:
                         check_indexable(name, t.numel())
-                except Exception as e:
+                except Exception as e:  # noqa: BLE001 - raised once the stream has drained
                     failure.append(e)
                     return
                 finally:
@@ -590,7 +590,7 @@ class WeightSync:
             try:
                 if publish_ok and not self._store_skipped:
                     self.store.prepare_many(later, full=True)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - agreed across ranks, then raised
                 mine = e
             later.clear()
             timings["stage_after_s"] = time.perf_counter() - t0
@@ -622,7 +622,7 @@ class WeightSync:
                     packed = sender.prepack(full_patches())
                 else:
                     sender.send(full_patches())
-            except Exception as e:  # a bad tensor found while packing (NaN, too large)
+            except Exception as e:  # noqa: BLE001 - a bad tensor found while packing (NaN, too large)
                 failure.append(e)
             finish_stream()
             sender.send_packed(packed)
@@ -664,7 +664,7 @@ class WeightSync:
         covers only its apply."""
         try:
             self._connect()
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - the update's outcome; no engine was touched
             return Outcome(False, f"{type(e).__name__}: {e}", needs_seed=self.needs_seed), e
         t_pause = [time.perf_counter()]
         started: list[EngineClient] = early.started if early is not None else []
@@ -699,7 +699,7 @@ class WeightSync:
                 _each(self.engines, lambda e: e.finish(version), finished)
                 timings["finish_s"] = time.perf_counter() - t2
                 _each(self.engines, _serve)
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - the sessions started end first; then it is the outcome
             if early is not None:  # a failure found before the first bucket: its starts may still run
                 early.wait()
             # Engines left on different versions, or a bulk update they started writing, can only
@@ -709,7 +709,7 @@ class WeightSync:
             if not needs_seed:  # engines are on v-1 and consistent: serve again
                 try:
                     _each(self.engines, _serve)
-                except Exception:
+                except Exception:  # noqa: BLE001 - best effort: an engine's pause lease resumes it
                     pass  # best effort: an engine's pause lease resumes it
             if not needs_seed:
                 what = f"engines resumed on v{self.version}"
@@ -751,7 +751,7 @@ class WeightSync:
             for step in (e.discard, lambda: e.finish(self.version)):
                 try:
                     step()
-                except Exception:
+                except Exception:  # noqa: BLE001 - best effort: a session also ends with the engine's lease
                     pass
 
     def _send(self, version: int, kind: str, timings: dict, send: Callable[[BucketSender], SendStats],
@@ -776,7 +776,7 @@ class WeightSync:
                     raise
                 try:
                     sender.abort(f"sender failed: {type(err).__name__}: {err}")
-                except Exception:
+                except Exception:  # noqa: BLE001 - an abort that fails drops the channel instead
                     sender.shutdown()
                     self._drop_channel()  # receivers time out and discard; the next update reconnects
                 for f in futs:
@@ -879,7 +879,7 @@ class WeightSync:
                     problem = _differs(e.name, e.report(digests=True, names=names), want)
                     if problem:
                         break
-            except Exception as err:  # every rank must hear about it, not wait in the broadcast below
+            except Exception as err:  # noqa: BLE001 - every rank must hear about it, not wait in the broadcast below
                 problem = f"digest report failed: {type(err).__name__}: {err}"
         problem = self._from_rank0(problem)
         if problem:
@@ -895,7 +895,7 @@ class WeightSync:
             if callable(release):
                 try:
                     release()
-                except Exception as err:  # best effort: an unreachable engine's claim lapses by itself
+                except Exception as err:  # noqa: BLE001 - best effort: an unreachable engine's claim lapses by itself
                     log.warning("delta-sync: releasing %s failed (%s); its claim lapses after the engine's "
                                 "DELTA_SYNC_CLAIM_S seconds of silence (default 60)", getattr(e, "name", e), err)
             close = getattr(e, "close", None)
@@ -944,7 +944,7 @@ class _EarlyStart:
     def _run(self) -> None:
         try:
             self._sweep = self.sync._start_engines("delta", self.started)
-        except BaseException as e:  # raised where the publish opens the engines
+        except BaseException as e:  # noqa: BLE001 - raised where the publish opens the engines
             self._error = e
 
     def result(self) -> dict:

@@ -126,7 +126,7 @@ class BucketSender:
                     t0 = time.perf_counter()
                     self.channel.send_bucket(bucket)
                     self.stats.send_s += time.perf_counter() - t0
-            except BaseException as e:  # the caller raises it at its next call
+            except BaseException as e:  # noqa: BLE001 - the caller raises it at its next call
                 self._error = e
             finally:
                 if arena is not None:  # a prepacked bucket holds no slot
@@ -269,7 +269,7 @@ def _prefetch(channel: Channel, slots: _Slots, streamed: bool = True,
                 q.put((b, arena))
                 if b.header.get("last") or b.header.get("kind") == "abort":
                     return
-        except BaseException as e:  # raised in the consumer
+        except BaseException as e:  # noqa: BLE001 - raised in the consumer
             q.put(e)
 
     th = threading.Thread(target=run, name="delta_sync-recv", daemon=True)
@@ -317,7 +317,7 @@ def receive_stream(channel: Channel, kept: str | None = None, check_bulk: bool =
                     t0 = time.perf_counter()
                     entries = entry_patches(bucket, kept, check_dense=check_bulk or h["kind"] not in BULK_KINDS)
                     h["_check_s"] = time.perf_counter() - t0
-                except Exception as e:  # keep draining so the channel stays in step
+                except Exception as e:  # noqa: BLE001 - keep draining so the channel stays in step
                     first_error = e
                 else:
                     h["_payload_bytes"] = bucket.payload_bytes
@@ -369,7 +369,7 @@ def receive_update(channel: Channel, kept: str | None = None,
             if sink_error is None:
                 try:
                     bulk_sink(entries)
-                except Exception as err:  # keep draining: the channel stays in step with the sender
+                except Exception as err:  # noqa: BLE001 - keep draining: the channel stays in step with the sender
                     sink_error = err
         else:
             asm.add_entries(entries)

@@ -300,7 +300,7 @@ def _child(fn, args, env, queue) -> None:
     os.environ.update(env)
     try:
         queue.put(("ok", fn(*args)))
-    except BaseException as e:  # report, never hang the parent
+    except BaseException as e:  # noqa: BLE001 - report, never hang the parent
         queue.put(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 
@@ -859,7 +859,7 @@ def _plot(result: dict, path: Path) -> str | None:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except Exception as e:  # the JSON is the result; the picture is a convenience
+    except Exception as e:  # noqa: BLE001 - the JSON is the result; the picture is a convenience
         return f"no plot: {type(e).__name__}: {e}"
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(14, 5.5))
     refs = [("wire (raw broadcast)", result.get("wire_s"), "k", "-"),
@@ -1136,7 +1136,7 @@ def main(argv: list[str]) -> dict:
     result["headline"] = headline
     try:
         problem = _plot(result, out / "e2e.png")
-    except Exception as e:  # the JSON is the result; the picture is a convenience
+    except Exception as e:  # noqa: BLE001 - the JSON is the result; the picture is a convenience
         problem = f"plot failed: {type(e).__name__}: {e}"
     if problem:
         _say(problem)

@@ -116,7 +116,7 @@ def check_peer_abort(device, g, port: int) -> dict:
         collectives.pg_broadcast_all(pg, [_randn(1000, g, device)])
         accelerator_sync(device)
         raised = False
-    except Exception:
+    except Exception:  # noqa: BLE001 - any failure is the answer: the broadcast must not complete
         raised = True
     return {"backend": backend, "aborted": aborted, "broadcast_after_abort_raised": raised,
             "raise_s": round(time.perf_counter() - t0, 3)}
@@ -365,7 +365,7 @@ def bench_pipeline(device, g, shapes: dict[str, tuple[int, ...]], density: float
 
     from delta_sync.digest import scan_many
     from delta_sync.gc_hold import gc_held  # as WeightSync and the engine hold it
-    from delta_sync.patch import Patch, apply_patch
+    from delta_sync.patch import apply_patch
     from delta_sync.snapshot import SnapshotStore
     from delta_sync.transfer import receive_update, send_update
 
@@ -523,7 +523,7 @@ def main(argv: list[str] | None = None) -> dict:
         t0 = time.perf_counter()
         try:
             out["checks"][name] = dict(fn(), ok=True, s=round(time.perf_counter() - t0, 3))
-        except Exception as e:  # report every check, then fail
+        except Exception as e:  # noqa: BLE001 - report every check, then fail
             ok = False
             out["checks"][name] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:500]}
     print("device_check: bench", file=sys.stderr, flush=True)
@@ -533,7 +533,7 @@ def main(argv: list[str] | None = None) -> dict:
             out["pipeline"] = dict(bench_pipeline(device, g, PIPELINES[args.pipeline](args.layers),
                                                   profile_dir=args.profile_dir),
                                    shapes=args.pipeline, layers=args.layers)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - report every part, then fail
             ok = False
             out["pipeline"] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:500]}
     out["ok"] = ok

@@ -123,7 +123,7 @@ def wait_ready(proc: subprocess.Popen | int, base: str, log: Path, timeout: floa
         try:
             urllib.request.urlopen(base + "/health", timeout=2)
             return
-        except Exception:
+        except Exception:  # noqa: BLE001 - not up yet: poll until the deadline
             time.sleep(0.5)
     if isinstance(proc, subprocess.Popen):
         proc.kill()

@@ -28,7 +28,7 @@ def _entry(fn, rank, world, port, args, queue):
     torch.set_num_threads(1)
     try:
         queue.put((rank, "ok", fn(rank, world, port, *args)))
-    except BaseException as e:  # report, never hang the parent
+    except BaseException as e:  # noqa: BLE001 - report, never hang the parent
         queue.put((rank, "error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 

@@ -56,7 +56,7 @@ main_env() {
   # Megatron: their declared deps (transformer-engine, transformers<5, wandb, ...) cannot
   # install on CPU; install without deps and add what the code paths we use import.
   "${pip[@]}" install --no-deps --no-warn-conflicts "megatron-core==0.16.1" "megatron-bridge==0.3.0"
-  "${pip[@]}" install einops omegaconf safetensors numpy pytest pytest-timeout tqdm matplotlib
+  "${pip[@]}" install einops omegaconf safetensors numpy pytest pytest-timeout tqdm matplotlib "ruff==0.17.5"
   # The project itself, editable, without re-resolving the stack above.
   "${pip[@]}" install --no-deps --no-build-isolation -e .
   "${pip[@]}" uninstall -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Sets up both environments if needed, then runs the whole test suite in .venv (vLLM 0.32) and the
+# Sets up both environments if needed, lints (ruff), then runs the whole test suite in .venv (vLLM 0.32) and the
 # engine-side tests (marker `receiver`) again in .venv-vllm023 (vLLM 0.23, what vLLM-Ascend
 # 0.23.0.post1 builds on). Fails when either fails or collects no test. Extra arguments go to both
 # pytest runs (e.g. `-m "not slow"` to skip the slowest end-to-end tests locally: the second run
@@ -26,6 +26,8 @@ run() {  # $1: the venv; the rest: pytest arguments. Exit 5 (nothing collected) 
   return $rc
 }
 rc=0
+echo "[test] ruff (pyproject.toml: pyflakes, blind excepts, complexity)" >&2
+.venv/bin/ruff check . || rc=$?
 run .venv "$@" || rc=$?
 second=() mark="receiver"
 while [[ $# -gt 0 ]]; do

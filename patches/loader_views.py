@@ -221,7 +221,7 @@ def probe_views(model: torch.nn.Module, names_shapes: list[tuple[str, tuple[int,
         try:
             with mode:
                 load_fn([(name, probe) for name, probe in probes.values()])
-        except Exception as e:  # a loader that does math on the source, etc.
+        except Exception as e:  # noqa: BLE001 - a loader that does math on the source, etc.
             mode._refuse(f"{type(e).__name__}: {e}")
         if mode.error is not None and len(batch) > 1:
             continue  # one name at a time, below

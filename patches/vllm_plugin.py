@@ -378,7 +378,7 @@ def _install_pause_lease() -> None:
     on different versions, or a status call that fails (logged, not fatal to the watcher)."""
     try:
         from vllm.v1.engine.async_llm import AsyncLLM
-    except Exception:  # no async engine in this vLLM build: nothing to lease
+    except Exception:  # noqa: BLE001 - no async engine in this vLLM build: nothing to lease
         return
     _lease_methods(AsyncLLM)
 
@@ -484,7 +484,7 @@ def _has_requests(llm) -> bool:
     """Has the engine requests in flight (True where this vLLM cannot tell)?"""
     try:
         return bool(llm.output_processor.has_unfinished_requests())
-    except Exception:
+    except Exception:  # noqa: BLE001 - cannot tell: counted as busy (the slower, safe pause)
         return True
 
 

@@ -251,7 +251,7 @@ class DeltaSyncReceiver:
             from vllm.distributed import get_tensor_model_parallel_rank
 
             tp_rank = get_tensor_model_parallel_rank()
-        except Exception:  # no TP group initialised (uni executor without distributed init)
+        except Exception:  # noqa: BLE001 - no TP group initialised (uni executor without distributed init)
             tp_rank = 0
         return getattr(pc, "data_parallel_index", 0) * pc.tensor_parallel_size + tp_rank
 

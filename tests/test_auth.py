@@ -166,7 +166,7 @@ def test_the_api_server_guard_signs_or_refuses_before_the_app_runs():
     import asyncio
     import json
 
-    from delta_sync.auth import ROUTE_HEADER, Signer, Verifier
+    from delta_sync.auth import Signer, Verifier
     from patches.vllm_http_guard import DeltaSyncGuard
 
     key = b"k" * 32
@@ -292,11 +292,10 @@ def test_a_signed_route_replayed_to_another_api_server_of_the_engine_is_refused(
     """With ``--api-server-count`` > 1 each API-server process has its own guard and nonce window;
     the workers are the engine's. A signed /pause accepted by one API server is refused by another
     (the workers saw its nonce), and a worker that refuses the signature refuses the route."""
-    import asyncio
     import json
     from types import SimpleNamespace
 
-    from delta_sync.auth import ROUTE_HEADER, Signer, Verifier
+    from delta_sync.auth import Signer, Verifier
     from patches.vllm_http_guard import DeltaSyncGuard
 
     key = b"k" * 32

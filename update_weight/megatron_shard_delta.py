@@ -210,7 +210,7 @@ class MegatronShardDelta(BridgeExportSource):
             try:
                 snap = {k: r.param.detach().clone(memory_format=torch.contiguous_format)
                         for k, r in enumerate(self._runs)}
-            except Exception as e:  # e.g. out of memory: every rank falls back alike
+            except Exception as e:  # noqa: BLE001 - e.g. out of memory: every rank falls back alike
                 snap, problem = {}, f"{type(e).__name__}: {e}"
             self._ok = self._agree(problem is None)  # collective: every rank commits
             self._snap = snap if self._ok else {}
