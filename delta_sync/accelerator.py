@@ -154,21 +154,6 @@ def memory_allocated(device: torch.device | str) -> int:
     return int(device_module(device).memory_allocated(device))
 
 
-def memory_free(device: torch.device | str) -> int:
-    device = torch.device(device)
-    if device.type == "cpu":
-        try:
-            with open("/proc/meminfo") as f:
-                for line in f:
-                    if line.startswith("MemAvailable:"):
-                        return int(line.split()[1]) * 1024
-        except OSError:
-            pass
-        return 0
-    free, _ = device_module(device).mem_get_info(device)
-    return int(free)
-
-
 def make_process_group(backend: str, store, rank: int, world_size: int, timeout, device: torch.device,
                        bind: str | None = None):
     """A process group over ``store`` that is independent of torch.distributed's default group.

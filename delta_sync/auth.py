@@ -122,9 +122,6 @@ class Signer:
         call = route_call(path, query)
         return json.dumps(self.sign(call["method"], call["payload"], engine))
 
-    def channel_token(self, nonce: str) -> str:
-        return channel_token(self._key, nonce)
-
     def identity_proven(self, challenge: str, engine: str, proof: str | None) -> bool:
         """Did an engine holding the secret answer ``challenge`` with identity ``engine``?"""
         return isinstance(proof, str) and hmac.compare_digest(identity_proof(self._key, challenge, engine), proof)

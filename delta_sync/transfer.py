@@ -244,10 +244,6 @@ def _abort_bucket(version: int, reason: str) -> Bucket:
     return Bucket(header, torch.empty(0, dtype=torch.int32), {})
 
 
-def send_abort(channel: Channel, version: int, reason: str) -> None:
-    channel.send_bucket(_abort_bucket(version, reason))
-
-
 def _prefetch(channel: Channel, slots: _Slots, streamed: bool = True,
               place: Callable[[dict], dict[int, torch.Tensor]] | None = None) -> Iterator[Bucket]:
     """Buckets of one version, each received on a thread while the previous one is in use.

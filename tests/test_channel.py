@@ -15,7 +15,7 @@ from delta_sync.errors import ChannelError
 from delta_sync.gather import Ordered, PatchGather
 from delta_sync.patch import apply_patch
 from delta_sync.snapshot import SnapshotStore
-from delta_sync.transfer import UpdateAborted, receive_update, send_abort, send_update
+from delta_sync.transfer import BucketSender, UpdateAborted, receive_update, send_update
 from launchers.ranks import run_ranks
 
 VERSIONS = 22
@@ -72,7 +72,7 @@ def _node(rank, world, port, chan_port):
             kind = "seed" if store.version is None else "delta"
             if rank == 0:
                 if v == 7:  # an aborted update: receivers must discard it, trainers roll back
-                    send_abort(chan, v, "validation failed on the trainer")
+                    BucketSender(chan, v, kind).abort("validation failed on the trainer")
                     store.rollback()
                     dist.barrier()
                     continue

@@ -43,7 +43,6 @@ def test_cpu_binding_and_sync():
     p = accelerator.bind("cpu")
     assert p.device == torch.device("cpu") and p.backend == "gloo"
     accelerator.synchronize("cpu")  # torch.accelerator.synchronize would raise here
-    assert accelerator.memory_free("cpu") > 0
 
 
 def test_diff_bench_prints_json_last_line():
