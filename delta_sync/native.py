@@ -416,11 +416,13 @@ def _scan_many(fn, width: int, olds: list[torch.Tensor], news: list[torch.Tensor
                    ctypes.byref(stop_t), ctypes.byref(stop_w))
             st, sw = stop_t.value, stop_w.value
             cuts = done[t:st].tolist() + ([k] if st < n else [])  # the stopped array's share comes last
-            spans = [(j, a, b) for j, a, b in zip(range(t, t + len(cuts)), [0] + cuts[:-1], cuts)
-                     if b > a or not parts[j]]
-            got = (idx[:k], val[:k]) + ((prev[:k],) if absorb else ())  # views: see _outputs
-            for j, a, b in spans:
-                parts[j].append(tuple(g[a:b] for g in got))
+            sizes = [b - a for a, b in zip([0] + cuts[:-1], cuts)]
+            # each array's share of every output, cut with one split per output (views: see _outputs)
+            got = [g.narrow(0, 0, cuts[-1] if cuts else 0).split(sizes)
+                   for g in ((idx, val, prev) if absorb else (idx, val))]
+            for i, j in enumerate(range(t, t + len(cuts))):
+                if sizes[i] or not parts[j]:
+                    parts[j].append(tuple(g[i] for g in got))
             if (st, sw) == (t, w):  # cannot happen with room for 8 words of lanes
                 raise RuntimeError(f"diff kernel made no progress at array {lo + t}, word {w} (scratch {room})")
             t, w = st, sw

@@ -522,13 +522,16 @@ def _digest_marginal(state: dict[str, torch.Tensor], reps: int = 2) -> dict:
 def _diff_alone(sync, state: dict[str, torch.Tensor], g: torch.Generator, reps: int = 3) -> float:
     """The snapshot store's diff of a headline-density step, same process and memory as the sync's
     but with nothing around it (best of ``reps``; rolled back, so the snapshot stays as synced)."""
+    from delta_sync.gc_hold import gc_held  # as the sync holds it
+
     _perturb(state, HEADLINE_DENSITY, g)
     items, best = list(state.items()), float("inf")
     for _ in range(reps):
-        t0 = time.perf_counter()
-        sync.store.prepare_many(items)
-        best = min(best, time.perf_counter() - t0)
-        sync.store.rollback()
+        with gc_held():
+            t0 = time.perf_counter()
+            sync.store.prepare_many(items)
+            best = min(best, time.perf_counter() - t0)
+            sync.store.rollback()
     return round(best, 4)
 
 
