@@ -202,8 +202,10 @@ class HttpEngine(_SignedEngine):
             raise EngineError(self.name, _server_message(raw), kind=f"HTTP {r.status} on {path}")
         return json.loads(raw) if raw else None
 
-    def _invoke(self, what: str, request: str, kwargs: dict | None = None) -> list:
-        body = {"method": "delta_sync_call", "args": [request]}
+    def _rpc(self, what: str, method: str, arg: str, kwargs: dict | None = None) -> list:
+        """Every worker's result of ``method(arg, **kwargs)`` through ``/collective_rpc``; an error
+        names ``what`` was being done."""
+        body = {"method": method, "args": [arg]}
         if kwargs:
             body["kwargs"] = kwargs
         try:
@@ -213,9 +215,11 @@ class HttpEngine(_SignedEngine):
             raise
         return (out or {}).get("results", [])
 
+    def _invoke(self, what: str, request: str, kwargs: dict | None = None) -> list:
+        return self._rpc(what, "delta_sync_call", request, kwargs)
+
     def _status(self, challenge: str) -> list:
-        out = self._post("/collective_rpc", {"method": "delta_sync_status", "args": [challenge]})
-        return (out or {}).get("results", [])
+        return self._rpc("status", "delta_sync_status", challenge)
 
     def commit(self, version: int, mode: str = "wait") -> None:
         """A delta's pause -> finish -> resume in one HTTP call: the API server (delta-sync plugin)
