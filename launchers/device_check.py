@@ -359,7 +359,7 @@ def bench_pipeline(device, g, shapes: dict[str, tuple[int, ...]], density: float
     link: ``*_over_copy`` is the library's own cost per byte, what a link would hide or not.
     seed/full: digest and send every tensor (large ones in place), the receiver checks each
     range's digest; delta: the snapshot store's diff, pack, send, assemble and apply of ``density``.
-    Every stage's throughput feeds the README's scale table. ``count_ops``: one more delta, its
+    Every stage's throughput feeds docs/benchmarks.md's scale table. ``count_ops``: one more delta, its
     torch operations counted on both ends (:class:`OpCounter`; not among the timed runs)."""
     from concurrent.futures import ThreadPoolExecutor
 

@@ -8,7 +8,7 @@
 # run on NPUs by this project: needs torch_npu + CANN, vllm-ascend, MindSpeed (Megatron on Ascend).
 # The engine is the released vLLM-Ascend 0.23.0.post1, which runs on vLLM 0.23.0 (torch 2.10.0,
 # torch_npu 2.10.0.post4, CANN 9.1.0); delta-sync installs into that environment with its
-# `ascend-engine` extra (README: Supported versions). The trainer's environment is its own.
+# `ascend-engine` extra (docs/versions.md). The trainer's environment is its own.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 MODEL=${MODEL:?path to the Qwen3-30B-A3B Hugging Face checkpoint}

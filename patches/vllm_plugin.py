@@ -79,7 +79,7 @@ def _cap_shm_spin(seconds: float) -> None:
     every sync call then costs the trainer about a core for a second. Capped here to ``seconds``,
     and within them the reader checks the queue every :data:`SPIN_POLL_S` instead of spinning: a
     0.2% delta's diff runs while the workers wait between calls, and lost ~0.03 s to their spin
-    (README). Later than ``seconds`` after the previous read, a read waits on vLLM's socket."""
+    (docs/usage.md). Later than ``seconds`` after the previous read, a read waits on vLLM's socket."""
     from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 
     if getattr(SpinCondition, "_delta_sync_spin", None) == seconds:

@@ -2,7 +2,7 @@
 refused with a typed error naming what was wrong and what was kept, nothing reaches the receiver,
 and the next good update is exact. (Wire-level kinds: tests/test_patch_diff_digest.py,
 tests/test_auth.py, tests/test_vllm_receiver.py::test_bad_updates_rejected_and_outputs_unchanged;
-the README's table lists them all.)"""
+docs/bad-input.md lists them all.)"""
 
 import threading
 import time

@@ -224,7 +224,7 @@ def test_the_ascend_engine_extra_installs_beside_the_vllm_ascend_release():
     """Every package the engine side requires on Ascend (the base dependencies and the
     ``ascend-engine`` extra) that vLLM-Ascend 0.23.0.post1 pins is pinned there at a version our
     requirement admits: the two install into one environment. (The resolver run over the whole set,
-    on the release's aarch64 wheels, is in the README; the public index lacks one of vLLM-Ascend's own
+    on the release's aarch64 wheels, is in docs/versions.md; the public index lacks one of vLLM-Ascend's own
     pins, so it cannot run in CI.)"""
     import tarfile
     import tomllib
