@@ -81,9 +81,14 @@ fi
 # --lr 1e-6: RL post-training scale; with fp32 master weights this changes ~0.1-3% of bf16 elements.
 # --master-device cpu: per rank, TP2 x PP2 x EP2 (ETP1) holds ~7.6B of the 30.5B parameters (experts
 #   29B / (EP2 x PP2) + the rest 1.5B / (TP2 x PP2)). On the card: bf16 weights 15 GB + bf16 grads 15 GB
-#   + activations; fp32 masters (30 GB) and Adam m, v (61 GB) would add 91 GB to a 64 GB card (DP=1:
-#   a distributed optimizer has nothing to shard over), so they live in host memory: 91 GB per rank,
-#   ~365 GB for the four ranks of this host. Estimate, not measured.
+#   + the delta fast path's bf16 shard snapshots, a copy of the weights it diffs against, 15 GB
+#   (update_weight/megatron_shard_delta.py keeps them on the parameters' device) + activations:
+#   ~45 GB of 64 before activations, so keep the micro-batch small; fp32 masters (30 GB) and Adam
+#   m, v (61 GB) would add 91 GB (DP=1: a distributed optimizer has nothing to shard over), so they
+#   live in host memory: 91 GB per rank, ~365 GB for the four ranks of this host. Rank 0 also holds
+#   two 512 MiB buckets and, during a delta, its share of the payload (~0.1 GB at 0.2%). Engine cards:
+#   their weights (61 GB / 2) + KV cache + during a delta the staged payload and undo log (16 B per
+#   changed element it holds: ~0.5 GB at 0.2%, ~5 GB at an Adam step's ~2%). Estimate, not measured.
 # --equivalence record: after training, only the synced engine's outputs are recorded; the fresh
 #   engine then starts on the same cards (4-5) with the same options, once the synced one is stopped.
 ASCEND_RT_VISIBLE_DEVICES=0,1,2,3 HCCL_IF_BASE_PORT=$TRAINER_HCCL_BASE_PORT \
