@@ -221,13 +221,20 @@ static int64_t row_avx2(const int16_t *x, int16_t *y, int lanes, const int16_t *
             vbad = _mm256_add_epi16(vbad, _mm256_and_si256(sel, _mm256_cmpeq_epi16(_mm256_and_si256(v0, mask), mask)));
             vbad = _mm256_add_epi16(vbad, _mm256_and_si256(sel, _mm256_cmpeq_epi16(_mm256_and_si256(v1, mask), mask)));
         }
-        for (int l = 0; l < lanes; ++l) {
-            const int16_t *t = t1 + l * KEY_ROW + j;
-            __m256i s = _mm256_add_epi32(_mm256_madd_epi16(v0, _mm256_loadu_si256((const __m256i *)t)),
-                                         _mm256_madd_epi16(v1, _mm256_loadu_si256((const __m256i *)(t + 16))));
-            acc[l] = _mm256_add_epi64(acc[l], _mm256_add_epi64(_mm256_cvtepi32_epi64(_mm256_castsi256_si128(s)),
-                                                               _mm256_cvtepi32_epi64(_mm256_extracti128_si256(s, 1))));
+#define ROW_LANE(l)                                                                                     \
+        do {                                                                                        \
+            const int16_t *t = t1 + (l) * KEY_ROW + j;                                              \
+            __m256i s = _mm256_add_epi32(_mm256_madd_epi16(v0, _mm256_loadu_si256((const __m256i *)t)), \
+                                         _mm256_madd_epi16(v1, _mm256_loadu_si256((const __m256i *)(t + 16)))); \
+            acc[l] = _mm256_add_epi64(acc[l], _mm256_add_epi64(                                     \
+                _mm256_cvtepi32_epi64(_mm256_castsi256_si128(s)), _mm256_cvtepi32_epi64(_mm256_extracti128_si256(s, 1)))); \
+        } while (0)
+        if (lanes == 4) {  /* unrolled: the four accumulators stay in registers */
+            ROW_LANE(0); ROW_LANE(1); ROW_LANE(2); ROW_LANE(3);
+        } else {
+            for (int l = 0; l < lanes; ++l) ROW_LANE(l);
         }
+#undef ROW_LANE
     }
     int64_t buf[4];
     for (int l = 0; l < lanes; ++l) {
