@@ -410,6 +410,8 @@ def element_sums(indices: torch.Tensor, values: torch.Tensor, key: DigestKey | N
     flat = values.reshape(-1)
     w = _words_per_element(flat)
     idx = indices.reshape(-1)
+    if idx.device != flat.device:  # one device per computation: a mix is a caller's bug, named here
+        raise ValueError(f"digest of elements: indices on device {idx.device}, values on device {flat.device}")
     p, t1, _, _ = key.on(flat.device)
     acc = torch.zeros(_LANES, dtype=torch.int64, device=flat.device)
     for e in range(0, flat.numel(), CHUNK // w):  # CHUNK words at a time: bounded temporaries
