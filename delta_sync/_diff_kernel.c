@@ -178,16 +178,17 @@ DEFINE_DIFF_MANY(32, uint32_t)
  *
  *   w, n       the words and their count; word j stands at position k = k0 + j
  *   lanes      number of lanes (0..4); lane l has prime p[l] and tables t1 + l*R, t2 + l*R,
- *              t3 + l*t3_len (int16: t1 < 2**14, t2 and t3 < p); k / R^2 < t3_len (caller checks)
+ *              t3 + l*t3_len (int16: t1 < 2**12, t2 and t3 < p); k / R^2 < t3_len (caller checks)
  *   out        lanes residues in [0, p[l])
  *   exp_mask   non-zero: count words with (w & exp_mask) == exp_mask at positions with
  *              j % stride == phase (bf16/fp16: every word; fp32: its high word)
  *   dst        non-NULL: the words are also copied there (one read of the source for both)
  *   returns    that count (0 when exp_mask is 0)
  *
- * Exact integers throughout: |w * t1| < 2**15 * 2**14, so a multiply-add pair and the sum of two
- * of them stay below 2**31 (int32), and they fold into int64 per row (|row sum| < 2**40); rows
- * are reduced modulo p before their weight (< 2**15) multiplies them.
+ * Exact integers throughout: |w * t1| < 2**15 * 2**12, so a multiply-add pair stays below 2**28
+ * and eight of them below 2**31 (int32: one widening per 128 words and lane); they fold into int64
+ * per row (|row sum| < 2**38); rows are reduced modulo p before their weight (< 2**15) multiplies
+ * them.
  */
 #define KEY_ROW 1024
 #define KEY_SHIFT 10
@@ -210,22 +211,21 @@ static int64_t row_avx2(const int16_t *x, int16_t *y, int lanes, const int16_t *
                       _mm256_setzero_si256()};
     __m256i vbad = _mm256_setzero_si256();
     const __m256i mask = _mm256_set1_epi16(exp_mask);
-    for (int64_t j = 0; j < KEY_ROW; j += 32) {
-        __m256i v0 = _mm256_loadu_si256((const __m256i *)(x + j));
-        __m256i v1 = _mm256_loadu_si256((const __m256i *)(x + j + 16));
-        if (y) {
-            _mm256_storeu_si256((__m256i *)(y + j), v0);
-            _mm256_storeu_si256((__m256i *)(y + j + 16), v1);
+    for (int64_t j = 0; j < KEY_ROW; j += 128) {  /* 8 vectors: 128 words */
+        __m256i v[8];
+        for (int q = 0; q < 8; ++q) {
+            v[q] = _mm256_loadu_si256((const __m256i *)(x + j + 16 * q));
+            if (y) _mm256_storeu_si256((__m256i *)(y + j + 16 * q), v[q]);
+            if (exp_mask)  /* -1 per matching word; at most 64 per slot per row */
+                vbad = _mm256_add_epi16(vbad, _mm256_and_si256(sel, _mm256_cmpeq_epi16(_mm256_and_si256(v[q], mask), mask)));
         }
-        if (exp_mask) {  /* -1 per matching word; at most 64 per slot per row */
-            vbad = _mm256_add_epi16(vbad, _mm256_and_si256(sel, _mm256_cmpeq_epi16(_mm256_and_si256(v0, mask), mask)));
-            vbad = _mm256_add_epi16(vbad, _mm256_and_si256(sel, _mm256_cmpeq_epi16(_mm256_and_si256(v1, mask), mask)));
-        }
+        /* eight multiply-adds summed in int32 (|each| < 2**28: t1 < 2**12), then widened once */
 #define ROW_LANE(l)                                                                                     \
         do {                                                                                        \
             const int16_t *t = t1 + (l) * KEY_ROW + j;                                              \
-            __m256i s = _mm256_add_epi32(_mm256_madd_epi16(v0, _mm256_loadu_si256((const __m256i *)t)), \
-                                         _mm256_madd_epi16(v1, _mm256_loadu_si256((const __m256i *)(t + 16)))); \
+            __m256i s = _mm256_madd_epi16(v[0], _mm256_loadu_si256((const __m256i *)t));            \
+            for (int q = 1; q < 8; ++q)                                                             \
+                s = _mm256_add_epi32(s, _mm256_madd_epi16(v[q], _mm256_loadu_si256((const __m256i *)(t + 16 * q)))); \
             acc[l] = _mm256_add_epi64(acc[l], _mm256_add_epi64(                                     \
                 _mm256_cvtepi32_epi64(_mm256_castsi256_si128(s)), _mm256_cvtepi32_epi64(_mm256_extracti128_si256(s, 1)))); \
         } while (0)

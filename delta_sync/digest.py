@@ -13,8 +13,9 @@ offsets change it.
 
 Without the key, changing bytes so that every lane stays put is a guess: a nonzero change is a
 nonzero polynomial of degree 3 in the (secret, uniformly drawn) table entries, which vanishes with
-probability at most ``1/2**14 + 2/P`` per lane (Schwartz-Zippel), about ``2**-52`` for the four
-together. A weight that is affine in the position (this module's earlier form) is not keyed by any
+probability at most ``1/2**12 + 2/P`` per lane (Schwartz-Zippel: ``t1`` is drawn below ``2**12``
+so that eight of the kernel's 16-bit multiply-adds sum in int32), about ``2**-46`` for the four
+together, and a failed try is refused loudly under a key that the next bucket changes. A weight that is affine in the position (this module's earlier form) is not keyed by any
 choice of constants: adding ``+d, -2d, +d`` to three neighbouring words kept every lane. The bulk
 payload is digested under a key derived from the channel key and a nonce per bucket
 (:meth:`DigestKey.derive`), and the digests a bucket's header carries are masked with a pad drawn
@@ -49,8 +50,8 @@ KEY_ROW = 1 << 10
 #: rows per entry of the third table; positions reach ``KEY_ROW * KEY_ROW * T3`` words (8 GiB)
 T3 = 1 << 12
 MAX_WORDS = KEY_ROW * KEY_ROW * T3
-#: first-table entries are below this, so a word times one (and two such products) fit int32
-T1_BOUND = 1 << 14
+#: first-table entries are below this, so eight products of a word and one sum in int32
+T1_BOUND = 1 << 12
 #: elements per step of :func:`element_sums`: bounds its temporaries to a few MiB.
 CHUNK = 1 << 18
 #: words per step of the device formula (each lane's products are int32 temporaries of this size)
