@@ -168,23 +168,20 @@ def capped_groups(sizes: list[int], limit: int) -> list[tuple[int, int]]:
 
 def can_move(flat: torch.Tensor, pos: torch.Tensor) -> bool:
     """Can :func:`move_rows` take positions like ``pos`` into ``flat`` (given buffers of its dtype)?"""
-    return (flat.device.type == "cpu" and pos.device.type == "cpu" and pos.dtype in _MOVE_POS
-            and flat.element_size() in _MOVE_BYTES and flat.is_contiguous() and pos.is_contiguous()
-            and pos.dim() == 1 and kernel() is not None)
+    return movable_rows([(flat, pos, 0, None, None)])
 
 
-def movable(flat: torch.Tensor, pos: torch.Tensor, *buffers: torch.Tensor | None) -> bool:
-    """A row :func:`move_rows` takes: :func:`can_move`, and ``buffers`` (None, or host tensors of
-    ``flat``'s dtype and ``pos``'s count)."""
-    return can_move(flat, pos) and all(
-        t is None or (t.device.type == "cpu" and t.dtype == flat.dtype and t.is_contiguous() and t.numel() == pos.numel())
-        for t in buffers)
+def movable(flat: torch.Tensor, pos: torch.Tensor, values: torch.Tensor | None = None,
+            old: torch.Tensor | None = None) -> bool:
+    """A row :func:`move_rows` takes: :func:`can_move`, and ``values`` / ``old`` (None, or host
+    tensors of ``flat``'s dtype and ``pos``'s count)."""
+    return movable_rows([(flat, pos, 0, values, old)])
 
 
 def movable_rows(rows: list[tuple]) -> bool:
-    """Do all ``(flat, pos, offset, values, old)`` rows pass :func:`movable`? Each target is checked
-    once, however many rows write it, and each row's buffers with a few attribute reads: a MoE's
-    tens of thousands of rows per update cost milliseconds here, not a call of ``movable`` each."""
+    """Can :func:`move_rows` take every ``(flat, pos, offset, values, old)`` row (the one place these
+    checks live)? Each target is checked once, however many rows write it, and each row's buffers
+    with a few attribute reads: a MoE's tens of thousands of rows per update cost milliseconds."""
     if kernel() is None:
         return False
     targets: dict[int, bool] = {}
