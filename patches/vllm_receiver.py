@@ -89,6 +89,15 @@ class DeltaSyncUpdateInfo:
 DRIFTED = "f" * 16
 
 
+def _covered(views) -> dict[str, int]:
+    """Per parameter, how many of its elements the segments of ``views`` write."""
+    out: dict[str, int] = {}
+    for view in views:
+        for seg in view.segments:
+            out[seg.param] = out.get(seg.param, 0) + seg.numel
+    return out
+
+
 def _parse(cls, payload, what: str, kept: str):
     """``cls(**payload)``, or a :class:`DeltaSyncError` naming the keys that do not fit."""
     if not isinstance(payload, dict):
@@ -341,10 +350,7 @@ class DeltaSyncReceiver:
         parameters are not counted against it."""
         if any(name in self.fallback for name in self._bulk.done):
             return
-        written: dict[str, int] = {}
-        for name in self._bulk.done:
-            for seg in self.views[name].segments:
-                written[seg.param] = written.get(seg.param, 0) + seg.numel
+        written = _covered(self.views[name] for name in self._bulk.done)
         short = [(pname, written.get(pname, 0), p.numel()) for pname, p in self._bulk.params(self.model).items()
                  if p.numel() and written.get(pname, 0) < p.numel()]
         if short:
@@ -589,10 +595,7 @@ class DeltaSyncReceiver:
         if not self.fallback_values:
             return {}
         params = dict(self.model.named_parameters())
-        covered: dict[str, int] = {}
-        for view in self.views.values():
-            for seg in view.segments:
-                covered[seg.param] = covered.get(seg.param, 0) + seg.numel
+        covered = _covered(self.views.values())
         return {n: digest_tensor(p.detach()).hex() for n, p in sorted(params.items())
                 if covered.get(n, 0) < p.numel()}
 
