@@ -89,11 +89,15 @@ class DeltaSyncGuard:
         self._verifier = verifier
         self._on: bool | None = None if owner is not None else True
 
+    def engine_client(self):
+        """vLLM's engine client from the app's state (None before the server serves an engine)."""
+        return getattr(getattr(self.owner, "state", None), "engine_client", None)
+
     async def verifier(self) -> Verifier:
         """This engine's verifier: the secret, and the identity its workers hold for this boot (asked
         of them once; every envelope must name it). Refuses every signed call where no secret is set."""
         if self._verifier is None:
-            client = getattr(getattr(self.owner, "state", None), "engine_client", None)
+            client = self.engine_client()
             if client is None:
                 raise Refusal(503, "the engine is not serving yet; nothing ran")
             try:
@@ -110,7 +114,7 @@ class DeltaSyncGuard:
 
     def on(self) -> bool:
         if self._on is None:
-            client = getattr(getattr(self.owner, "state", None), "engine_client", None)
+            client = self.engine_client()
             if client is None:
                 return enabled(None)  # not serving an engine (yet): only the environment can say
             self._on = enabled(getattr(client, "vllm_config", None))
@@ -142,7 +146,7 @@ class DeltaSyncGuard:
         """The workers verify a signed route's envelope too (and do nothing else with it): their nonce
         state is the engine's, while this one is per API-server process, so a call replayed to another
         API server of the same engine (``--api-server-count`` > 1) is refused there."""
-        client = getattr(getattr(self.owner, "state", None), "engine_client", None)
+        client = self.engine_client()
         if client is None:  # a guard without an engine (tests of the guard alone)
             return
         try:
