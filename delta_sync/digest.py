@@ -452,3 +452,34 @@ def checksum_bytes(*parts: torch.Tensor, key: DigestKey | None = None) -> str:
 
 #: pads of a checksum's buffers are drawn from this index on (entries' digests take the ones below)
 CHECKSUM_PADS = 1 << 40
+
+
+def combine_reports(reports: list[dict]) -> dict[str, str]:
+    """One digest per tensor from every engine worker's report: TP shards add up, replicas must agree."""
+    per: dict[str, list] = {}
+    for r in reports:
+        for name, (h, count, numel) in (r.get("digests") or {}).items():
+            per.setdefault(name, []).append((h, count, numel))
+    out = {}
+    for name, parts in per.items():
+        numel = parts[0][2]
+        if sum(c for _, c, _ in parts) == numel:
+            total = Digest()
+            for h, _, _ in parts:
+                total = total + Digest.parse(h)
+            out[name] = total.hex()
+        elif all(c == numel for _, c, _ in parts) and len({h for h, _, _ in parts}) == 1:
+            out[name] = parts[0][0]
+        else:
+            out[name] = "inconsistent"
+    return out
+
+
+def differs(engine: str, reports: list[dict], want: dict[str, str]) -> str | None:
+    """What differs between an engine's workers' digest reports and the trainer's ``want``, or None."""
+    got = combine_reports(reports)
+    bad = [n for n in want if got.get(n) != want[n]]
+    if not bad:
+        return None
+    what = "missing" if bad[0] not in got else "digest mismatch"
+    return f"engine {engine}: {len(bad)} tensor(s) differ, first {bad[0]!r} ({what})"

@@ -16,7 +16,7 @@ The destination gets the patches in export order (``seq``); a tensor whose chang
 several ranks (shards of one tensor) is merged into one patch with increasing indices.
 
 :meth:`PatchGather.gather` is one exchange of everything. :meth:`PatchGather.stream` cuts the
-export order into *rounds* of about ``round_bytes`` of payload over all ranks (every part of one
+export order into *rounds* of about ``bucket_bytes`` of payload over all ranks (every part of one
 tensor in the same round) and runs one exchange per round, as the destination's consumer (the
 bucket packer) asks for them: the destination then holds its own patches and one round of the
 others', not the whole delta of every rank.
@@ -130,19 +130,19 @@ class PatchGather:
         items, failure = self._produce(produce)
         return self._exchange(items, failure)
 
-    def stream(self, produce: Callable[[], list[Ordered]] | list[Ordered], round_bytes: int) -> "GatherStream":
+    def stream(self, produce: Callable[[], list[Ordered]] | list[Ordered], bucket_bytes: int) -> "GatherStream":
         """Run ``produce`` on every rank and plan the rounds that gather the patches to ``dst``,
-        each of about ``round_bytes`` of payload over all ranks (a tensor whose patches are larger
+        each of about ``bucket_bytes`` of payload over all ranks (a tensor whose patches are larger
         is a round of its own). Collective; raises :class:`GatherError` on every rank if any rank's
         ``produce`` failed. The rounds run as :class:`GatherStream` is read (``dst``) or finished."""
         items, failure = self._produce(produce)
-        rows = self._agree([sum(it.patch.nbytes for it in items), round_bytes], failure)
-        round_bytes = int(rows[self.dst, 2])  # the destination's, should the ranks' settings differ
+        rows = self._agree([sum(it.patch.nbytes for it in items), bucket_bytes], failure)
+        bucket_bytes = int(rows[self.dst, 2])  # the destination's, should the ranks' settings differ
         items.sort(key=lambda it: it.seq)
-        if self.groups.world == 1 or int(rows[:, 1].sum()) <= round_bytes:
+        if self.groups.world == 1 or int(rows[:, 1].sum()) <= bucket_bytes:
             return GatherStream(self, items, [None])
         sizes = collectives.all_gather_object([(it.seq, it.patch.nbytes) for it in items], self.groups.host_group)
-        return GatherStream(self, items, round_bounds([x for rank in sizes for x in rank], round_bytes))
+        return GatherStream(self, items, round_bounds([x for rank in sizes for x in rank], bucket_bytes))
 
     @staticmethod
     def _produce(produce) -> tuple[list[Ordered], tuple[str, str] | None]:
@@ -211,17 +211,17 @@ def order_and_merge(items: list[Ordered]) -> list[Patch]:
     return [merge_shards(by_seq[s]) for s in sorted(by_seq)]
 
 
-def round_bounds(sizes: list[tuple[int, int]], round_bytes: int) -> list[int | None]:
+def round_bounds(sizes: list[tuple[int, int]], bucket_bytes: int) -> list[int | None]:
     """Rounds of a streamed gather from every rank's ``(seq, payload bytes)``: the exclusive upper
     ``seq`` of each round, ``None`` for the last. A round closes before the tensor that would take
-    it past ``round_bytes``; the parts of one tensor (``seq``) on several ranks share a round."""
+    it past ``bucket_bytes``; the parts of one tensor (``seq``) on several ranks share a round."""
     per_seq: dict[int, int] = {}
     for seq, n in sizes:
         per_seq[seq] = per_seq.get(seq, 0) + n
     bounds: list[int | None] = []
     held = 0
     for seq in sorted(per_seq):
-        if held and held + per_seq[seq] > round_bytes:
+        if held and held + per_seq[seq] > bucket_bytes:
             bounds.append(seq)
             held = 0
         held += per_seq[seq]

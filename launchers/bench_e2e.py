@@ -675,7 +675,7 @@ def _megatron_rank(rank, world, port, path, ep, steps, lr, seq, bucket, timeout_
         source = MegatronShardDelta(trainer.bridge, trainer.model)
         receiver = full_rx = None
         receiver = MemoryReceiver() if rank == 0 else None
-        updater = build_updater(UpdateWeightConfig("delta", "sparse_gloo", "gloo", bucket, 0),
+        updater = build_updater(UpdateWeightConfig.of("delta", bucket_bytes=bucket),
                                 [receiver] if rank == 0 else [])
         try:
             sync(updater, source, "seed")
@@ -695,7 +695,7 @@ def _megatron_rank(rank, world, port, path, ep, steps, lr, seq, bucket, timeout_
             updater.close()
         # the plain bulk path for comparison: Bridge's export streamed by a full-mode updater
         full_rx = MemoryReceiver() if rank == 0 else None
-        full = build_updater(UpdateWeightConfig("full", "gloo", "gloo", bucket, 0), [full_rx] if rank == 0 else [])
+        full = build_updater(UpdateWeightConfig.of("full", bucket_bytes=bucket), [full_rx] if rank == 0 else [])
         try:
             sync(full, BridgeExportSource(trainer.bridge, trainer.model), "export seed")
             if rank == 0:

@@ -49,7 +49,7 @@ def _ranks(rank, world, port, path, tp, ep, steps, lr, seq):
     updaters = {}
     for w in WAYS:
         mode = "full" if w == "full" else "delta"
-        cfg = UpdateWeightConfig(mode, "gloo" if mode == "full" else "sparse_gloo", "gloo", 512 << 20, 0)
+        cfg = UpdateWeightConfig.of(mode)
         updaters[w] = build_updater(cfg, [receivers[w]] if rank == 0 else [])
     for w in WAYS:
         updaters[w].update_weights(sources[w])  # seeds

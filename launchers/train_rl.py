@@ -180,11 +180,11 @@ def _train(rank: int, world: int, opts: dict) -> list[dict]:
                                           device=opts["device"], master_device=opts["master_device"])
     # deltas from local shard diffs mapped with Bridge's conversions (checked against the full
     # export at every seed; it falls back to the export by itself), or always through the export
-    fast = opts["sync"]["mode"] == "delta" and not opts["reference_export"]
+    fast = opts["sync"]["options"]["mode"] == "delta" and not opts["reference_export"]
     source = (MegatronShardDelta if fast else BridgeExportSource)(trainer.bridge, trainer.model)
     if rank == 0 and opts["engine_pid"] is not None:  # the engine started beside the trainers' own start
         equivalence.wait_ready(opts["engine_pid"], opts["engine"], Path(opts["out"]) / "engine.log")
-    updater = build_updater(UpdateWeightConfig(**opts["sync"]), [opts["engine"]] if rank == 0 else [])
+    updater = build_updater(UpdateWeightConfig.from_dict(opts["sync"]), [opts["engine"]] if rank == 0 else [])
     dp_rank, dp = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     prompt_ids = equivalence.tokenize(opts["engine"], PROMPTS) if rank == 0 else None
     rows, reward = [], None

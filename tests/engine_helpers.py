@@ -108,7 +108,7 @@ def engine_differs_from(base: str, state: dict[str, torch.Tensor]) -> list[str]:
     the parameters through the loader views), plus names it does not report at all."""
     from delta_sync.digest import digest_tensor
     from delta_sync.engines import HttpEngine
-    from delta_sync.sync import combine_reports
+    from delta_sync.digest import combine_reports
 
     got = combine_reports(HttpEngine(base).report(digests=True))
     missing = [n for n in got if n not in state and n != "lm_head.weight"]  # tied: saved once

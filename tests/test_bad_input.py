@@ -12,7 +12,7 @@ import torch
 
 from delta_sync.errors import DeltaSyncError, PatchValidationError
 from delta_sync.memory_receiver import MemoryReceiver
-from delta_sync import sync as sync_module
+from delta_sync import prepare as prepare_module
 from delta_sync.sync import WeightSync
 
 
@@ -53,7 +53,7 @@ def test_bad_delta_is_refused_before_anything_is_sent(kind, match, batch, monkey
     """One by one, the tensors ahead of the bad one were diffed and their snapshots advanced before
     the error: the rollback must put them back for the next delta to carry their changes."""
     if batch is not None:
-        monkeypatch.setattr(sync_module, "DIFF_BATCH_TENSORS", batch)
+        monkeypatch.setattr(prepare_module, "DIFF_BATCH_TENSORS", batch)
     state = _state()
     receiver = MemoryReceiver()
     sync = WeightSync([receiver], timeout_s=60)
@@ -110,13 +110,6 @@ def test_an_integer_tensor_for_float_weights_is_refused_not_cast():
         assert sync.update(state.items()).kind == "seed" and receiver.mismatched(state.items()) == []
     finally:
         sync.close()
-
-
-@pytest.mark.parametrize("kwargs,match", [({"mode": "sparse"}, "mode must be"), ({"pause_mode": "later"}, "pause_mode"),
-                                          ({"drift_sweep": -1}, "drift_sweep"), ({"verify_every": -2}, "verify_every")])
-def test_bad_options_fail_at_construction(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        WeightSync([MemoryReceiver()], **kwargs)
 
 
 def _bucket():
@@ -230,3 +223,27 @@ def test_a_delta_refused_while_its_start_is_in_flight_ends_that_session(kind):
         assert rep.kind == "delta" and receiver.mismatched(state.items()) == []
     finally:
         sync.close()
+
+
+@pytest.mark.parametrize("settings, named", [
+    ({"bucket_bytes": 10}, r"bucket_bytes \(--update-weight-buffer-size\) = 10 must be at least 64"),
+    ({"mode": "sparse"}, r"mode \(--update-weight-mode\) = 'sparse' must be one of delta, full"),
+    ({"verify_every": -1}, r"verify_every \(--update-weight-verify-every\) = -1"),
+    ({"port": 70000}, r"port \(--update-weight-master-port\) = 70000"),
+    ({"pause_mode": "later"}, r"pause_mode = 'later' must be one of wait, abort, keep"),
+    ({"timeout_s": 0}, "timeout_s = 0 must be a positive number"),
+    ({"drift_sweep": -1}, "drift_sweep = -1 must be an integer >= 0"),
+])
+def test_a_bad_setting_is_refused_when_the_sync_is_built(settings, named):
+    """One options object checks every setting once, at construction, naming the launcher flag
+    that sets it, before any engine is contacted (a receiver that was never reached stays unused)."""
+    from delta_sync.options import SyncOptions
+
+    receiver = MemoryReceiver()
+    with pytest.raises(ValueError, match=named):
+        WeightSync([receiver], **settings)
+    assert receiver.channel is None and receiver.version is None
+    with pytest.raises(TypeError, match="not both"):
+        WeightSync([receiver], SyncOptions(), mode="full")
+    with pytest.raises(TypeError, match="bucket_size"):  # a misspelt setting is named too
+        WeightSync([receiver], bucket_size=1 << 20)

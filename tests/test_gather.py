@@ -139,13 +139,13 @@ def test_receive_buffer_kept_on_the_host_only():
     assert dev._recv is None
 
 
-def _stream_cases(rank, world, port, round_bytes):
-    """Every case through the streamed gather in rounds of ``round_bytes``: the same patches as one
-    exchange, and no round brings more than ``round_bytes`` to rank 0 unless one tensor's parts do."""
+def _stream_cases(rank, world, port, bucket_bytes):
+    """Every case through the streamed gather in rounds of ``bucket_bytes``: the same patches as one
+    exchange, and no round brings more than ``bucket_bytes`` to rank 0 unless one tensor's parts do."""
     gatherer = PatchGather()
     rounds, checked = [], 0
     for case in range(CASES):
-        stream = gatherer.stream(lambda: _case_items(case, rank, world), round_bytes)
+        stream = gatherer.stream(lambda: _case_items(case, rank, world), bucket_bytes)
         rounds.append(stream.rounds)
         if rank != 0:
             stream.finish()
@@ -157,7 +157,7 @@ def _stream_cases(rank, world, port, round_bytes):
         for a, b in zip(got, want):
             assert _same(a, b), (case, a.name)
         largest = max((p.nbytes for p in want), default=0)
-        assert stream.peak_round_bytes <= max(round_bytes, largest), (case, stream.peak_round_bytes)
+        assert stream.peak_round_bytes <= max(bucket_bytes, largest), (case, stream.peak_round_bytes)
         checked += 1
     return checked, rounds
 

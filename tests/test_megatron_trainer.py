@@ -113,7 +113,7 @@ def _digests_both_ways(rank, world, port, path, ep):
 
     trainer = MegatronTrainer.from_hf(path, ep=ep, lr=1e-4)
     source = fast.MegatronShardDelta(trainer.bridge, trainer.model)
-    updater = build_updater(UpdateWeightConfig("delta", "sparse_gloo", "gloo", 64 << 20, 0),
+    updater = build_updater(UpdateWeightConfig.of("delta", bucket_bytes=64 << 20),
                             [MemoryReceiver()] if rank == 0 else [])
     updater.update_weights(source)
     digests = {}
@@ -253,7 +253,7 @@ def _failures_on_megatron(rank, world, port, path, fast):
     args = add_update_weight_args(argparse.ArgumentParser()).parse_args(
         ["--update-weight-transport", "sparse_gloo", "--update-weight-verify-every", "1"])
     updater = build_updater(args, [receiver] if rank == 0 else [])
-    updater.sync.timeout_s = 20
+    updater.sync._engines.timeout_s = 20
     attempt = Attempts(updater.update_weights)
     attempt("seed", source)
     trainer.step(BATCH)

@@ -135,10 +135,10 @@ def test_full_update_failing_midway_ends_in_a_seed():
 def _streamed_delta_setup(monkeypatch):
     """Diff batches of two tensors; counts the buckets handed to the wire (on the caller's thread,
     in order with the stream's reads)."""
-    import delta_sync.sync as sync_mod
+    import delta_sync.prepare as prepare_mod
     from delta_sync.transfer import BucketSender
 
-    monkeypatch.setattr(sync_mod, "DIFF_BATCH_TENSORS", 2)
+    monkeypatch.setattr(prepare_mod, "DIFF_BATCH_TENSORS", 2)
     handed: list[int] = []
     put = BucketSender._put
 

@@ -21,9 +21,9 @@ def _args(*argv):
 
 def test_defaults_follow_this_machine():
     cfg = resolve_update_weight_args(_args())
-    assert (cfg.mode, cfg.transport, cfg.backend, cfg.buffer_size) == ("delta", "sparse_gloo", "gloo", 512 << 20)
+    assert (cfg.mode, cfg.transport, cfg.backend, cfg.options.bucket_bytes) == ("delta", "sparse_gloo", "gloo", 512 << 20)
     cfg = resolve_update_weight_args(_args("--update-weight-mode", "full", "--update-weight-buffer-size", "64MiB"))
-    assert (cfg.transport, cfg.buffer_size) == ("gloo", 64 << 20)
+    assert (cfg.transport, cfg.options.bucket_bytes) == ("gloo", 64 << 20)
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -32,7 +32,8 @@ def test_defaults_follow_this_machine():
     (["--update-weight-transport", "sparse_hccl"], "needs NPU devices.*use sparse_gloo"),
     (["--update-weight-mode", "full", "--update-weight-transport", "nccl"], "needs CUDA devices.*use gloo"),
     (["--update-weight-verify-every", "-1"], ">= 0"),
-    (["--update-weight-buffer-size", "1KiB"], "too small"),
+    (["--update-weight-buffer-size", "32"], "bucket_bytes .--update-weight-buffer-size. = 32 must be at least 64"),
+    (["--update-weight-master-port", "70000"], "port .--update-weight-master-port. = 70000"),
 ])
 def test_contradictions_fail_at_start_with_what_to_use(argv, message):
     with pytest.raises(SystemExit, match=message):

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from delta_sync import accelerator
 from delta_sync.bucket import DEFAULT_BUCKET_BYTES
+from delta_sync.options import SyncOptions
 
 TRANSPORTS = ("hccl", "sparse_hccl", "nccl", "sparse_nccl", "gloo", "sparse_gloo")
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
@@ -16,13 +17,29 @@ _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 
 
 @dataclass(frozen=True)
 class UpdateWeightConfig:
-    mode: str  # "full" | "delta"
-    transport: str
-    backend: str  # "hccl" | "nccl" | "gloo"
-    buffer_size: int  # bucket bytes
-    verify_every: int
-    master_addr: str = "127.0.0.1"  # where engines reach the sender's channel store
-    master_port: int = 0  # 0: a free port, chosen per channel
+    """The launcher's choice of transport and the sync options its flags set (validated once)."""
+
+    transport: str  # --update-weight-transport, resolved
+    options: SyncOptions  # mode, bucket_bytes, verify_every, host, port, backend
+
+    @classmethod
+    def of(cls, mode: str, backend: str = "gloo", **options) -> "UpdateWeightConfig":
+        """The config for ``mode`` over ``backend`` (its sparse transport for a delta)."""
+        transport = ("sparse_" if mode == "delta" else "") + backend
+        return cls(transport, SyncOptions(mode=mode, backend=backend, **options))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "UpdateWeightConfig":
+        """Back from ``dataclasses.asdict`` (a launcher hands the config to its rank processes)."""
+        return cls(d["transport"], SyncOptions(**d["options"]))
+
+    @property
+    def mode(self) -> str:
+        return self.options.mode
+
+    @property
+    def backend(self) -> str:
+        return self.options.backend
 
 
 def parse_size(text: str | int) -> int:
@@ -75,13 +92,12 @@ def resolve_update_weight_args(args) -> UpdateWeightConfig:
     if not accelerator.family_available(family):
         raise SystemExit(f"--update-weight-transport {transport} needs {family.upper()} devices, which this "
                          f"machine does not have: use {'sparse_' if sparse else ''}{here}")
-    if args.update_weight_verify_every < 0:
-        raise SystemExit("--update-weight-verify-every must be >= 0")
-    size = parse_size(args.update_weight_buffer_size)
-    if size < 1 << 16:
-        raise SystemExit(f"--update-weight-buffer-size {size} B is too small (>= 64KiB)")
     addr = getattr(args, "update_weight_master_addr", "127.0.0.1")
     port = getattr(args, "update_weight_master_port", 0)
-    if not 0 <= port < 65536:
-        raise SystemExit(f"--update-weight-master-port {port}: use 1-65535, or 0 for a free port")
-    return UpdateWeightConfig(mode, transport, backend, size, args.update_weight_verify_every, addr, port)
+    try:
+        options = SyncOptions(mode=mode, bucket_bytes=parse_size(args.update_weight_buffer_size),
+                              verify_every=args.update_weight_verify_every, host=addr, port=port or None,
+                              backend=backend)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    return UpdateWeightConfig(transport, options)

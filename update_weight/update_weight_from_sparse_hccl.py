@@ -9,15 +9,19 @@ by its owner rank only.
 from __future__ import annotations
 
 import logging
+from dataclasses import fields, replace
 from typing import Iterable
 
 import torch
 
+from delta_sync.options import SyncOptions
 from delta_sync.sync import UpdateReport, WeightSync
 
 from .args import UpdateWeightConfig
 
 log = logging.getLogger(__name__)
+
+_FIELDS = {f.name for f in fields(SyncOptions)}
 
 
 class UpdateWeightFromSparseHCCL:
@@ -27,10 +31,8 @@ class UpdateWeightFromSparseHCCL:
         if cfg.mode != self.mode:
             raise ValueError(f"{type(self).__name__} serves --update-weight-mode {self.mode}, got {cfg.mode}")
         self.cfg = cfg
-        sync_options.setdefault("host", cfg.master_addr)
-        sync_options.setdefault("port", cfg.master_port or None)
-        self.sync = WeightSync(engines, mode=self.mode, bucket_bytes=cfg.buffer_size, verify_every=cfg.verify_every,
-                               backend=cfg.backend, group=group, **sync_options)
+        options = replace(cfg.options, **{k: sync_options.pop(k) for k in list(sync_options) if k in _FIELDS})
+        self.sync = WeightSync(engines, options, group=group, **sync_options)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> UpdateReport:
         report = self.sync.update(named_tensors)

@@ -1,0 +1,289 @@
+"""The prepare phase of an update, on every trainer rank: read the named tensors once.
+
+- :class:`TensorStream` turns the caller's ``(name, tensor)`` stream into checkpoint names and
+  tensors (DTensors materialised, dtype checked), keeping its place in the stream and its bytes.
+- :class:`DeltaDiff` diffs the tensors this rank owns against its snapshots, a batch at a time, and
+  yields their patches (or takes a sharded source's own patches).
+- :class:`BulkRead` reads a seed's or full update's stream for the packer, stages this rank's
+  snapshot shares, and has the ranks agree that nobody failed before the last bucket leaves.
+
+Failures of single tensors are kept until the stream has been read to its end: Bridge's export and
+FSDP's ``full_tensor`` are collective, and the other ranks are still in them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterable, Iterator
+
+import torch
+
+from .errors import GatherError, PatchValidationError
+from .gather import Ordered
+from .patch import Patch, check_indexable
+from .snapshot import SnapshotStore
+from .transfer import BucketSender, SendStats
+
+#: A delta's owned tensors are diffed in batches of at most this many tensors or bytes: the host
+#: kernel scans a batch of small tensors in a few calls instead of paying its per-call costs per
+#: tensor, and each batch waits for its slowest thread (small batches cost a large diff ~15%).
+#: A batch is read after the later tensors of it were produced, so a stream that reuses one
+#: buffer for every tensor must yield copies; a stream of fresh tensors (an export) has at most
+#: this many bytes of them alive, not yet diffed.
+DIFF_BATCH_TENSORS = 512
+DIFF_BATCH_BYTES = 256 << 20
+
+
+def _materialize(t: torch.Tensor) -> torch.Tensor:
+    """Full tensor of a DTensor (FSDP2: a collective, one tensor at a time), else the tensor."""
+    full = getattr(t, "full_tensor", None)
+    return full() if callable(full) else t
+
+
+def expects_to_serve(source) -> bool:
+    """The source's ``ShardedSource.expects_to_serve()``, False where it has none."""
+    expects = getattr(source, "expects_to_serve", None)
+    return bool(expects()) if callable(expects) else False
+
+
+class TensorStream:
+    """``(seq, checkpoint name, tensor or the exception converting it)`` of an update's stream.
+
+    ``seen`` collects each name's bytes (a name given twice is an error), ``elements`` counts them.
+    A rank whose own conversion failed keeps consuming (and materialising DTensors)."""
+
+    def __init__(self, named_tensors: Iterable, name_map: Callable[[str], str | None], dtype: torch.dtype | None,
+                 kept: str, seen: dict[str, int] | None = None):
+        self.named_tensors, self.name_map, self.dtype, self.kept = named_tensors, name_map, dtype, kept
+        self.seen: dict[str, int] = {} if seen is None else seen
+        self.elements = 0
+
+    def __iter__(self) -> Iterator[tuple[int, str, torch.Tensor | Exception]]:
+        for seq, (mname, tensor) in enumerate(self.named_tensors):
+            name = self.name_map(mname)
+            if name is None:
+                continue
+            try:
+                t = self._convert(name, mname, tensor)
+            except Exception as e:  # noqa: BLE001 - yielded in order, raised after the stream
+                yield seq, name, e
+                continue
+            yield seq, name, t
+
+    def _convert(self, name: str, mname: str, tensor: torch.Tensor) -> torch.Tensor:
+        t = _materialize(tensor.detach())
+        if self.dtype is not None and t.dtype != self.dtype:
+            if t.dtype.is_floating_point != self.dtype.is_floating_point:  # a cast would invent values
+                raise PatchValidationError(
+                    name, f"is {t.dtype}, not a {'floating' if self.dtype.is_floating_point else 'integer'} "
+                    f"tensor like the {self.dtype} weights: converting it would write other values; "
+                    "pass the weight itself", kept=self.kept)
+            t = t.to(self.dtype)
+        if name in self.seen:
+            raise PatchValidationError(name, f"given twice in one update (the second time as {mname!r})",
+                                       kept=self.kept)
+        self.elements += t.numel()
+        self.seen[name] = t.numel() * t.element_size()
+        return t
+
+
+class DeltaDiff:
+    """This rank's patches of a delta, one diff batch at a time (bounded by ``DIFF_BATCH_*``).
+
+    Iterating it reads the whole stream; ``timings["diff_s"]`` is the time spent here, not in the
+    consumer between batches. Once the stream is read to its end it raises the first failure of
+    any tensor, or a seeded tensor the stream left out."""
+
+    def __init__(self, tensors: TensorStream, store: SnapshotStore, catalog: dict[str, int], sharded,
+                 timings: dict):
+        self.tensors, self.store, self.catalog, self.sharded, self.timings = tensors, store, catalog, sharded, timings
+        self.fast = sharded is not None and sharded.ready()  # the source diffs its own shards
+        self.kept = tensors.kept
+        self.failure: BaseException | None = None
+        self.batch: list[tuple[int, str, torch.Tensor]] = []  # owned, not yet diffed
+        self.held = 0  # bytes in the batch
+        timings["diff_s"] = 0.0
+
+    @property
+    def elements(self) -> int:
+        return self.sharded.total_elements if self.fast else self.tensors.elements
+
+    def __iter__(self) -> Iterator[list[Ordered]]:
+        t0 = time.perf_counter()
+        if self.fast:
+            out = self.sharded.local_patches()
+            self.timings["diff_s"] += time.perf_counter() - t0
+            yield out
+            return
+        for seq, name, t in self.tensors:
+            ready = self._take(seq, name, t)
+            if ready:
+                self.timings["diff_s"] += time.perf_counter() - t0
+                yield ready
+                t0 = time.perf_counter()
+        ready = self._last_batch()
+        self.timings["diff_s"] += time.perf_counter() - t0
+        if self.failure is not None:
+            raise self.failure
+        if ready:
+            yield ready
+
+    def _take(self, seq: int, name: str, t: torch.Tensor | Exception) -> list[Ordered]:
+        """Add one tensor to the batch if this rank owns it; the batch's patches once it is full."""
+        if self.failure is not None:
+            return []
+        try:
+            if isinstance(t, Exception):
+                raise t
+            if name not in self.catalog:
+                raise PatchValidationError(name, "is not in the seed this delta builds on (a changed model "
+                                           "needs a new seed)", kept=self.kept)
+            nbytes = t.numel() * t.element_size()
+            if self.store.owns(name, nbytes):
+                self.batch.append((seq, name, t))
+                self.held += nbytes
+                if len(self.batch) >= DIFF_BATCH_TENSORS or self.held >= DIFF_BATCH_BYTES:
+                    return self._diff_batch()
+        except Exception as e:  # noqa: BLE001 - raised once the stream is read to its end
+            self.failure = e
+        return []
+
+    def _diff_batch(self) -> list[Ordered]:
+        patches = self.store.prepare_many([(name, t) for _, name, t in self.batch])
+        out = [Ordered(seq, p) for (seq, _, _), p in zip(self.batch, patches)]
+        self.batch.clear()
+        self.held = 0
+        return out
+
+    def _last_batch(self) -> list[Ordered]:
+        """The stream ended: diff what is left, check nothing seeded was left out, let a sharded
+        source settle (collective on every rank, even one that failed)."""
+        ready: list[Ordered] = []
+        if self.failure is None and self.batch:
+            try:
+                ready = self._diff_batch()
+            except Exception as e:  # noqa: BLE001 - raised once the stream is read to its end
+                self.failure = e
+        missing = [n for n in self.catalog if n not in self.tensors.seen]
+        if self.failure is None and missing:
+            self.failure = PatchValidationError(
+                missing[0], f"left out of this delta with {len(missing) - 1} other seeded tensor(s): every "
+                "update must name every seeded tensor, or the engines would keep stale values", kept=self.kept)
+        if self.sharded is not None:
+            self.sharded.seeded()
+        return ready
+
+    def checked(self, patches: list[Patch]) -> list[Patch]:
+        """Indices and values are checked per bucket by the packer (one vectorized pass, before the
+        bucket leaves); here only what a bucket check cannot see."""
+        t0 = time.perf_counter()
+        for p in patches:
+            p.validate(contents=False, kept=self.kept)
+        self.timings["validate_s"] = self.timings.get("validate_s", 0.0) + time.perf_counter() - t0
+        return patches
+
+
+class BulkRead:
+    """A seed's or full update's stream, read once by every rank (rank 0 packs it as it comes).
+
+    Owners stage snapshots (delta mode only: a full-mode trainer never diffs). With one rank the
+    packer's buckets become its snapshot (packed before the engines pause; a sharded source that
+    then serves the deltas lets them go at commit). Several ranks stage their shares once the
+    stream is read (rank 0 once the engines resumed, the others while it publishes), so the pause
+    window holds only the send and the apply, never a snapshot copy."""
+
+    def __init__(self, tensors: TensorStream, kind: str, *, store: SnapshotStore, sharded, rank: int,
+                 world: int, snapshots: bool, agree: Callable[[BaseException | None], None], timings: dict):
+        self.tensors, self.kind, self.store, self.sharded, self.rank = tensors, kind, store, sharded, rank
+        self.agree, self.timings = agree, timings
+        self.keep = snapshots and world == 1  # the packed buckets are the snapshot
+        self.defer = snapshots and not self.keep  # each rank stages its share once the stream is read
+        self.later: list[tuple[str, torch.Tensor]] = []  # this rank's shares, staged after the stream
+        self.failures: list[BaseException] = []
+        self.agreed = False  # the ranks agreed that the stream was read without failure
+        self.sending = False  # rank 0's packer started
+        #: a sharded source that expects to serve the deltas: no rank holds or stages its exported
+        #: shares (asked once the stream started: the source plans first; the same on every rank)
+        self.source_snapshots: bool | None = None
+        self._items = iter(tensors)
+
+    def patches(self) -> Iterator[Patch]:
+        """The stream as full patches (rank 0); ``prepare_s``: reading it and staging snapshots."""
+        self.timings["prepare_s"] = 0.0
+        while True:
+            t0 = time.perf_counter()
+            item = next(self._items, None)
+            if self.source_snapshots is None:
+                self.source_snapshots = self.defer and expects_to_serve(self.sharded)
+            if item is None:
+                return
+            _, name, t = item
+            try:
+                if isinstance(t, Exception):
+                    raise t
+                if (self.defer and not self.source_snapshots
+                        and self.store.owns(name, t.numel() * t.element_size())):
+                    self.later.append((name, t))
+                if self.rank == 0:
+                    check_indexable(name, t.numel())
+            except Exception as e:  # noqa: BLE001 - raised once the stream has drained
+                self.failures.append(e)
+                return
+            finally:
+                self.timings["prepare_s"] += time.perf_counter() - t0
+            if self.rank == 0:
+                yield Patch.full(name, t)
+
+    def read_all(self) -> None:
+        """A rank that packs nothing reads the stream and drains it."""
+        for _ in self.patches():
+            pass
+        self.drain()
+
+    def drain(self) -> None:
+        """Consume what is left (collective streams), let a sharded source settle, agree on failures."""
+        t0 = time.perf_counter()
+        for _ in self._items:
+            pass
+        if not self.tensors.seen and not self.failures:
+            self.failures.append(PatchValidationError("<update>", f"a {self.kind} with no tensors (an empty or "
+                                                      "exhausted stream?)", kept=self.tensors.kept))
+        if self.sharded is not None:
+            self.sharded.seeded()  # collective on every rank, even one that failed
+        self.timings["drain_s"] = time.perf_counter() - t0
+        self.agree(self.failures[0] if self.failures else None)
+        self.agreed = True
+
+    def stage_later(self, publish_ok: bool) -> str | None:
+        """Stage this rank's share (unless the update failed already, or the sharded source takes
+        its own snapshots), then every rank agrees (collective). The ranks' failures, or None."""
+        t0 = time.perf_counter()
+        mine = None
+        try:
+            if publish_ok and not self.source_snapshots:
+                self.store.prepare_many(self.later, full=True)
+        except Exception as e:  # noqa: BLE001 - agreed across ranks, then raised
+            mine = e
+        self.later.clear()
+        self.timings["stage_after_s"] = time.perf_counter() - t0
+        try:
+            self.agree(mine)
+        except GatherError as e:
+            return "; ".join(f"rank {r}: {m}" for r, m in sorted(e.failures.items()))
+        return None
+
+    def send(self, sender: BucketSender) -> SendStats:
+        """Rank 0: pack and send the stream; agree with the other ranks before the last bucket."""
+        self.sending = True
+        packed = []
+        try:
+            if self.keep:  # pack the whole seed before the engines pause: its buckets are the snapshot
+                sender.packer.keep = self.store.adopt
+                packed = sender.prepack(self.patches())
+            else:
+                sender.send(self.patches())
+        except Exception as e:  # noqa: BLE001 - a bad tensor found while packing (NaN, too large)
+            self.failures.append(e)
+        self.drain()
+        sender.send_packed(packed)
+        return sender.close()
