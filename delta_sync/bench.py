@@ -39,15 +39,8 @@ def _best(fn, reps: int) -> float:
     return best
 
 
-def bench_diff(argv: list[str]) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m delta_sync.bench diff")
-    ap.add_argument("--total-gib", type=float, default=1.0, help="bf16 bytes in all tensors")
-    ap.add_argument("--tensor-mib", type=float, default=64.0, help="size of each tensor")
-    ap.add_argument("--density", type=float, default=0.002, help="fraction of elements changed")
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
-
+def _diff_inputs(args) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], int]:
+    """Old and new bf16 tensors ``args.density`` apart, copy targets, and how many elements differ."""
     g = torch.Generator().manual_seed(args.seed)
     per = int(args.tensor_mib * (1 << 20)) // 2
     count = max(1, round(args.total_gib * (1 << 30) / (per * 2)))
@@ -61,6 +54,20 @@ def bench_diff(argv: list[str]) -> dict:
         new[pos] = (new[pos].float() * 1.01 + 1e-3).to(torch.bfloat16)
         changed += int((old.view(torch.int16) != new.view(torch.int16)).sum())
         olds.append(old), news.append(new), dsts.append(torch.empty_like(old))
+    return olds, news, dsts, changed
+
+
+def bench_diff(argv: list[str]) -> dict:
+    ap = argparse.ArgumentParser(prog="python -m delta_sync.bench diff")
+    ap.add_argument("--total-gib", type=float, default=1.0, help="bf16 bytes in all tensors")
+    ap.add_argument("--tensor-mib", type=float, default=64.0, help="size of each tensor")
+    ap.add_argument("--density", type=float, default=0.002, help="fraction of elements changed")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    olds, news, dsts, changed = _diff_inputs(args)
+    count = len(news)
     total = sum(t.numel() * t.element_size() for t in news)
     differ = BitwiseDiff()
     portable = BitwiseDiff(use_native=False)
@@ -112,10 +119,6 @@ def bench_tensors(argv: list[str]) -> dict:
     """Per-tensor costs: deltas of many small tensors through :class:`WeightSync` to the in-memory
     receiver (this process), where bytes are few and the work per tensor is what shows. Also the
     snapshot store's diff alone, batched (what a delta runs) and one tensor at a time, same run."""
-    from .memory_receiver import MemoryReceiver
-    from .snapshot import SnapshotStore
-    from .sync import WeightSync
-
     ap = argparse.ArgumentParser(prog="python -m delta_sync.bench tensors")
     ap.add_argument("--tensors", type=int, default=4000)
     ap.add_argument("--elements", type=int, default=32768, help="bf16 elements per tensor (default 64 KiB)")
@@ -125,7 +128,6 @@ def bench_tensors(argv: list[str]) -> dict:
                     help="without the host kernels: the torch ops device tensors take, on the host")
     args = ap.parse_args(argv)
     if args.torch_path:
-        from . import native
         os.environ["DELTA_SYNC_NATIVE_DIFF"] = "0"  # the kernel's own switch
         native.kernel.cache_clear()
     g = torch.Generator().manual_seed(0)
@@ -136,17 +138,40 @@ def bench_tensors(argv: list[str]) -> dict:
         for t in state.values():
             t[torch.randint(0, args.elements, (k,), generator=g)] += 1
 
+    best = _best_delta(state, step, args.reps)
+    t_batch, t_one = _diff_batched_and_one_by_one(state, step, args.reps)
+    n = args.tensors
+    return {"bench": "tensors", "tensors": n, "elements": args.elements, "density": args.density,
+            "path": "torch ops" if args.torch_path else "host kernels",
+            "delta_s": best.timings["total_s"], "delta_ms_per_tensor": round(1e3 * best.timings["total_s"] / n, 4),
+            "stages_s": best.timings, "diff_us_per_tensor": round(1e6 * t_batch / n, 1),
+            "diff_one_by_one_us_per_tensor": round(1e6 * t_one / n, 1),
+            "batched_over_one_by_one": round(t_batch / t_one, 3)}
+
+
+def _best_delta(state: dict[str, torch.Tensor], step, reps: int):
+    """The fastest of ``reps`` deltas (after a seed) through WeightSync to the in-memory receiver."""
+    from .memory_receiver import MemoryReceiver
+    from .sync import WeightSync
+
     sync = WeightSync([MemoryReceiver()], mode="delta", timeout_s=600)
     try:
         sync.update(state.items())
         best = None
-        for _ in range(args.reps):
+        for _ in range(reps):
             step()
             rep = sync.update(state.items())
             if best is None or rep.timings["total_s"] < best.timings["total_s"]:
                 best = rep
     finally:
         sync.close()
+    return best
+
+
+def _diff_batched_and_one_by_one(state: dict[str, torch.Tensor], step, reps: int) -> tuple[float, float]:
+    """The snapshot store's diff of one step, batched (what a delta runs) and one tensor at a time."""
+    from .snapshot import SnapshotStore
+
     store, items = SnapshotStore(), list(state.items())
     store.prepare_many(items)
     store.commit(0)
@@ -162,15 +187,9 @@ def bench_tensors(argv: list[str]) -> dict:
         store.rollback()
 
     t_batch = t_one = float("inf")
-    for _ in range(args.reps):
+    for _ in range(reps):
         t_batch, t_one = min(t_batch, _best(batched, 1)), min(t_one, _best(one_by_one, 1))
-    n = args.tensors
-    return {"bench": "tensors", "tensors": n, "elements": args.elements, "density": args.density,
-            "path": "torch ops" if args.torch_path else "host kernels",
-            "delta_s": best.timings["total_s"], "delta_ms_per_tensor": round(1e3 * best.timings["total_s"] / n, 4),
-            "stages_s": best.timings, "diff_us_per_tensor": round(1e6 * t_batch / n, 1),
-            "diff_one_by_one_us_per_tensor": round(1e6 * t_one / n, 1),
-            "batched_over_one_by_one": round(t_batch / t_one, 3)}
+    return t_batch, t_one
 
 
 BUILTIN = {"diff": bench_diff, "tensors": bench_tensors}

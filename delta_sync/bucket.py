@@ -18,7 +18,7 @@ sparse entries also carry ``checksum`` over every payload byte (indices included
 both are keyed: the header carries a fresh ``nonce``, the digest key is derived from it and the
 channel key (:meth:`delta_sync.digest.DigestKey.derive`), and each digest in the header is masked
 with that key's pad for its place, so bytes changed in flight are caught even by a party that
-can compute the public digest, and the header's MAC keeps the nonce and digests as sent. Buckets are bounded by ``max_bytes``
+can compute the public digest, and the header's MAC keeps the nonce and digests as sent. Buckets are bounded by ``bucket_bytes``
 (default 512 MiB) of payload, so a 30B seed streams through fixed memory.
 
 Zero copy: a dense entry of at least :data:`DIRECT_MIN_BYTES` whose source is contiguous on the
@@ -34,12 +34,11 @@ from __future__ import annotations
 import json
 import math
 import secrets
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
 
 import torch
-
-import time
 
 from . import native
 from .digest import PUBLIC, Digest, DigestKey, checksum_bytes, nonfinite_count, scan_many
@@ -47,6 +46,8 @@ from .errors import ChecksumMismatch, PatchValidationError
 from .patch import DTYPES, Patch, dtype_name, first_true
 
 DEFAULT_BUCKET_BYTES = 512 << 20
+#: the smallest bucket (bytes of payload): room for an element of any dtype and its index
+MIN_BUCKET_BYTES = 64
 #: smallest dense entry that travels in a broadcast of its own instead of being packed (bytes);
 #: one broadcast costs ~0.1-0.3 ms on gloo here, a packed copy of 1 MiB ~0.1 ms
 DIRECT_MIN_BYTES = 1 << 20
@@ -121,12 +122,12 @@ class BucketPacker:
     Dense values are digested and checked for Inf/NaN as they are packed (one pass, see
     :func:`delta_sync.digest.scan_range`); :attr:`digest_s` is the time that took."""
 
-    def __init__(self, version: int, kind: str, max_bytes: int = DEFAULT_BUCKET_BYTES,
+    def __init__(self, version: int, kind: str, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  checksum: bool = True, kept: str | None = None, check: bool = True,
                  keys: Callable[[str], DigestKey] | None = None):
-        if max_bytes < 64:
-            raise ValueError(f"bucket size {max_bytes} B is too small")
-        self.version, self.kind, self.max_bytes, self.checksum = version, kind, max_bytes, checksum
+        if bucket_bytes < MIN_BUCKET_BYTES:
+            raise ValueError(f"bucket_bytes {bucket_bytes} is below the smallest bucket, {MIN_BUCKET_BYTES}")
+        self.version, self.kind, self.bucket_bytes, self.checksum = version, kind, bucket_bytes, checksum
         self.kept = kept
         self.check = check  # False only to play a buggy sender in tests: receivers check regardless
         #: the digest key of a bucket from its nonce (a channel's :meth:`~delta_sync.channel.Channel.
@@ -175,122 +176,157 @@ class BucketPacker:
                                            kept=self.kept)
             entry["digest"] = (d + key.pad(i)).hex()
 
-    def pack(self, patches: Iterable[Patch], close: bool = True) -> Iterator[Bucket]:  # noqa: C901 - still to be split into phases
+    def pack(self, patches: Iterable[Patch], close: bool = True) -> Iterator[Bucket]:
         """Yield buckets; with ``close`` the last one has ``header['last'] = True`` (possibly with no
         entries); without it the caller packs the rest later (another ``pack`` that closes).
 
         A bucket's parts are only noted while it fills; at flush they are written into its buffers
         (carved from :attr:`arena` when set), dense ranges digested in the same pass."""
-        entries: list[dict] = []
-        parts: list[tuple[dict, Patch, int, int]] = []  # (entry, patch, first element, count)
-        counts = {"idx": 0, "bytes": 0, "vals": {}}
-
-        def flush(last: bool, into: torch.Tensor | None = None) -> Bucket:
-            """``into``: the buffer of a bucket that holds one piece of one tensor (keep mode)."""
-            if into is not None:
-                idx, vals = torch.empty(0, dtype=torch.int32, device=into.device), {entries[0]["dtype"]: into}
-            else:
-                fresh = self.arena is None or self.keep is not None
-                arena = Arena(self._device(parts)) if fresh else self.arena
-                names = sorted(counts["vals"])
-                bufs = arena.carve([(torch.int32, counts["idx"])] + [(DTYPES[k], counts["vals"][k]) for k in names])
-                idx, vals = bufs[0], dict(zip(names, bufs[1:]))
-            sources: dict[int, torch.Tensor] = {}
-            nonce = secrets.token_hex(12) if self.keys is not None else None
-            key = self.keys(nonce) if nonce is not None else PUBLIC
-            if any(p.dense for _, p, _, _ in parts):  # bulk buckets: one fused pass per range
-                dense = []
-                for i, (entry, p, done, take) in enumerate(parts):
-                    out = vals[entry["dtype"]].narrow(0, entry["value_offset"], take)
-                    if p.dense and self._direct(p, take, out.device):
-                        # a broadcast of its own, which a receiver may land in place; sent from the
-                        # source itself (digested, not copied), or from the copy a snapshot keeps
-                        entry["seg"] = True
-                        kept_copy = self.keep is not None
-                        dense.append((i, entry, p, done, take, out if kept_copy else None))
-                        sources[i] = out if kept_copy else p.values.narrow(0, done, take)
-                    elif p.dense:
-                        dense.append((i, entry, p, done, take, out))
-                    else:
-                        idx.narrow(0, entry["index_offset"], take).copy_(p.indices[done:done + take])
-                        out.copy_(p.values[done:done + take])
-                self._scan_dense(dense, key)
-            elif parts:  # a delta's sparse parts: one cat per buffer, not a copy per tensor
-                dev = idx.device
-                torch.cat([_part(p.indices, d, t, dev) for _, p, d, t in parts], out=idx)
-                for k, buf in vals.items():
-                    torch.cat([_part(p.values, d, t, dev) for e, p, d, t in parts if e["dtype"] == k], out=buf)
-            header = {"version": self.version, "seq": self.seq, "last": last, "kind": self.kind,
-                      "entries": list(entries), "index_count": int(idx.numel()),
-                      "value_counts": {k: int(v.numel()) for k, v in vals.items()}}
-            if nonce is not None:
-                header["nonce"] = nonce
-            if self.check:
-                check_sparse_entries(header["entries"], idx, vals, self.kept)  # refused before it leaves
-            if self.keep is not None and into is None:
-                for entry, p, done, take in parts:
-                    if p.dense and take == p.count:
-                        self.keep(p.name, vals[entry["dtype"]].narrow(0, entry["value_offset"], take).view(p.shape))
-            b = Bucket(header, idx, vals, sources, key)
-            header["checksum"] = b.payload_checksum() if self.checksum and idx.numel() else None
-            self.seq += 1
-            entries.clear(), parts.clear()
-            counts.update(idx=0, bytes=0, vals={})
-            return b
-
-        def add(p: Patch, dname: str, per: int, done: int, take: int) -> None:
-            vo = counts["vals"].get(dname, 0)
-            entry = {"name": p.name, "dtype": dname, "shape": list(p.shape),
-                     "encoding": "dense" if p.dense else "sparse", "count": take,
-                     "start": done if p.dense else 0, "index_offset": counts["idx"],
-                     "value_offset": vo}
-            entries.append(entry)
-            parts.append((entry, p, done, take))
-            if not p.dense:
-                counts["idx"] += take
-            counts["vals"][dname] = vo + take
-            counts["bytes"] += take * per
-
+        fill = _Filling()
         for p in patches:
             dname = dtype_name(p.dtype, tensor=p.name)
             esize = p.values.element_size()
-            per = esize if p.dense else esize + 4
+            per = esize if p.dense else esize + 4  # bytes per element on the wire
             total = p.count
             if total == 0 and not p.dense:
                 continue  # nothing changed: no entry at all
             if self.keep is not None and p.dense:
-                if total * per > self.max_bytes:  # its own memory, sent in bucket-sized pieces
-                    if entries:
-                        yield flush(False)
-                    own = Arena(p.values.device).carve([(p.dtype, total)])[0]
-                    step = max(1, self.max_bytes // per)
-                    for done in range(0, total, step):
-                        take = min(step, total - done)
-                        add(p, dname, per, done, take)
-                        b = flush(False, into=own.narrow(0, done, take))
-                        if done + take == total:
-                            self.keep(p.name, own.view(p.shape))
-                        yield b
+                if total * per > self.bucket_bytes:  # its own memory, sent in bucket-sized pieces
+                    yield from self._pack_own(fill, p, dname, per)
                     continue
-                if entries and counts["bytes"] + total * per > self.max_bytes:
-                    yield flush(False)  # whole tensors only: each one stays a view of its bucket
+                if fill.entries and fill.nbytes + total * per > self.bucket_bytes:
+                    yield self._flush(fill, False)  # whole tensors only: each one stays a view of its bucket
             done = 0
             while True:
-                room = (self.max_bytes - counts["bytes"]) // per
+                room = (self.bucket_bytes - fill.nbytes) // per
                 if room <= 0 and done < total:
-                    yield flush(False)
+                    yield self._flush(fill, False)
                     continue
                 take = min(room, total - done)
-                add(p, dname, per, done, take)
+                fill.add(p, dname, per, done, take)
                 done += take
                 if done >= total:
                     break
-        if close or entries:
-            yield flush(close)
+        if close or fill.entries:
+            yield self._flush(fill, close)
+
+    def _pack_own(self, fill: "_Filling", p: Patch, dname: str, per: int) -> Iterator[Bucket]:
+        """Keep mode, a tensor larger than a bucket: memory of its own (its snapshot), sent in
+        bucket-sized pieces, each a bucket of one entry."""
+        if fill.entries:
+            yield self._flush(fill, False)
+        total = p.count
+        own = Arena(p.values.device).carve([(p.dtype, total)])[0]
+        step = max(1, self.bucket_bytes // per)
+        for done in range(0, total, step):
+            take = min(step, total - done)
+            fill.add(p, dname, per, done, take)
+            b = self._flush(fill, False, into=own.narrow(0, done, take))
+            if done + take == total:
+                self.keep(p.name, own.view(p.shape))
+            yield b
+
+    def _buffers(self, fill: "_Filling", into: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The bucket's index buffer and value buffers. ``into``: the buffer of a bucket that holds
+        one piece of one tensor (keep mode)."""
+        if into is not None:
+            return torch.empty(0, dtype=torch.int32, device=into.device), {fill.entries[0]["dtype"]: into}
+        fresh = self.arena is None or self.keep is not None
+        arena = Arena(self._device(fill.parts)) if fresh else self.arena
+        names = sorted(fill.values)
+        bufs = arena.carve([(torch.int32, fill.indices)] + [(DTYPES[k], fill.values[k]) for k in names])
+        return bufs[0], dict(zip(names, bufs[1:]))
+
+    def _write_dense(self, fill: "_Filling", idx: torch.Tensor, vals: dict[str, torch.Tensor], key: DigestKey
+                     ) -> dict[int, torch.Tensor]:
+        """A bulk bucket's parts into its buffers, dense ranges in one fused pass (copy, digest,
+        Inf/NaN check). Returns the ``seg`` entries' sources by entry position."""
+        sources: dict[int, torch.Tensor] = {}
+        dense = []
+        for i, (entry, p, done, take) in enumerate(fill.parts):
+            out = vals[entry["dtype"]].narrow(0, entry["value_offset"], take)
+            if p.dense and self._direct(p, take, out.device):
+                # a broadcast of its own, which a receiver may land in place; sent from the source
+                # itself (digested, not copied), or from the copy a snapshot keeps
+                entry["seg"] = True
+                kept_copy = self.keep is not None
+                dense.append((i, entry, p, done, take, out if kept_copy else None))
+                sources[i] = out if kept_copy else p.values.narrow(0, done, take)
+            elif p.dense:
+                dense.append((i, entry, p, done, take, out))
+            else:
+                idx.narrow(0, entry["index_offset"], take).copy_(p.indices[done:done + take])
+                out.copy_(p.values[done:done + take])
+        self._scan_dense(dense, key)
+        return sources
+
+    @staticmethod
+    def _write_sparse(fill: "_Filling", idx: torch.Tensor, vals: dict[str, torch.Tensor]) -> None:
+        """A delta's sparse parts: one cat per buffer, not a copy per tensor."""
+        dev = idx.device
+        torch.cat([_part(p.indices, d, t, dev) for _, p, d, t in fill.parts], out=idx)
+        for k, buf in vals.items():
+            torch.cat([_part(p.values, d, t, dev) for e, p, d, t in fill.parts if e["dtype"] == k], out=buf)
+
+    def _flush(self, fill: "_Filling", last: bool, into: torch.Tensor | None = None) -> Bucket:
+        """The filled bucket, written, digested and checked; ``fill`` starts the next one."""
+        idx, vals = self._buffers(fill, into)
+        nonce = secrets.token_hex(12) if self.keys is not None else None
+        key = self.keys(nonce) if nonce is not None else PUBLIC
+        sources: dict[int, torch.Tensor] = {}
+        if any(p.dense for _, p, _, _ in fill.parts):  # bulk buckets: one fused pass per range
+            sources = self._write_dense(fill, idx, vals, key)
+        elif fill.parts:
+            self._write_sparse(fill, idx, vals)
+        header = {"version": self.version, "seq": self.seq, "last": last, "kind": self.kind,
+                  "entries": list(fill.entries), "index_count": int(idx.numel()),
+                  "value_counts": {k: int(v.numel()) for k, v in vals.items()}}
+        if nonce is not None:
+            header["nonce"] = nonce
+        if self.check:
+            check_sparse_entries(header["entries"], idx, vals, self.kept)  # refused before it leaves
+        if self.keep is not None and into is None:
+            for entry, p, done, take in fill.parts:
+                if p.dense and take == p.count:
+                    self.keep(p.name, vals[entry["dtype"]].narrow(0, entry["value_offset"], take).view(p.shape))
+        b = Bucket(header, idx, vals, sources, key)
+        header["checksum"] = b.payload_checksum() if self.checksum and idx.numel() else None
+        self.seq += 1
+        fill.clear()
+        return b
 
     @staticmethod
     def _device(parts) -> torch.device:
         return parts[0][1].values.device if parts else torch.device("cpu")
+
+
+class _Filling:
+    """The bucket being filled: its entries and the patch range behind each, and its counts."""
+
+    def __init__(self):
+        self.entries: list[dict] = []
+        self.parts: list[tuple[dict, Patch, int, int]] = []  # (entry, patch, first element, count)
+        self.clear()
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.parts.clear()
+        self.indices = 0  # int32 indices
+        self.nbytes = 0  # payload bytes
+        self.values: dict[str, int] = {}  # elements per value dtype
+
+    def add(self, p: Patch, dname: str, per: int, done: int, take: int) -> None:
+        """Elements ``[done, done + take)`` of ``p`` (``per`` bytes each on the wire)."""
+        vo = self.values.get(dname, 0)
+        entry = {"name": p.name, "dtype": dname, "shape": list(p.shape),
+                 "encoding": "dense" if p.dense else "sparse", "count": take,
+                 "start": done if p.dense else 0, "index_offset": self.indices, "value_offset": vo}
+        self.entries.append(entry)
+        self.parts.append((entry, p, done, take))
+        if not p.dense:
+            self.indices += take
+        self.values[dname] = vo + take
+        self.nbytes += take * per
 
 
 def value_segments(entries: list[dict], dname: str, total: int) -> list[tuple[int | None, int, int]]:
@@ -339,7 +375,7 @@ def parse_header(raw: bytes) -> dict:
         raise PatchValidationError("<bucket header>", f"malformed header: {e}") from None
 
 
-def entry_patches(bucket: Bucket, kept: str | None = None, check_dense: bool = True) -> list[tuple[dict, Patch]]:  # noqa: C901 - still to be split into phases
+def entry_patches(bucket: Bucket, kept: str | None = None, check_dense: bool = True) -> list[tuple[dict, Patch]]:
     """Split a received bucket into per-entry patches after checking its checksum and bounds.
 
     Dense entries become ``Patch`` objects with ``indices=None`` and values for the entry's
@@ -347,6 +383,20 @@ def entry_patches(bucket: Bucket, kept: str | None = None, check_dense: bool = T
     finiteness are checked here, unless ``check_dense`` is False: then the caller must run
     :func:`check_dense_entry` on each (a receiver that digests while it applies).
     """
+    _check_checksum(bucket, kept)
+    tiling = _Tiling(bucket, kept)
+    out = [(e, tiling.patch(i, e)) for i, e in enumerate(bucket.header["entries"])]
+    tiling.check_covered()
+    if check_dense:  # the bucket's dense ranges digested together (one device sync), checked in order
+        dense = [(e, p) for e, p in out if p.indices is None]
+        scans = scan_many([(p.values, int(e["start"]), None) for e, p in dense], key=bucket.key)
+        for (e, p), (got, bad) in zip(dense, scans):
+            check_dense_entry(e, got, bad, p.values, kept)
+    check_sparse_entries(bucket.header["entries"], bucket.indices, bucket.values, kept)
+    return out
+
+
+def _check_checksum(bucket: Bucket, kept: str | None) -> None:
     h = bucket.header
     if h.get("checksum") is None and bucket.indices.numel() and bucket.key is not PUBLIC:
         raise ChecksumMismatch(f"bucket {h['seq']} of version {h['version']}: sparse payload without its "
@@ -356,62 +406,72 @@ def entry_patches(bucket: Bucket, kept: str | None = None, check_dense: bool = T
         if got != h["checksum"]:
             raise ChecksumMismatch(f"bucket {h['seq']} of version {h['version']}: payload checksum "
                                    f"{got} != header {h['checksum']}", kept=kept)
-    out = []
-    used = {k: 0 for k in bucket.values}
-    used_idx = 0
-    idx_views, val_views = _entry_views(h["entries"], bucket)
-    for i, e in enumerate(h["entries"]):
+
+
+class _Tiling:
+    """A received bucket's entries, read in order: each one's patch, checked to point inside the
+    buffers and to follow the one before it (entries tile the buffers exactly)."""
+
+    def __init__(self, bucket: Bucket, kept: str | None):
+        self.bucket, self.kept = bucket, kept
+        self.used = {k: 0 for k in bucket.values}  # value elements taken so far, per dtype
+        self.used_idx = 0  # indices taken so far
+        self.idx_views, self.val_views = _entry_views(bucket.header["entries"], bucket)
+
+    def _refuse(self, name: str, why: str) -> PatchValidationError:
+        return PatchValidationError(name, why, kept=self.kept)
+
+    def patch(self, i: int, e: dict) -> Patch:
         name = e.get("name", "<unnamed>")
         if e.get("dtype") not in DTYPES:
-            raise PatchValidationError(name, f"unknown dtype {e.get('dtype')!r}", kept=kept)
+            raise self._refuse(name, f"unknown dtype {e.get('dtype')!r}")
         if e.get("encoding") not in ("sparse", "dense"):
-            raise PatchValidationError(name, f"unknown encoding {e.get('encoding')!r}", kept=kept)
-        vals_all = bucket.values.get(e["dtype"])
-        n, vo = int(e["count"]), int(e["value_offset"])
-        if n < 0 or vals_all is None or vo < 0 or vo + n > vals_all.numel():
-            raise PatchValidationError(name, f"entry points outside the {e['dtype']} value buffer", kept=kept)
-        if vo != used[e["dtype"]]:
-            raise PatchValidationError(name, f"value offset {vo}, expected {used[e['dtype']]}: entries must "
-                                       "tile the value buffer", kept=kept)
-        used[e["dtype"]] += n
-        vals = bucket.sources.get(i)  # a seg entry received in place
-        if vals is None:
-            vals = val_views[i] if val_views is not None else vals_all[vo:vo + n]
+            raise self._refuse(name, f"unknown encoding {e.get('encoding')!r}")
+        vals = self._values(i, e, name)
         shape = tuple(int(s) for s in e["shape"])
         if any(d < 0 for d in shape):
-            raise PatchValidationError(name, f"invalid shape {shape}", kept=kept)
+            raise self._refuse(name, f"invalid shape {shape}")
         if e["encoding"] == "sparse":
-            io = int(e["index_offset"])
-            if io != used_idx or io + n > bucket.indices.numel():
-                raise PatchValidationError(name, "entry points outside the index buffer", kept=kept)
-            used_idx += n
-            p = Patch(name, shape, DTYPES[e["dtype"]], idx_views[i] if idx_views is not None
-                      else bucket.indices[io:io + n], vals)
-        else:
-            start = int(e.get("start", -1))
-            numel = 1
-            for d in shape:
-                numel *= d
-            if start < 0 or start + n > numel:
-                raise PatchValidationError(name, f"dense range [{start}, {start + n}) outside {numel} elements",
-                                           kept=kept)
-            if not isinstance(e.get("digest"), str):
-                raise PatchValidationError(name, "dense entry without a digest", kept=kept)
-            e["_where"] = f"bucket {h['seq']} of version {h['version']}"  # for a later check's message
-            e["_key"], e["_pad"] = bucket.key, bucket.key.pad(i)  # what a later check digests under
-            p = Patch(name, shape, DTYPES[e["dtype"]], None, vals)
-        out.append((e, p))
-    if used_idx != bucket.indices.numel() or any(used[k] != v.numel() for k, v in bucket.values.items()):
-        raise PatchValidationError("<bucket>", f"bucket {h['seq']}: entries cover {used_idx} of "
-                                   f"{bucket.indices.numel()} indices and {used} of the value buffers "
-                                   f"{ {k: v.numel() for k, v in bucket.values.items()} }", kept=kept)
-    if check_dense:  # the bucket's dense ranges digested together (one device sync), checked in order
-        dense = [(e, p) for e, p in out if p.indices is None]
-        scans = scan_many([(p.values, int(e["start"]), None) for e, p in dense], key=bucket.key)
-        for (e, p), (got, bad) in zip(dense, scans):
-            check_dense_entry(e, got, bad, p.values, kept)
-    check_sparse_entries(h["entries"], bucket.indices, bucket.values, kept)
-    return out
+            io, n = int(e["index_offset"]), int(e["count"])
+            if io != self.used_idx or io + n > self.bucket.indices.numel():
+                raise self._refuse(name, "entry points outside the index buffer")
+            self.used_idx += n
+            indices = self.idx_views[i] if self.idx_views is not None else self.bucket.indices[io:io + n]
+            return Patch(name, shape, DTYPES[e["dtype"]], indices, vals)
+        self._check_dense(i, e, name, shape)
+        return Patch(name, shape, DTYPES[e["dtype"]], None, vals)
+
+    def _values(self, i: int, e: dict, name: str) -> torch.Tensor:
+        vals_all = self.bucket.values.get(e["dtype"])
+        n, vo = int(e["count"]), int(e["value_offset"])
+        if n < 0 or vals_all is None or vo < 0 or vo + n > vals_all.numel():
+            raise self._refuse(name, f"entry points outside the {e['dtype']} value buffer")
+        if vo != self.used[e["dtype"]]:
+            raise self._refuse(name, f"value offset {vo}, expected {self.used[e['dtype']]}: entries must "
+                               "tile the value buffer")
+        self.used[e["dtype"]] += n
+        vals = self.bucket.sources.get(i)  # a seg entry received in place
+        if vals is None:
+            vals = self.val_views[i] if self.val_views is not None else vals_all[vo:vo + n]
+        return vals
+
+    def _check_dense(self, i: int, e: dict, name: str, shape: tuple[int, ...]) -> None:
+        start, n = int(e.get("start", -1)), int(e["count"])
+        numel = math.prod(shape)
+        if start < 0 or start + n > numel:
+            raise self._refuse(name, f"dense range [{start}, {start + n}) outside {numel} elements")
+        if not isinstance(e.get("digest"), str):
+            raise self._refuse(name, "dense entry without a digest")
+        h = self.bucket.header
+        e["_where"] = f"bucket {h['seq']} of version {h['version']}"  # for a later check's message
+        e["_key"], e["_pad"] = self.bucket.key, self.bucket.key.pad(i)  # what a later check digests under
+
+    def check_covered(self) -> None:
+        b = self.bucket
+        if self.used_idx != b.indices.numel() or any(self.used[k] != v.numel() for k, v in b.values.items()):
+            raise self._refuse("<bucket>", f"bucket {b.header['seq']}: entries cover {self.used_idx} of "
+                               f"{b.indices.numel()} indices and {self.used} of the value buffers "
+                               f"{ {k: v.numel() for k, v in b.values.items()} }")
 
 
 def _entry_views(entries: list[dict], bucket: Bucket) -> tuple[dict | None, dict | None]:

@@ -80,19 +80,29 @@ class Patch:
     def full(cls, name: str, tensor: torch.Tensor) -> "Patch":
         return cls(name, tuple(tensor.shape), tensor.dtype, None, tensor.reshape(-1))
 
-    def validate(self, *, expected_shape: tuple[int, ...] | None = None,  # noqa: C901 - still to be split into phases
+    def validate(self, *, expected_shape: tuple[int, ...] | None = None,
                  expected_dtype: torch.dtype | None = None, check_finite: bool = True,
                  contents: bool = True, kept: str | None = None) -> None:
         """Raise :class:`PatchValidationError` naming the tensor and the first bad index.
 
         ``contents=False`` checks the metadata only (name, dtype, shape, counts): for patches whose
         indices and values were checked per bucket (:func:`delta_sync.bucket.check_sparse_entries`)."""
-        name = self.name
-
         def bad(reason: str, index: int | None = None):
-            return PatchValidationError(name, reason, index=index, kept=kept)
+            return PatchValidationError(self.name, reason, index=index, kept=kept)
 
-        if not isinstance(name, str) or not name:
+        self._check_meta(bad, expected_shape, expected_dtype)
+        if self.indices is not None and contents:
+            _check_indices(self.indices, self.numel, bad)
+        v = self.values
+        if check_finite and contents and v.numel():
+            first_bad = first_true(~torch.isfinite(v))
+            if first_bad is not None:
+                where = first_bad if self.indices is None else int(self.indices[first_bad])
+                raise bad(f"non-finite value {float(v[first_bad])} at flat index {where}", first_bad)
+
+    def _check_meta(self, bad, expected_shape: tuple[int, ...] | None, expected_dtype: torch.dtype | None) -> None:
+        """Name, dtype, shape and counts against each other and the target's."""
+        if not isinstance(self.name, str) or not self.name:
             raise bad("empty or non-string checkpoint name")
         if self.dtype not in DTYPE_NAMES:
             raise bad(f"dtype {self.dtype} is not supported (supported: {', '.join(DTYPES)})")
@@ -103,7 +113,7 @@ class Patch:
         if expected_shape is not None and tuple(self.shape) != tuple(expected_shape):
             raise bad(f"shape {tuple(self.shape)} does not match the target's {tuple(expected_shape)}")
         numel = self.numel
-        check_indexable(name, numel)
+        check_indexable(self.name, numel)
         v = self.values
         if v.dtype != self.dtype:
             raise bad(f"values dtype {v.dtype} differs from the declared {self.dtype}")
@@ -112,33 +122,33 @@ class Patch:
         if self.indices is None:
             if v.numel() != numel:
                 raise bad(f"dense patch has {v.numel()} values for {numel} elements")
-        else:
-            idx = self.indices
-            if idx.dtype != torch.int32:
-                raise bad(f"indices dtype {idx.dtype}, expected torch.int32")
-            if idx.dim() != 1 or idx.numel() != v.numel():
-                raise bad(f"{idx.numel()} indices for {v.numel()} values")
-            if idx.numel() and contents:
-                first_bad = first_true(idx < 0)
-                if first_bad is not None:
-                    raise bad(f"index {int(idx[first_bad])} is negative", first_bad)
-                first_bad = first_true(idx >= numel)
-                if first_bad is not None:
-                    raise bad(f"index {int(idx[first_bad])} out of bounds for {numel} elements", first_bad)
-                if idx.numel() > 1:
-                    step = idx[1:] - idx[:-1]
-                    first_bad = first_true(step == 0)
-                    if first_bad is not None:
-                        raise bad(f"duplicate index {int(idx[first_bad])}", first_bad + 1)
-                    first_bad = first_true(step < 0)
-                    if first_bad is not None:
-                        raise bad(f"indices not increasing: {int(idx[first_bad])} then "
-                                  f"{int(idx[first_bad + 1])}", first_bad + 1)
-        if check_finite and contents and v.numel():
-            first_bad = first_true(~torch.isfinite(v))
-            if first_bad is not None:
-                where = first_bad if self.indices is None else int(self.indices[first_bad])
-                raise bad(f"non-finite value {float(v[first_bad])} at flat index {where}", first_bad)
+            return
+        idx = self.indices
+        if idx.dtype != torch.int32:
+            raise bad(f"indices dtype {idx.dtype}, expected torch.int32")
+        if idx.dim() != 1 or idx.numel() != v.numel():
+            raise bad(f"{idx.numel()} indices for {v.numel()} values")
+
+
+def _check_indices(idx: torch.Tensor, numel: int, bad) -> None:
+    """Indices inside ``[0, numel)`` and strictly increasing; ``bad(reason, position)`` builds the error."""
+    if not idx.numel():
+        return
+    first_bad = first_true(idx < 0)
+    if first_bad is not None:
+        raise bad(f"index {int(idx[first_bad])} is negative", first_bad)
+    first_bad = first_true(idx >= numel)
+    if first_bad is not None:
+        raise bad(f"index {int(idx[first_bad])} out of bounds for {numel} elements", first_bad)
+    if idx.numel() > 1:
+        step = idx[1:] - idx[:-1]
+        first_bad = first_true(step == 0)
+        if first_bad is not None:
+            raise bad(f"duplicate index {int(idx[first_bad])}", first_bad + 1)
+        first_bad = first_true(step < 0)
+        if first_bad is not None:
+            raise bad(f"indices not increasing: {int(idx[first_bad])} then {int(idx[first_bad + 1])}",
+                      first_bad + 1)
 
 
 def first_true(mask: torch.Tensor) -> int | None:

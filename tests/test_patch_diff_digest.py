@@ -459,9 +459,9 @@ def test_digest_crosses_chunk_boundary(monkeypatch):
     assert Digest(*sums[:4]) + dg.digest_range(t[:100], 0) == d
 
 
-@pytest.mark.parametrize("max_bytes", [64, 100, 1000, 1 << 20])
-def test_buckets_roundtrip_split_and_checksum(max_bytes):
-    g = torch.Generator().manual_seed(max_bytes)
+@pytest.mark.parametrize("bucket_bytes", [64, 100, 1000, 1 << 20])
+def test_buckets_roundtrip_split_and_checksum(bucket_bytes):
+    g = torch.Generator().manual_seed(bucket_bytes)
     tensors = {f"t{i}": torch.randn(17 * (i + 1), generator=g).to(DTYPES[i % 3]) for i in range(6)}
     patches = []
     for i, (n, t) in enumerate(tensors.items()):
@@ -472,9 +472,9 @@ def test_buckets_roundtrip_split_and_checksum(max_bytes):
             patches.append(Patch(n, tuple(t.shape), t.dtype, k, t[k.long()]))
     patches.append(Patch("empty", (5,), torch.bfloat16, torch.zeros(0, dtype=torch.int32),
                          torch.zeros(0, dtype=torch.bfloat16)))
-    buckets = list(BucketPacker(3, "delta", max_bytes).pack(patches))
+    buckets = list(BucketPacker(3, "delta", bucket_bytes).pack(patches))
     assert buckets[-1].header["last"] and not any(b.header["last"] for b in buckets[:-1])
-    assert all(b.payload_bytes <= max(max_bytes, 6) for b in buckets)
+    assert all(b.payload_bytes <= max(bucket_bytes, 6) for b in buckets)
     asm = TensorAssembler()
     for b in buckets:
         asm.add(b)
