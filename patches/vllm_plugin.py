@@ -191,7 +191,7 @@ def _refuse_vllm_lifecycle(worker, name: str) -> None:
     from delta_sync.auth import AuthError
 
     receiver = _receiver(worker)
-    kept = receiver._kept() if receiver is not None else "engine weights as they are"
+    kept = receiver.kept() if receiver is not None else "engine weights as they are"
     raise AuthError(f"{name}: unsigned weight-transfer call refused (delta-sync engines change weights only "
                     "through the signed delta_sync_call)",
                     kept=kept + "; the trainer's channel and staged update are unchanged")
@@ -260,9 +260,9 @@ def _dispatch(self, verifier, method: str, payload: dict):
     handler = _HANDLERS.get(method)
     if handler is None and method != "release":
         raise ValueError(f"unknown delta_sync_call method {method!r}")
-    if method not in _READ_ONLY and not receiver.claim(method, verifier.session):
+    if method not in _READ_ONLY and not receiver.guard.claim(method, verifier.session):
         return {"released": True}
-    with receiver.authorized(version=payload.get("version") if method == "finish" else None), _config(self), \
+    with receiver.guard.authorized(version=payload.get("version") if method == "finish" else None), _config(self), \
             gc_held():  # the CPU worker's heap is not frozen: no full GC pass lands in a call
         return handler(self, receiver, payload)
 
@@ -396,14 +396,7 @@ def _lease_methods(cls) -> None:
         lease = _lease_s(self)
         if _delta_sync_engine(self) and not args and not _has_requests(self) \
                 and vllm_compat.can_pause_scheduler_directly(self):
-            # Nothing in flight: vLLM's pause minus its closing 20 ms sleep, which only lets the
-            # outputs of in-flight requests reach their callers first (vLLM: "not required for
-            # correctness"). On a delta that sleep was a third of the engine's pause window.
-            mode, clear = kwargs.get("mode", "abort"), kwargs.get("clear_cache", True)
-            if clear:
-                await self.renderer.clear_mm_cache_async()
-            await self.engine_core.pause_scheduler_async(mode=mode, clear_cache=clear)
-            out = None
+            out = await _pause_idle(self, kwargs)
         else:
             out = await pause(self, *args, **kwargs)
         if lease > 0:
@@ -444,6 +437,16 @@ def _lease_methods(cls) -> None:
     cls.pause_generation = pause_generation
     cls.resume_generation = resume_generation
     cls.collective_rpc = collective_rpc
+
+
+async def _pause_idle(llm, kwargs: dict) -> None:
+    """Nothing in flight: vLLM's pause minus its closing 20 ms sleep, which only lets the outputs
+    of in-flight requests reach their callers first (vLLM: "not required for correctness"). On a
+    delta that sleep was a third of the engine's pause window."""
+    mode, clear = kwargs.get("mode", "abort"), kwargs.get("clear_cache", True)
+    if clear:
+        await llm.renderer.clear_mm_cache_async()
+    await llm.engine_core.pause_scheduler_async(mode=mode, clear_cache=clear)
 
 
 def _commit_mode(args: tuple, kwargs: dict) -> str | None:

@@ -93,7 +93,7 @@ def test_seed_and_deltas_equal_fresh_engine(engine, tmp_path):
 
 def _raw_update(sync: WeightSync, llm, patches, version, corrupt_checksum=False):
     """Send patches that skipped the trainer-side validation, as a buggy or hostile sender would."""
-    sync._connect()
+    sync._engines.connect()
     eng = sync.engines[0]
     eng.start()
     err = {}
@@ -241,7 +241,7 @@ def test_apply_failure_midway_restores_previous_version(engine, monkeypatch):
     worker = _worker_engine(llm)
     assert "apply_s" in worker.last_timings and worker.last_timings["undo_bytes"] > 0
     before = greedy(llm, PROMPTS)
-    import patches.vllm_receiver as receiver
+    import patches.delta_apply as delta_apply
     from delta_sync import native
 
     calls = {"n": 0}
@@ -257,12 +257,12 @@ def test_apply_failure_midway_restores_previous_version(engine, monkeypatch):
     assert greedy(llm, PROMPTS) == before
     monkeypatch.undo()
 
-    real = receiver.apply_sparse_many
+    real = delta_apply.apply_sparse_many
 
     def write_then_fail(views, params, patches, undo):  # every sparse write done for real, then a failure
         assert real(views, params, patches, undo) > 0 and undo.entries
         raise RuntimeError("injected failure after the writes")
-    monkeypatch.setattr(receiver, "apply_sparse_many", write_then_fail)
+    monkeypatch.setattr(delta_apply, "apply_sparse_many", write_then_fail)
     with pytest.raises(EngineError, match="injected failure after the writes.*undo log restored"):
         sync.update(state.items())
     assert sync.version == 1 and not sync.needs_seed and worker.version == 1
@@ -298,7 +298,7 @@ def test_a_delta_is_applied_into_the_parameters_as_they_are_at_finish(engine, mo
 
 
 def test_seed_failure_leaves_needs_seed_and_next_update_reseeds(engine, monkeypatch):
-    import patches.vllm_receiver as receiver
+    import patches.bulk_apply as bulk_apply
 
     kind, path, llm = engine
     state, sync = _seeded(llm, path)
@@ -314,7 +314,7 @@ def test_seed_failure_leaves_needs_seed_and_next_update_reseeds(engine, monkeypa
             return real(*args, **kwargs)
         return wrapped
     for fn in ("apply_dense_range", "apply_dense_range_scanned"):  # checked after / before the write
-        monkeypatch.setattr(receiver, fn, failing(getattr(receiver, fn)))
+        monkeypatch.setattr(bulk_apply, fn, failing(getattr(bulk_apply, fn)))
     with pytest.raises(EngineError, match="injected seed failure.*needs_seed"):
         fresh.update(state.items())
     assert fresh.needs_seed and _worker_engine(llm).needs_seed
@@ -335,7 +335,7 @@ def test_a_seed_damaged_in_flight_is_caught_where_it_is_applied(engine, damage):
     state, sync = _seeded(llm, path)
     sync.close()
     fresh = WeightSync([llm], mode="delta", bucket_bytes=256 << 10)  # several buckets
-    fresh._connect()
+    fresh._engines.connect()
     plain_send = fresh.channel.send_bucket
 
     def damaging(bucket: Bucket) -> None:
@@ -540,10 +540,10 @@ def test_a_second_trainer_is_refused_while_the_first_holds_the_engine(engine):
     state, first = _seeded(llm, path)
     worker = _worker_engine(llm)
     # a monitor's report while the trainer is silent past the bound: read-only, it takes no claim
-    worker.claim_s = 0.3
+    worker.guard.claim_s = 0.3
     time.sleep(0.4)
     assert InProcessEngine(llm, name="monitor").report()[0]["version"] == first.version
-    worker.claim_s = 30.0  # the suite runs with claims off (conftest); production default 60 s
+    worker.guard.claim_s = 30.0  # the suite runs with claims off (conftest); production default 60 s
     evolve(state, 1)
     assert first.update(state.items()).kind == "delta"  # still the trainer's engine
     second = WeightSync([llm], mode="delta")
@@ -561,12 +561,12 @@ def test_a_second_trainer_is_refused_while_the_first_holds_the_engine(engine):
         third = WeightSync([llm], mode="delta")
         with pytest.raises(EngineError, match="another trainer syncs this engine"):
             third.update(state.items())
-        worker.claim_s = 0.5  # the second trainer goes silent past the bound: its claim lapses
+        worker.guard.claim_s = 0.5  # the second trainer goes silent past the bound: its claim lapses
         time.sleep(0.6)
         assert third.update(state.items()).kind == "seed"
         third.close()
     finally:
-        worker.claim_s = 0.0
+        worker.guard.claim_s = 0.0
         second.close()
 
 
@@ -852,3 +852,25 @@ def test_a_vllm_weight_transfer_engine_beside_delta_sync_is_refused_at_init():
                                              "writers.*without --weight-transfer-config"):
         w.delta_sync_call(request)
     assert "_delta_sync_receiver" not in w.__dict__
+
+
+@pytest.mark.parametrize("payload, named", [
+    ({"host": "h", "port": 70000, "world_size": 2, "channel_nonce": "n"}, "port 70000"),
+    ({"host": "h", "port": 1, "world_size": 2, "channel_nonce": "n", "rank_offset": 2}, "rank_offset 2"),
+    ({"host": "h", "port": "1", "world_size": 2, "channel_nonce": "n"}, "port must be an integer"),
+    ({"host": "h", "port": 1, "world_size": 2, "channel_nonce": "n", "timeout_s": 0}, "timeout_s"),
+    ({"host": "h", "port": 1, "world_size": 2}, "channel_nonce"),
+    ({"host": "h", "port": 1, "world_size": 2, "channel_nonce": "n", "bogus": 1}, "bogus"),
+])
+def test_an_init_description_checks_itself_where_it_is_built(payload, named):
+    """A signed init whose description is wrong is refused when it is parsed, naming the field,
+    before the worker closes its channel or drops its staged update."""
+    from delta_sync.errors import DeltaSyncError
+    from patches.vllm_receiver import DeltaSyncInitInfo, DeltaSyncUpdateInfo, _parse
+
+    with pytest.raises(DeltaSyncError, match=named) as e:
+        _parse(DeltaSyncInitInfo, payload, "init", "engine weights at version v3")
+    assert "kept: engine weights at version v3" in str(e.value)
+    assert _parse(DeltaSyncInitInfo, {"host": "h", "port": 0, "world_size": 2, "channel_nonce": "n"}, "init", "")
+    with pytest.raises(DeltaSyncError, match="version must be a non-negative integer"):
+        _parse(DeltaSyncUpdateInfo, {"version": True}, "update", "")

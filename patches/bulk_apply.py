@@ -1,0 +1,221 @@
+"""A seed or full update on one worker, written through the loader views as its buckets arrive.
+
+No undo copy: from the first write on, the worker reports ``needs_seed`` (and ``partial``) until
+the version completes. Each range's digest and finiteness are checked in the pass that writes it
+where the view allows (a worker holding whole tensors), else before writing; ranges received
+straight into the parameters (:meth:`BulkWrite.place`) are digested after the fact. A mismatch
+fails the update, which leaves the worker needing a seed.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+import torch
+
+from delta_sync.bucket import check_dense_entry
+from delta_sync.digest import scan_many, scan_range
+from delta_sync.errors import DeltaSyncError, PatchValidationError
+from delta_sync.patch import DTYPES, Patch
+
+from .loader_views import apply_dense_range, apply_dense_range_scanned, dense_range_target
+
+
+class WorkerWeights(Protocol):
+    """What the writers need of a worker's receiver (:class:`~patches.vllm_receiver.DeltaSyncReceiver`):
+    its model, loader views and seeded shapes, and the state a write changes."""
+
+    model: torch.nn.Module
+    views: dict  # checkpoint name -> LoaderView
+    fallback: dict[str, str]  # names without a view -> why
+    fallback_values: dict[str, torch.Tensor]  # their whole values, as handed to vLLM's loader
+    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    channel: object
+    version: int | None
+    needs_seed: bool
+    partial: bool
+    last_error: str | None
+
+    def probe(self, names_shapes: list[tuple[str, tuple[int, ...], torch.dtype]]) -> None: ...
+
+    def whole(self) -> bool: ...
+
+    def kept(self) -> str: ...
+
+    def loader_layout(self): ...
+
+#: what a worker keeps when a bulk update fails after its first write
+PARTIAL = "engine paused with partially written weights; needs_seed: the next update must be a full seed"
+
+
+def covered(views) -> dict[str, int]:
+    """Per parameter, how many of its elements the segments of ``views`` write."""
+    out: dict[str, int] = {}
+    for view in views:
+        for seg in view.segments:
+            out[seg.param] = out.get(seg.param, 0) + seg.numel
+    return out
+
+
+class BulkWrite:
+    """What one seed/full update has written so far on this worker, and the writes themselves."""
+
+    def __init__(self, receiver: WorkerWeights):
+        self.r = receiver
+        self.writing = False
+        self.done: dict[str, int] = {}  # name -> elements written, ranges arrive in order
+        self.numel: dict[str, int] = {}
+        self.pending: dict[str, list[torch.Tensor]] = {}  # fallback names: ranges until complete
+        self.apply_s = 0.0
+        self.placed = 0  # ranges received straight into the parameters
+        self._params = None
+
+    def params(self) -> dict[str, torch.Tensor]:
+        if self._params is None:
+            self._params = dict(self.r.model.named_parameters())
+        return self._params
+
+    def begin(self) -> None:
+        """The first write: the old version is being overwritten."""
+        if not self.writing:
+            self.writing = True
+            self.r.version, self.r.needs_seed = None, True
+            self.r.partial = True
+
+    def _advance(self, name: str, start: int, count: int, numel: int) -> None:
+        have = self.done.get(name, 0)
+        if start != have:
+            raise PatchValidationError(name, f"dense range starts at {start}, expected {have}", kept="needs_seed")
+        self.done[name] = have + count
+        self.numel[name] = numel
+
+    # ---- on the receive thread -------------------------------------------------------------------
+    def place(self, header: dict) -> dict[int, torch.Tensor]:
+        """Where a bulk bucket's ``seg`` entries are received (on the receive thread): the
+        parameter slice of each range that lies in one contiguous segment of its loader view, in
+        the range's dtype and known shape. Other entries arrive in the bucket's arena and are
+        written by :meth:`apply_bucket`, which also checks every range's digest after the fact."""
+        dense = [(i, e) for i, e in enumerate(header["entries"])
+                 if e.get("encoding") == "dense" and e.get("dtype") in DTYPES]
+        segs = [(i, e) for i, e in dense if e.get("seg")]
+        if not segs:
+            return {}
+        # the whole bucket's new names in one loader call: the applying thread then probes nothing
+        self.r.probe([(e["name"], tuple(int(d) for d in e["shape"]), DTYPES[e["dtype"]]) for _, e in dense])
+        params = self.params()
+        out = {}
+        for i, e in segs:
+            shape, dtype = tuple(int(d) for d in e["shape"]), DTYPES[e["dtype"]]
+            view = self.r.views.get(e["name"])
+            if view is None or self.r.shapes.get(e["name"], (shape, dtype)) != (shape, dtype):
+                continue  # the applying thread names what is wrong
+            dst = dense_range_target(view, params, int(e["start"]), int(e["count"]))
+            if dst is not None and dst.dtype == dtype and dst.device == self.r.channel.device:
+                out[i] = dst
+                e["_placed"] = True  # already written: the applying thread only digests it
+        if out:
+            self.begin()
+            self.placed += len(out)
+        return out
+
+    # ---- on the applying thread ------------------------------------------------------------------
+    def apply_bucket(self, entries: list[tuple[dict, Patch]]) -> None:
+        """One bucket's dense ranges, written through their loader views now (names seen for the
+        first time are probed together, one loader call)."""
+        self.begin()
+        t0 = time.perf_counter()
+        entry, p = entries[0] if entries else ({"start": 0}, None)
+        try:
+            self.r.probe([(p.name, p.shape, p.dtype) for _, p in entries])
+            placed: list[tuple[dict, Patch]] = []
+            for entry, p in entries:
+                self._write_range(entry, p, placed)
+            # ranges received in place: their digests, spread over the threads together
+            scans = scan_many([(p.values, int(entry["start"]), None) for entry, p in placed],
+                              key=placed[0][0]["_key"] if placed else None)
+            for (entry, p), scanned in zip(placed, scans):
+                check_dense_entry(entry, *scanned, p.values, "needs_seed")
+        except DeltaSyncError:
+            raise
+        except Exception as e:
+            what = f"{p.name!r} [{entry['start']}, +{p.count})" if p is not None else "a bucket"
+            raise DeltaSyncError(f"apply of {what} failed: {type(e).__name__}: {e}", kept=PARTIAL) from e
+        finally:
+            self.apply_s += time.perf_counter() - t0
+
+    def _check_target(self, p: Patch, view) -> None:
+        known = self.r.shapes.get(p.name)
+        if known is not None and known != (p.shape, p.dtype):
+            raise PatchValidationError(p.name, f"shape/dtype {p.shape}/{p.dtype} differ from the seeded "
+                                       f"{known[0]}/{known[1]}", kept="needs_seed")
+        params = self.params()
+        wrong = next((params[seg.param].dtype for seg in view.segments if params[seg.param].dtype != p.dtype),
+                     None) if view is not None else None
+        if wrong is not None:  # copy_ would convert silently, and every later digest would disagree
+            raise PatchValidationError(p.name, f"arrives as {p.dtype} but the engine holds it as {wrong}; "
+                                       f"convert on the trainer (WeightSync(dtype={wrong}))", kept="needs_seed")
+
+    def _write_range(self, entry: dict, p: Patch, placed: list[tuple[dict, Patch]]) -> None:
+        """Check one range and write it through its view (digested in that pass or before it); a
+        range received in place joins ``placed``, whose digests the caller checks together."""
+        view = self.r.views.get(p.name)  # probed for the whole bucket by apply_bucket
+        self._check_target(p, view)
+        start = int(entry["start"])
+        self._advance(p.name, start, p.count, p.numel)
+        self.r.shapes[p.name] = (p.shape, p.dtype)
+        if entry.get("_placed"):
+            placed.append((entry, p))
+            return
+        params = self.params()
+        with torch.no_grad():
+            scanned = apply_dense_range_scanned(view, params, p.values, start, entry["_key"]) \
+                if view is not None and self.r.whole() else None
+            if scanned is not None:  # written and digested in one pass: compare after the write
+                check_dense_entry(entry, *scanned, p.values, "needs_seed")
+                return
+            check_dense_entry(entry, *scan_range(p.values, start, key=entry["_key"]), p.values, "needs_seed")
+            if view is not None:
+                apply_dense_range(view, params, p.values, start)
+            else:  # vLLM's loader needs the whole tensor: hold its ranges until the last one
+                parts = self.pending.setdefault(p.name, [])
+                parts.append(p.values.clone())
+                if self.done[p.name] == p.numel:
+                    full = torch.cat(self.pending.pop(p.name)).reshape(p.shape)
+                    with self.r.loader_layout():
+                        self.r.model.load_weights([(p.name, full)])
+                    self.r.fallback_values[p.name] = full
+
+    # ---- once every bucket arrived ---------------------------------------------------------------
+    def check_complete(self, upd, kept: str) -> None:
+        """Every range of every tensor it started, every tensor seeded before, every parameter."""
+        short = [n for n, k in self.done.items() if k != self.numel[n]]
+        if short:
+            raise PatchValidationError(short[0], f"{upd.kind} v{upd.version} ended with {self.done[short[0]]} of "
+                                       f"{self.numel[short[0]]} elements written", kept=kept)
+        missing = sorted(set(self.r.shapes) - set(self.done))
+        if missing:
+            raise PatchValidationError(missing[0], f"{upd.kind} v{upd.version} left out {len(missing)} seeded "
+                                       f"tensor(s); they would keep stale values", kept=kept)
+        self._check_every_parameter_written(upd)
+
+    def _check_every_parameter_written(self, upd) -> None:
+        """A seed/full update must write every element of every parameter this worker holds (through
+        the loader views of the names it sent); an element it left out would keep the value this
+        engine loaded at start, and every digest of the names sent would still agree. Names that went
+        through vLLM's own loader write where that decides: with one of those in the update, the
+        parameters are not counted against it."""
+        if any(name in self.r.fallback for name in self.done):
+            return
+        written = covered(self.r.views[name] for name in self.done)
+        short = [(pname, written.get(pname, 0), p.numel()) for pname, p in self.params().items()
+                 if p.numel() and written.get(pname, 0) < p.numel()]
+        if short:
+            pname, got, want = short[0]
+            others = ", ".join(n for n, _, _ in short[1:4]) + (", ..." if len(short) > 4 else "")
+            raise PatchValidationError(
+                pname, f"{upd.kind} v{upd.version} wrote {got} of this parameter's {want} elements"
+                f"{f' ({len(short) - 1} more parameter(s) short: {others})' if len(short) > 1 else ''}: the rest "
+                "would keep the values the engine loaded at start. A seed must carry every tensor the model "
+                "loads", kept="engine paused with partially written weights; needs_seed: the next update must be a "
+                "full seed")
