@@ -41,7 +41,7 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from launchers.checkpoints import qwen3_moe_shapes, qwen3_shapes
+from delta_sync.checkpoints import qwen3_moe_shapes, qwen3_shapes
 
 
 def _randn(n: int, g: torch.Generator, device) -> torch.Tensor:

@@ -38,7 +38,7 @@ from update_weight import add_update_weight_args
 from update_weight.args import resolve_update_weight_args
 
 from . import equivalence
-from .checkpoints import build, save_like
+from delta_sync.checkpoints import build, save_like
 from .ranks import RanksFailed, run_ranks
 
 PROMPTS = ["one two three", "the quick brown fox", "alpha beta gamma", "def add(a, b):"]

@@ -108,7 +108,7 @@ def main(archive: str, member: str, plugin_first: bool, kind: str = "dense") -> 
     from delta_sync.auth import AuthError
     from delta_sync.engines import InProcessEngine
     from delta_sync.sync import WeightSync
-    from launchers.checkpoints import build
+    from delta_sync.checkpoints import build
     from patches.vllm_plugin import _GATED, register
 
     from .engine_helpers import close_llm, evolve, load_state

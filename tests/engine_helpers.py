@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from delta_sync.channel import free_port
-from launchers.checkpoints import save_like as export  # noqa: F401 (re-exported for the tests)
+from delta_sync.checkpoints import save_like as export  # noqa: F401 (re-exported for the tests)
 from launchers.equivalence import greedy as complete  # noqa: F401 (re-exported for the tests)
 from launchers.equivalence import start_engine, stop_engine as stop_server, tokenize, wait_ready  # noqa: F401
 
@@ -121,7 +121,7 @@ class Server:
     same port: ``start(model)`` after a kill is the same engine address with fresh weights."""
 
     def __init__(self, kind: str, log: str, lease_s: float | None = None):
-        from launchers.checkpoints import build
+        from delta_sync.checkpoints import build
 
         (ROOT / ".cache").mkdir(exist_ok=True)
         self.path, self.log, self.port, self.lease_s = build(kind), ROOT / ".cache" / log, free_port(), lease_s

@@ -71,7 +71,7 @@ def test_e2e_bench_counts_busy_cores():
     host-wide, any other process may fill it.)"""
     import time
 
-    from launchers.bench_e2e import cpu_share, cpu_times
+    from benchmarks.e2e import cpu_share, cpu_times
 
     cores = os.cpu_count() or 1
     c0, t0 = cpu_times(), time.perf_counter()

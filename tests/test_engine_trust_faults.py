@@ -21,7 +21,7 @@ from delta_sync.channel import Channel, free_port
 from delta_sync.engines import HttpEngine
 from delta_sync.errors import EngineError
 from delta_sync.sync import WeightSync
-from launchers.bench_e2e import tree_rss
+from benchmarks.e2e import tree_rss
 from launchers import equivalence
 from launchers.equivalence import kill_engine
 

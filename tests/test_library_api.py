@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from delta_sync import WeightSync
-from launchers.checkpoints import build
+from delta_sync.checkpoints import build
 
 from .engine_helpers import PROMPTS, ROOT, close_llm, engine_differs_from, fresh_engine, load_state, max_logprob_error
 from launchers.ranks import run_ranks

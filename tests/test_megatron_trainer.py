@@ -7,7 +7,7 @@ import contextlib
 import pytest
 import torch
 
-from launchers.checkpoints import build
+from delta_sync.checkpoints import build
 
 from launchers.ranks import run_ranks
 

@@ -50,7 +50,7 @@ def llm():
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM
 
-    from launchers.checkpoints import build
+    from delta_sync.checkpoints import build
 
     from .engine_runner import engine_kwargs
 
@@ -62,7 +62,7 @@ def llm():
 @pytest.mark.parametrize("mode,transport,cls", [("full", "gloo", UpdateWeightFromHCCL),
                                                 ("delta", "sparse_gloo", UpdateWeightFromSparseHCCL)])
 def test_updaters_keep_the_engine_exact(llm, mode, transport, cls):
-    from launchers.checkpoints import build
+    from delta_sync.checkpoints import build
 
     path = build("dense")
     updater = build_updater(_args("--update-weight-mode", mode, "--update-weight-transport", transport,

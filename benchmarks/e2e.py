@@ -426,7 +426,7 @@ def _vllm_load(path, reps, kv_bytes, max_len):
 
 
 def _apply_bench(cache, layers, model_dir):
-    from launchers import bench_apply
+    from benchmarks import apply as bench_apply
 
     if model_dir is not None:  # bench apply builds its own checkpoint: point it at --model instead
         bench_apply._checkpoint = lambda root, n: Path(model_dir)
@@ -709,7 +709,7 @@ def _megatron_rank(rank, world, port, path, ep, steps, lr, seq, bucket, timeout_
 
 
 def _megatron(kind, ranks, ep, steps, lr, seq, reps, timeout):
-    from launchers.checkpoints import build
+    from delta_sync.checkpoints import build
     from launchers.ranks import run_ranks
 
     path = build(kind)
@@ -1032,7 +1032,7 @@ def main(argv: list[str]) -> dict:
     ap.add_argument("--layers", type=int, default=28, help="layers of the random Qwen3-0.6B-shaped checkpoint")
     ap.add_argument("--model", default=None, help="an existing HF checkpoint directory (*.safetensors) instead")
     ap.add_argument("--model-kind", default=None,
-                    help="a checkpoint of launchers.checkpoints built here instead, e.g. moe-30b-skeleton "
+                    help="a checkpoint of delta_sync.checkpoints built here instead, e.g. moe-30b-skeleton "
                          "(Qwen3-30B-A3B's 18,867 tensor names and layout at tiny dimensions; -L<n>: n layers)")
     ap.add_argument("--bucket-bytes", type=int, default=None, help="default: model bytes / 8, at most 512 MiB")
     ap.add_argument("--densities", default=DENSITIES)
@@ -1047,7 +1047,7 @@ def main(argv: list[str]) -> dict:
     ap.add_argument("--diff-gib", type=float, default=0.5)
     ap.add_argument("--megatron", action=argparse.BooleanOptionalAction, default=True,
                     help="Megatron fast-path section (slow)")
-    ap.add_argument("--megatron-model", default="moe-e2e", help="a MoE kind of launchers.checkpoints")
+    ap.add_argument("--megatron-model", default="moe-e2e", help="a MoE kind of delta_sync.checkpoints")
     ap.add_argument("--megatron-ranks", type=int, default=2)
     ap.add_argument("--megatron-ep", type=int, default=2)
     ap.add_argument("--megatron-steps", type=int, default=2)
@@ -1064,10 +1064,10 @@ def main(argv: list[str]) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    from launchers.bench_apply import _checkpoint
+    from benchmarks.apply import _checkpoint
 
     if args.model_kind:
-        from launchers.checkpoints import build
+        from delta_sync.checkpoints import build
 
         args.model = str(build(args.model_kind))
     path = Path(args.model) if args.model else _checkpoint(Path(args.cache), args.layers)

@@ -1,4 +1,9 @@
-"""Tiny Qwen3 / Qwen3-MoE checkpoints built locally (no hub), cached under ``.cache/``.
+"""Tiny Qwen3 / Qwen3-MoE checkpoints built locally (no hub): for examples, tests and benchmarks.
+
+``build(kind)`` returns the directory of a random checkpoint of that kind (built once, then cached
+under ``$DELTA_SYNC_CHECKPOINTS``, default ``.cache/checkpoints`` of the source tree or
+``~/.cache/delta_sync/checkpoints`` of an installed package); ``save_like`` writes a state dict as
+a checkpoint beside another's config and tokenizer. Needs ``transformers`` (imported on use).
 
 Shapes are the smallest that still exercise every loader path vLLM has for the real models:
 2 layers, GQA (4 query heads, 2 kv heads), head_dim 32 (vLLM's CPU attention rejects 16), tied
@@ -21,7 +26,16 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1] / ".cache" / "checkpoints"
+def _root() -> Path:
+    if os.environ.get("DELTA_SYNC_CHECKPOINTS"):
+        return Path(os.environ["DELTA_SYNC_CHECKPOINTS"])
+    tree = Path(__file__).resolve().parents[1]
+    if (tree / "pyproject.toml").is_file():  # a source checkout
+        return tree / ".cache" / "checkpoints"
+    return Path(os.path.expanduser("~/.cache")) / "delta_sync" / "checkpoints"
+
+
+ROOT = _root()
 CORPUS = (
     "the quick brown fox jumps over the lazy dog. weights change a little every step of "
     "reinforcement learning, and the engine must serve exactly the trained weights. "

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoints import qwen3_shapes
+from delta_sync.checkpoints import qwen3_shapes
 
 QWEN3_0_6B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                   num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=4096,
@@ -40,7 +40,7 @@ def _checkpoint(root: Path, layers: int) -> Path:
     (path / "config.json").write_text(json.dumps(cfg))
     import shutil
 
-    from .checkpoints import build  # the tiny tokenizer is enough: the bench never decodes text
+    from delta_sync.checkpoints import build  # the tiny tokenizer is enough: the bench never decodes text
 
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(build("dense") / f, path / f)

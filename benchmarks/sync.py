@@ -22,7 +22,7 @@ import statistics
 
 import torch
 
-from launchers.checkpoints import build
+from delta_sync.checkpoints import build
 
 WAYS = ("full", "delta_reference", "delta_fast")
 

@@ -1,6 +1,6 @@
 """``python -m delta_sync.bench skeleton``: how a sync's cost grows with the tensor count.
 
-Qwen3-30B-A3B's names and layout at tiny dimensions (:func:`launchers.checkpoints.skeleton_shapes`:
+Qwen3-30B-A3B's names and layout at tiny dimensions (:func:`delta_sync.checkpoints.skeleton_shapes`:
 393 tensors per layer, 128 experts x 3) at ``--layers`` (default 6, 12, 24, 48: 2.4k to 18.9k
 tensors), each through the library's pipeline on this host (:func:`launchers.device_check.
 bench_pipeline`: the snapshot's diff, pack, an in-process channel, receive, assemble, apply). Per
@@ -47,7 +47,7 @@ def main(argv: list[str]) -> dict:
         os.environ["DELTA_SYNC_NATIVE_DIFF"] = "0"  # before the first kernel() call of this process
     import torch
 
-    from launchers.checkpoints import skeleton_shapes
+    from delta_sync.checkpoints import skeleton_shapes
     from launchers.device_check import bench_pipeline
 
     device = torch.device(args.device)
