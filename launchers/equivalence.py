@@ -29,7 +29,7 @@ from pathlib import Path
 from delta_sync import accelerator
 from delta_sync.auth import ensure_secret
 from delta_sync.channel import free_port
-from patches.vllm_plugin import SPIN_ENV
+from patches.engine_options import SPIN_ENV
 
 DEFAULT_PROMPTS = ["the quick brown fox", "one two three four", "def add(a, b):",
                    "weights change a little every step of reinforcement learning"]

@@ -9,17 +9,15 @@ reach them change nothing. One trainer session holds the engine at a time (:meth
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from typing import Callable
 
 from delta_sync.auth import AuthError, Verifier, load_secret
 from delta_sync.errors import EngineClaimed
 
-#: seconds of silence after which a trainer's claim on this engine lapses (a crashed trainer's
-#: successor waits at most this long); 0 turns claims off
-CLAIM_ENV = "DELTA_SYNC_CLAIM_S"
-DEFAULT_CLAIM_S = 60.0
+from .engine_options import CLAIM_ENV, DEFAULT_CLAIM_S, EngineOptions
+
+__all__ = ["CLAIM_ENV", "DEFAULT_CLAIM_S", "ReceiverGuard"]
 
 
 class ReceiverGuard:
@@ -33,7 +31,8 @@ class ReceiverGuard:
         #: the trainer session that syncs this engine and when it last called; another session is
         #: refused until this one releases it or stays silent for claim_s (0: no claims)
         self.claimed: tuple[str, float] | None = None
-        self.claim_s = float(os.environ.get(CLAIM_ENV, DEFAULT_CLAIM_S))
+        #: (a crashed trainer's successor waits at most this long)
+        self.claim_s = EngineOptions.from_env().claim_s
         self._authorized = False
         #: the version a signed ``finish`` names (checked against the staged update), inside its scope
         self.call_version: int | None = None

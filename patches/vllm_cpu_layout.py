@@ -13,18 +13,18 @@ MoE experts live differs by vLLM generation; :mod:`patches.vllm_compat` says whi
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
 
 from . import enabled, vllm_compat
+from .engine_options import EngineOptions
 
 _installed = False
 
 
 def active() -> bool:
-    if os.environ.get("DELTA_SYNC_CPU_CHECKPOINT_LAYOUT") == "1":
+    if EngineOptions.from_env().cpu_layout:
         return True
     try:
         from vllm.config import get_current_vllm_config

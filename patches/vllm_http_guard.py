@@ -30,11 +30,11 @@ ASGI app class does not. Whether delta-sync is on is read from the app's engine 
 from __future__ import annotations
 
 import json
-import os
 
 from delta_sync.auth import ROUTE_HEADER, AuthError, Verifier, load_secret, route_call
 
 from . import enabled
+from .engine_options import RPC_ALLOW_ENV, EngineOptions
 
 #: routes that pause, resume, sleep or free the engine's memory: accepted with the trainer's signature
 SIGNED_ROUTES = ("/pause", "/resume", "/sleep", "/wake_up", "/release_kv_cache_memory")
@@ -45,15 +45,14 @@ REFUSED_ROUTES = ("/init_weight_transfer_engine", "/start_weight_update", "/upda
                   "/update_weight_version", "/scale_elastic_ep", "/weight_checker")
 #: worker methods any caller may reach through /collective_rpc (the first checks its own signature)
 OPEN_RPC = ("delta_sync_call", "delta_sync_status")
-#: comma-separated further worker methods an operator allows through /collective_rpc
-RPC_ALLOW_ENV = "DELTA_SYNC_RPC_ALLOW"
 #: the largest /collective_rpc body read here (envelopes are small: a few KiB)
 MAX_RPC_BODY = 16 << 20
 
 
 def allowed_rpc() -> frozenset[str]:
-    extra = os.environ.get(RPC_ALLOW_ENV, "")
-    return frozenset(OPEN_RPC) | {m.strip() for m in extra.split(",") if m.strip()}
+    """The worker methods /collective_rpc admits: delta-sync's own and those the operator allows by
+    name (``DELTA_SYNC_RPC_ALLOW``)."""
+    return frozenset(OPEN_RPC) | EngineOptions.from_env().rpc_allow
 
 
 class Refusal(Exception):

@@ -29,19 +29,15 @@ import contextlib
 import functools
 import json
 import logging
-import os
 import time
 
 from delta_sync.auth import ROUTE_PREFIX
 
 from . import ENABLE_ENV, enabled, vllm_compat
+from .engine_options import EngineOptions
 
 log = logging.getLogger(__name__)
 
-#: seconds a paused delta-sync engine waits for the trainer's next weight-transfer call before it
-#: resumes by itself (0 disables); a trainer that died after pausing cannot resume it
-LEASE_ENV = "DELTA_SYNC_PAUSE_LEASE_S"
-DEFAULT_LEASE_S = 60.0
 
 #: the lifecycle methods of vLLM's worker that a delta-sync engine serves only inside delta_sync_call
 _GATED = ("init_weight_transfer_engine", "start_weight_update", "update_weights", "finish_weight_update",
@@ -49,6 +45,7 @@ _GATED = ("init_weight_transfer_engine", "start_weight_update", "update_weights"
 
 
 def register() -> None:
+    options = EngineOptions.from_env()  # a bad setting stops the engine here, naming its variable
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
@@ -60,15 +57,13 @@ def register() -> None:
     from . import vllm_http_guard
 
     vllm_http_guard.install()
-    spin = os.environ.get(SPIN_ENV)
-    if spin:
-        _cap_shm_spin(float(spin))
+    if options.spin_s:
+        _cap_shm_spin(options.spin_s)
 
 
-#: seconds vLLM's shared-memory queue readers keep spinning after a read (vLLM: 1 s); set by
-#: ``launchers.equivalence.start_engine`` for CPU engines, which share the host's cores with the trainer
-SPIN_ENV = "DELTA_SYNC_VLLM_SPIN_S"
-#: within that window, seconds between a capped reader's checks of its queue (it sleeps, not spins)
+#: seconds between a capped reader's checks of its queue (it sleeps, not spins) within the
+#: ``DELTA_SYNC_VLLM_SPIN_S`` window (``launchers.equivalence.start_engine`` sets it for CPU
+#: engines, which share the host's cores with the trainer)
 SPIN_POLL_S = 0.0002
 
 
@@ -78,8 +73,7 @@ def _cap_shm_spin(seconds: float) -> None:
     sleeps on its notify socket. On a host where the engine and the trainer share a few cores,
     every sync call then costs the trainer about a core for a second. Capped here to ``seconds``,
     and within them the reader checks the queue every :data:`SPIN_POLL_S` instead of spinning: a
-    0.2% delta's diff runs while the workers wait between calls, and lost ~0.03 s to their spin
-    (docs/usage.md). Later than ``seconds`` after the previous read, a read waits on vLLM's socket."""
+    delta's diff runs while the workers wait between calls (docs/usage.md). Later than ``seconds`` after the previous read, a read waits on vLLM's socket."""
     from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 
     if getattr(SpinCondition, "_delta_sync_spin", None) == seconds:
@@ -477,10 +471,7 @@ def _delta_sync_engine(llm) -> bool:
 def _lease_s(llm) -> float:
     if not _delta_sync_engine(llm):
         return 0.0
-    try:
-        return float(os.environ.get(LEASE_ENV, DEFAULT_LEASE_S))
-    except ValueError:
-        return DEFAULT_LEASE_S
+    return EngineOptions.from_env().lease_s  # checked when the plugin loaded
 
 
 def _has_requests(llm) -> bool:

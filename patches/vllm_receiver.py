@@ -54,12 +54,9 @@ from delta_sync.transfer import BULK_KINDS, ReceivedUpdate, receive_update
 from .bulk_apply import BulkWrite, covered
 from .delta_apply import apply_delta
 from .loader_views import LoaderView, digest_view, probe_views
-from .receiver_guard import CLAIM_ENV, DEFAULT_CLAIM_S, ReceiverGuard
+from .receiver_guard import ReceiverGuard
 
 log = logging.getLogger(__name__)
-
-__all__ = ["CLAIM_ENV", "DEFAULT_CLAIM_S", "DeltaSyncReceiver", "check_layout_supported"]
-
 
 @dataclass
 class DeltaSyncInitInfo:

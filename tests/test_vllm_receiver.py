@@ -21,7 +21,7 @@ from delta_sync.patch import Patch  # noqa: E402
 from delta_sync.sync import DriftDetected, WeightSync  # noqa: E402
 from delta_sync.transfer import send_update  # noqa: E402
 
-from launchers.checkpoints import build  # noqa: E402
+from delta_sync.checkpoints import build  # noqa: E402
 from .engine_helpers import (PROMPTS, close_llm, evolve, export, fresh_engine, load_state,  # noqa: E402
                              max_logprob_error)
 from .engine_runner import engine_kwargs, greedy  # noqa: E402
@@ -580,7 +580,8 @@ def test_shm_readers_poll_for_at_most_the_capped_time_instead_of_spinning(monkey
     from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 
     from launchers import equivalence
-    from patches.vllm_plugin import SPIN_ENV, _cap_shm_spin
+    from patches.engine_options import SPIN_ENV
+    from patches.vllm_plugin import _cap_shm_spin
 
     ctx = zmq.Context()
     writer = SpinCondition(is_reader=False, context=ctx, notify_address="inproc://delta-sync-spin")
@@ -874,3 +875,19 @@ def test_an_init_description_checks_itself_where_it_is_built(payload, named):
     assert _parse(DeltaSyncInitInfo, {"host": "h", "port": 0, "world_size": 2, "channel_nonce": "n"}, "init", "")
     with pytest.raises(DeltaSyncError, match="version must be a non-negative integer"):
         _parse(DeltaSyncUpdateInfo, {"version": True}, "update", "")
+
+
+def test_engine_settings_are_read_in_one_place_and_a_bad_one_is_named():
+    """Every engine setting comes from EngineOptions; the plugin reads them when vLLM loads it, so
+    a bad value stops the engine at start naming its variable (it used to fall back silently, or
+    fail at the trainer's first call)."""
+    from patches.engine_options import EngineOptions
+
+    o = EngineOptions.from_env({"DELTA_SYNC_ENGINE": "yes", "DELTA_SYNC_CLAIM_S": "5",
+                                "DELTA_SYNC_RPC_ALLOW": "sleep, wake_up"})
+    assert (o.enable, o.claim_s, o.lease_s, o.rpc_allow, o.spin_s) == (True, 5.0, 60.0, {"sleep", "wake_up"}, None)
+    for env, named in [({"DELTA_SYNC_PAUSE_LEASE_S": "soon"}, "DELTA_SYNC_PAUSE_LEASE_S='soon' is not a number"),
+                       ({"DELTA_SYNC_CLAIM_S": "-1"}, "DELTA_SYNC_CLAIM_S='-1' must be >= 0"),
+                       ({"DELTA_SYNC_RPC_ALLOW": "sleep;rm"}, "DELTA_SYNC_RPC_ALLOW names 'sleep;rm'")]:
+        with pytest.raises(ValueError, match=named):
+            EngineOptions.from_env(env)

@@ -1,0 +1,72 @@
+"""Every setting of a delta-sync engine, read from its environment in one place and checked there.
+
+An engine is configured where vLLM is: ``--additional-config '{"delta_sync": true}'`` turns it on
+(:func:`patches.enabled`), and these variables of the engine's environment tune it. The plugin
+reads them when vLLM loads it, so a bad value stops the engine at start with the variable named,
+not at the trainer's first call.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+#: environment variable that turns delta-sync on for every vLLM engine started with it (``1``)
+ENABLE_ENV = "DELTA_SYNC_ENGINE"
+#: seconds of silence after which a trainer's claim on the engine lapses (0: no claims)
+CLAIM_ENV = "DELTA_SYNC_CLAIM_S"
+#: seconds a paused engine waits for the trainer's next call before it resumes by itself (0: never)
+LEASE_ENV = "DELTA_SYNC_PAUSE_LEASE_S"
+#: comma-separated further worker methods an operator allows through ``/collective_rpc``
+RPC_ALLOW_ENV = "DELTA_SYNC_RPC_ALLOW"
+#: seconds vLLM's shared-memory queue readers keep spinning after a read (vLLM: 1 s)
+SPIN_ENV = "DELTA_SYNC_VLLM_SPIN_S"
+#: ``1``: the CPU engine keeps its weights in checkpoint layout even outside a delta-sync config
+CPU_LAYOUT_ENV = "DELTA_SYNC_CPU_CHECKPOINT_LAYOUT"
+
+DEFAULT_CLAIM_S = 60.0
+DEFAULT_LEASE_S = 60.0
+_TRUE = ("1", "true", "yes", "on")
+
+
+def _seconds(env: Mapping[str, str], name: str, default: float | None) -> float | None:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number of seconds") from None
+    if not value >= 0:
+        raise ValueError(f"{name}={raw!r} must be >= 0 seconds")
+    return value
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """The engine's delta-sync settings (each field's variable is named above)."""
+
+    enable: bool = False  # DELTA_SYNC_ENGINE
+    claim_s: float = DEFAULT_CLAIM_S  # DELTA_SYNC_CLAIM_S
+    lease_s: float = DEFAULT_LEASE_S  # DELTA_SYNC_PAUSE_LEASE_S
+    rpc_allow: frozenset[str] = frozenset()  # DELTA_SYNC_RPC_ALLOW
+    spin_s: float | None = None  # DELTA_SYNC_VLLM_SPIN_S (None: vLLM's own)
+    cpu_layout: bool = False  # DELTA_SYNC_CPU_CHECKPOINT_LAYOUT
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "EngineOptions":
+        """The settings in ``env`` (default: this process's environment); a bad value raises a
+        ValueError naming its variable."""
+        env = os.environ if env is None else env
+        allow = frozenset(m.strip() for m in env.get(RPC_ALLOW_ENV, "").split(",") if m.strip())
+        bad = [m for m in allow if not m.isidentifier()]
+        if bad:
+            raise ValueError(f"{RPC_ALLOW_ENV} names {bad[0]!r}, which is no worker method name "
+                             "(a comma-separated list of method names)")
+        return cls(enable=env.get(ENABLE_ENV, "").strip().lower() in _TRUE,
+                   claim_s=_seconds(env, CLAIM_ENV, DEFAULT_CLAIM_S),
+                   lease_s=_seconds(env, LEASE_ENV, DEFAULT_LEASE_S),
+                   rpc_allow=allow,
+                   spin_s=_seconds(env, SPIN_ENV, None),
+                   cpu_layout=env.get(CPU_LAYOUT_ENV, "").strip() == "1")
