@@ -48,8 +48,8 @@ from .patch import DTYPES, Patch, dtype_name, first_true
 DEFAULT_BUCKET_BYTES = 512 << 20
 #: the smallest bucket (bytes of payload): room for an element of any dtype and its index
 MIN_BUCKET_BYTES = 64
-#: smallest dense entry that travels in a broadcast of its own instead of being packed (bytes);
-#: one broadcast costs ~0.1-0.3 ms on gloo here, a packed copy of 1 MiB ~0.1 ms
+#: smallest dense entry that travels in a broadcast of its own instead of being packed (bytes):
+#: about where a broadcast's fixed cost and the copy that packing saves break even
 DIRECT_MIN_BYTES = 1 << 20
 
 

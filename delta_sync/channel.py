@@ -51,9 +51,9 @@ MAX_HEADER_BYTES = 64 << 20
 MAX_BUFFER_ELEMENTS = (1 << 31) - 1
 _MAC_BYTES = 32
 #: a bucket opens with one broadcast of this many bytes: its sizes (3 x int64) and as much of its
-#: signed header as fits (a seed bucket of 142 MiB lists ~40 entries in ~11 KB), so a bucket costs
+#: signed header as fits (a seed bucket lists a few dozen entries in a few KB), so a bucket costs
 #: one small collective before its payload instead of three (sizes, header, indices: each a round
-#: trip that waits for the receiver, 1-10 ms here while both sides' cores are busy with the stream)
+#: trip that waits for the receiver)
 PREAMBLE_BYTES = 64 << 10
 _SIZES = struct.Struct("<3q")  # header bytes, index count, value buffers
 #: seconds a device channel's peer may stay silent before it counts as dead (see :class:`PeerWatch`)
@@ -206,7 +206,7 @@ class Channel:
         """The bulk arenas this end reuses from one update to the next, or None (a fresh set).
 
         Host memory freed by one update and allocated by the next comes back as fresh pages that
-        fault on first touch (~0.85 s per GB here, as long as the copy into them), so a host
+        fault on first touch (about as long as the copy into them), so a host
         channel keeps its two buckets' worth. Device channels do not: the device's caching
         allocator already reuses the blocks, and idle accelerator memory belongs to the engine."""
         return self._arenas if self.device.type == "cpu" else None

@@ -245,8 +245,8 @@ def _fold_rows(key: DigestKey, x: torch.Tensor, rows: torch.Tensor, owner: torch
 
 
 #: ranges of at most this many words are digested together on a device (:func:`_lane_sums_many`):
-#: 8 MB, so a MoE's expert matrices (Qwen3-30B-A3B: 3 MB each, 18k of them) share launches. On an
-#: H200 at 2 MB they went one by one at ~0.28 ms each (digest 28x a device copy of the model).
+#: 8 MB, so a MoE's expert matrices (Qwen3-30B-A3B: 3 MB each, 18k of them) share launches
+#: instead of paying a launch and a sync each.
 DEVICE_SMALL_WORDS = 1 << 22
 
 
@@ -387,7 +387,7 @@ def _scan_device(items: list[tuple[torch.Tensor, int, torch.Tensor | None]], ind
 
 def nonfinite_count(values: torch.Tensor) -> int:
     """How many elements of ``values`` are Inf or NaN: the exponent test of :func:`scan_range`
-    without its lanes (on host memory ~25x faster than ``torch.isfinite`` on bf16 here)."""
+    without its lanes (on host memory one read, no temporaries, unlike ``torch.isfinite``)."""
     _, bad = _scan_words(_words(values), 0, 0, _EXP_MASK.get(values.dtype, 0), _words_per_element(values), PUBLIC)
     return bad
 

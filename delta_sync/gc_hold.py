@@ -2,7 +2,7 @@
 weight-transfer call on an engine worker).
 
 A full (oldest-generation) collection walks every live object and lands wherever an allocation
-tips its threshold: ~0.1 s in a bare torch process, far more in a trainer's heap or in an engine
+tips its threshold: a noticeable pause in a bare torch process, far longer in a trainer's heap or in an engine
 worker's whose heap vLLM did not freeze (its CPU worker does not). The young generations keep
 being collected (they hold the update's own short-lived objects, and any cycle among them is
 freed as before: a long seed's source cannot pile up cyclic garbage); a full pass that came due

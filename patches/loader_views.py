@@ -200,7 +200,7 @@ def probe_views(model: torch.nn.Module, names_shapes: list[tuple[str, tuple[int,
     unsupported)`` where ``unsupported`` maps a name to the reason it has no view.
 
     All names go through one loader call (its per-call cost, e.g. vLLM walking the module tree,
-    is paid once per batch, not once per tensor: ~7 ms each on Qwen3-0.6B, minutes at 30B). A
+    is paid once per batch, not once per tensor: at 30B's tensor count that is minutes). A
     refusal in a batch cannot always be pinned on one name, so such a batch is probed again one
     name at a time, which names the culprit and keeps the views of the others.
     """

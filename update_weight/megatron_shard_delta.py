@@ -2,7 +2,7 @@
 coordinates with Bridge's own conversion code, never run the full export for a delta.
 
 Bridge's export gathers every TP/EP shard, broadcasts every PP stage and re-lays QKV / gate-up /
-experts into Hugging Face tensors on every rank (~0.3 GB/s on CPU). A delta only needs where each
+experts into Hugging Face tensors on every rank. A delta only needs where each
 *changed* element of a local shard lands in the checkpoint. That map is fixed for a given model
 layout, so it is learned once, at the seed, by running Bridge's ``megatron_to_hf`` conversions on
 *probe* tensors: each element of a local parameter holds its own id (``rank << s | offset``, for a
@@ -425,8 +425,8 @@ def _id_layout(numel: int, world: int) -> tuple[int, torch.dtype]:
 def _own_mask(ids: torch.Tensor, rank: int, shift: int) -> torch.Tensor | bool:
     """Which of ``ids`` name ``rank``: True or False when all or none do, else a bool mask. One
     reduction (min and max) settles a tensor converted whole from one rank's shard, the usual case,
-    with no per-element temporaries (a shift and compare of every id allocated 9 bytes per element:
-    ~3 s of a 0.33B-parameter plan here)."""
+    with no per-element temporaries (a shift and compare of every id would allocate 9 bytes per
+    element)."""
     if ids.numel() == 0:
         return True
     lo, hi = (int(x) >> shift for x in torch.aminmax(ids))
@@ -523,7 +523,7 @@ def _owned_runs(ids: torch.Tensor, mine: torch.Tensor | bool, base: int = 0
     are consecutive in both coordinates, from ``ids`` (each checkpoint element's flat offset in the
     local parameter plus ``base``, in checkpoint order). Vectorized passes over chunks of
     :data:`_RUN_CHUNK` elements, whose temporaries the allocator reuses (a whole tensor's would be
-    fresh pages each time, which this host faults in at ~1 s per GB); no sort of the elements."""
+    fresh pages each time, faulted in on first touch); no sort of the elements."""
     n = ids.numel()
     firsts = []  # elements that start a run, owned or not (a foreign element is its own)
     for a in range(0, n, _RUN_CHUNK):
