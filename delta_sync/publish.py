@@ -64,7 +64,8 @@ def each(engines: list[EngineClient], call: Callable[[EngineClient], object],
         raise first
 
 
-def _serve(e: EngineClient) -> None:
+def _resume_fresh(e: EngineClient) -> None:
+    """Drop the prefix cache of the old weights, then serve."""
     e.reset_prefix_cache()
     e.resume()
 
@@ -134,7 +135,7 @@ class Engines:
         each(self.clients, lambda e: e.pause(self.pause_mode))
 
     def serve(self) -> None:
-        each(self.clients, _serve)
+        each(self.clients, _resume_fresh)
 
     def start(self, started: list[EngineClient], sweep: tuple[list[str], dict[str, str]] | None = None) -> dict:
         """``start`` on every engine (``started`` collects each one that did); a delta's drift sweep

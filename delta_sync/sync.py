@@ -17,6 +17,7 @@ mid-write, an engine restarted) makes the next update a full seed.
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 import time
@@ -125,6 +126,16 @@ def default_name_map(name: str) -> str | None:
     return name
 
 
+class SyncState(enum.Enum):
+    """What the engines and the trainer's snapshots hold in common (:class:`WeightSync`'s state)."""
+
+    #: no committed version can back a delta (nothing seeded yet, an engine lost its base, drift
+    #: was found, a snapshot could not be staged): the next update is a seed
+    NEEDS_SEED = "needs_seed"
+    #: every engine and every trainer snapshot holds ``version``: the next update is the mode's
+    IN_SYNC = "in_sync"
+
+
 class WeightSync:
     """Keeps engines equal to the trainer, one :meth:`update` per training step (see module doc).
 
@@ -139,9 +150,9 @@ class WeightSync:
     bucket at a time, while it packs and sends.
 
     The version state: ``version`` is the last version every engine and every trainer snapshot
-    holds; ``needs_seed`` says that no such version can back a delta (nothing seeded yet, an engine
-    lost its base, drift was found, a snapshot could not be staged). :meth:`_next_kind` reads it,
-    :meth:`_settle` and :meth:`_reset` are the only places that change it.
+    held, ``state`` (:class:`SyncState`) whether it can back a delta. :meth:`_next_kind` reads it
+    (and notices engines that lost their base), :meth:`_settle` commits or fails a version,
+    :meth:`_reset` and :meth:`request_seed` send the next update back to a seed.
     """
 
     def __init__(self, engines: Iterable, options: SyncOptions | None = None, *,
@@ -173,11 +184,19 @@ class WeightSync:
         self.store = SnapshotStore(self.rank, self.world, o.snapshot_device)
         self.gatherer = PatchGather(self.groups) if self.world > 1 else None
         self.version = -1
-        self.needs_seed = True
+        self.state = SyncState.NEEDS_SEED
         self.sharded: ShardedSource | None = None  # the source whose shard snapshots back the deltas
         #: the last seed staged no plain snapshot: the sharded source was to take its own
         self._seed_left_to_source = False
         self._busy = threading.Lock()  # one update at a time
+
+    @property
+    def needs_seed(self) -> bool:
+        return self.state is SyncState.NEEDS_SEED
+
+    def request_seed(self) -> None:
+        """Make the next update a full seed (every rank alike), e.g. after changing the model."""
+        self.state = SyncState.NEEDS_SEED
 
     @property
     def engines(self) -> list[EngineClient]:
@@ -234,7 +253,7 @@ class WeightSync:
         """What the next version must be: a seed where nothing can back a delta, else the mode's."""
         self._seed_left_to_source = False
         if not self.needs_seed and self._from_rank0(self.rank == 0 and self._engines.lost_base(self.version)):
-            self.needs_seed = True  # an engine restarted or lost its base: only a seed can repair it
+            self.state = SyncState.NEEDS_SEED  # an engine restarted or lost its base: only a seed repairs it
             self._engines.drop_channel()  # a restarted engine also left the channel: rejoin everyone
         sharded = named_tensors if isinstance(named_tensors, ShardedSource) else None
         if sharded is not self.sharded:
@@ -256,7 +275,8 @@ class WeightSync:
         if not outcome.ok:
             # the snapshot stays at the committed version either way; engines that lost it get a seed
             self._rollback()
-            self.needs_seed = self.needs_seed or outcome.needs_seed
+            if outcome.needs_seed:
+                self.state = SyncState.NEEDS_SEED
             kept = (f"engines need a seed, the next update sends one; trainer snapshot at v{self.version}"
                     if self.needs_seed else self._kept())
             if error is not None:
@@ -265,13 +285,13 @@ class WeightSync:
         self.store.commit(version)
         if self.sharded is not None:
             self.sharded.commit()  # a seed's shard snapshots are taken here (collective)
-        self.version, self.needs_seed = version, False
+        self.version, self.state = version, SyncState.IN_SYNC
         if self.sharded is not None and self.sharded.ready():
             self.store.clear()  # the shard snapshots back the deltas: a plain one would only go stale
         elif kind != "delta" and self._seed_left_to_source:
             # the source expected to serve the deltas, so this seed staged no plain snapshot, and
             # then it could not (map, shard snapshots): nothing on the trainer holds v any more
-            self.needs_seed = True
+            self.state = SyncState.NEEDS_SEED
             log.warning("delta-sync: the sharded source cannot serve the deltas after v%d (see above); the "
                         "next update is a seed (through the reference export)", version)
 
@@ -425,7 +445,7 @@ class WeightSync:
         self.store.reset()
         if self.sharded is not None:
             self.sharded.reset()
-        self.needs_seed = True
+        self.state = SyncState.NEEDS_SEED
 
     def _agree(self, mine: BaseException | None) -> None:
         """Every trainer rank learns whether any failed: the same GatherError on every rank if one

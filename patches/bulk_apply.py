@@ -39,7 +39,7 @@ class WorkerWeights(Protocol):
 
     def probe(self, names_shapes: list[tuple[str, tuple[int, ...], torch.dtype]]) -> None: ...
 
-    def whole(self) -> bool: ...
+    def holds_whole_tensors(self) -> bool: ...
 
     def kept(self) -> str: ...
 
@@ -170,7 +170,7 @@ class BulkWrite:
         params = self.params()
         with torch.no_grad():
             scanned = apply_dense_range_scanned(view, params, p.values, start, entry["_key"]) \
-                if view is not None and self.r.whole() else None
+                if view is not None and self.r.holds_whole_tensors() else None
             if scanned is not None:  # written and digested in one pass: compare after the write
                 check_dense_entry(entry, *scanned, p.values, "needs_seed")
                 return

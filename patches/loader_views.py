@@ -309,7 +309,7 @@ def _row_spans(counts: list[int], sizes: list[int], device: torch.device | None)
     return [(first[lo], first[hi]) for lo, hi in _spans(sizes, device)]
 
 
-def spread(sizes: list[int], run, device: torch.device | None) -> None:
+def run_threaded(sizes: list[int], run, device: torch.device | None) -> None:
     """``run(lo, hi)`` over the :func:`_spans` of ``sizes``, one thread each. Every part finishes
     before an error is raised."""
     spans = _spans(sizes, device)
@@ -428,7 +428,7 @@ def apply_sparse_many(views: dict[str, LoaderView], params: dict[str, torch.Tens
             vals = torch.cat([v for _, _, v in parts]) if len(parts) > 1 else parts[0][2]
             write_positions(flat, dst, vals, undo)
 
-    spread(sizes, run, device=device)
+    run_threaded(sizes, run, device=device)
     return written + sum(sizes)
 
 

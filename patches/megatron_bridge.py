@@ -30,7 +30,7 @@ from delta_sync import accelerator
 
 _installed = False
 #: megatron-core modules that probe TE/triton: imported before the stand-in window
-_HONEST_FIRST = (
+_IMPORTED_BEFORE_STAND_INS = (
     "megatron.core", "megatron.core.parallel_state", "megatron.core.extensions.transformer_engine",
     "megatron.core.fp8_utils", "megatron.core.fp4_utils", "megatron.core.models.gpt",
     "megatron.core.models.gpt.gpt_layer_specs", "megatron.core.transformer.attention",
@@ -82,7 +82,7 @@ def install() -> None:
     global _installed
     if _installed:
         return
-    for name in _HONEST_FIRST:
+    for name in _IMPORTED_BEFORE_STAND_INS:
         importlib.import_module(name)
     if any(n in sys.modules for n in _STAND_INS if not isinstance(sys.modules.get(n), _StandIn)):
         importlib.import_module("megatron.bridge")  # the real packages are installed: nothing to adapt

@@ -195,7 +195,7 @@ class DeltaSyncReceiver:
             tp_rank = 0
         return getattr(pc, "data_parallel_index", 0) * pc.tensor_parallel_size + tp_rank
 
-    def whole(self) -> bool:
+    def holds_whole_tensors(self) -> bool:
         """Does this worker hold every checkpoint tensor whole (no TP or expert sharding)?"""
         pc = self.parallel_config
         return pc.tensor_parallel_size == 1 and not getattr(pc, "enable_expert_parallel", False)
@@ -280,7 +280,7 @@ class DeltaSyncReceiver:
         """Can large bulk ranges be received straight into the parameters? Where a worker holds
         whole tensors (TP=1) and the loader's layout is the parameters' own (not on Ascend, whose
         MoE weights are transposed around each loader call)."""
-        return self.whole() and self.device.type != "npu"
+        return self.holds_whole_tensors() and self.device.type != "npu"
 
     def probe(self, names_shapes: list[tuple[str, tuple[int, ...], torch.dtype]]) -> None:
         """Loader views of the names not seen before, found in one probe of vLLM's loader."""
@@ -290,7 +290,7 @@ class DeltaSyncReceiver:
             if not new:
                 return
             with self.loader_layout():
-                views, unsupported = probe_views(self.model, list(new.values()), whole=self.whole())
+                views, unsupported = probe_views(self.model, list(new.values()), whole=self.holds_whole_tensors())
             self.views.update(views)
             self.fallback.update(unsupported)
         for name, why in unsupported.items():

@@ -279,7 +279,7 @@ def _failures_on_megatron(rank, world, port, path, fast):
     fast_used = fast and source.ready()
     fell_back = None
     if fast:  # a reseed whose shard snapshots (taken at commit) cannot be taken on rank 2
-        updater.sync.needs_seed = True
+        updater.sync.request_seed()
         with _snapshots_fail_on(source, rank, 2):
             attempt("reseed, shard snapshots fail", source)
         # on every rank alike: the fast path is off, and as the reseed kept no plain snapshot (the
@@ -295,7 +295,7 @@ def _failures_on_megatron(rank, world, port, path, fast):
         # the engines get the seed, the fast path turns off for good on every rank, and as the seed
         # kept no plain snapshot (the source expected to serve), the next update is a seed that
         # does; the deltas after it take the reference export
-        updater.sync.needs_seed = True
+        updater.sync.request_seed()
         with _map_disagrees_on(source, rank, 1):
             attempt("reseed, map disagrees", source)
         fell_back += [not source.ready(), updater.sync.needs_seed]

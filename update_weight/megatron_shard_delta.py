@@ -320,19 +320,11 @@ class MegatronShardDelta(BridgeExportSource):
             return found
 
         for task in self.tasks():
-            probe, k, shift = None, None, 0
-            if task.param_weight is not None:
-                w = task.param_weight
-                k = len(params)
-                params.append(w)
-                shift, dtype = _id_layout(w.numel(), world)
-                probe = torch.arange(w.numel(), dtype=dtype).add_(rank << shift).reshape(w.shape).to(w.device)
-            try:
-                with _peer_probes(rank, shift, self.group):
-                    converted = task.mapping.megatron_to_hf(probe, task.megatron_module)
-                converted = self.bridge._model_bridge.maybe_modify_converted_hf_weight(task, converted or {}, {})
-            finally:  # mappings cache the (shape, dtype) they broadcast: forget the probe's
-                _clear_caches(task.mapping)
+            k, shift = (len(params), _id_layout(task.param_weight.numel(), world)[0]) \
+                if task.param_weight is not None else (None, 0)
+            converted = self._convert_probe(task, rank, world)
+            if k is not None:
+                params.append(task.param_weight)
             for name, ids in (converted or {}).items():
                 if name in names:
                     problem = problem or f"{name} converted twice"
@@ -347,6 +339,26 @@ class MegatronShardDelta(BridgeExportSource):
                     problem = settle() or problem
         problem = settle() or problem
 
+        self._keep_plan(names, problem, params, pieces)
+
+    def _convert_probe(self, task, rank: int, world: int) -> dict | None:
+        """Bridge's conversion of ``task`` applied to a probe of its local parameter: each element
+        holds its own id (``rank << shift | offset``); None-valued for a task without one here."""
+        probe, shift = None, 0
+        if task.param_weight is not None:
+            w = task.param_weight
+            shift, dtype = _id_layout(w.numel(), world)
+            probe = torch.arange(w.numel(), dtype=dtype).add_(rank << shift).reshape(w.shape).to(w.device)
+        try:
+            with _peer_probes(rank, shift, self.group):
+                converted = task.mapping.megatron_to_hf(probe, task.megatron_module)
+            return self.bridge._model_bridge.maybe_modify_converted_hf_weight(task, converted or {}, {})
+        finally:  # mappings cache the (shape, dtype) they broadcast: forget the probe's
+            _clear_caches(task.mapping)
+
+    def _keep_plan(self, names: list[str], problem: str | None, params: list[torch.Tensor],
+                   pieces: dict[int, list]) -> None:
+        """Every rank agrees whether the plan holds (collective); this rank keeps its runs."""
         self._plan_names = names
         self._plan_index = {n: i for i, n in enumerate(names)}
         self._problem = problem

@@ -1,7 +1,9 @@
-"""The delta updater: a full seed first, then only changed elements, over ``sparse_{hccl,nccl,gloo}``.
+"""The launcher's updater: ``WeightSync`` behind slime's ``update_weights`` surface.
 
-A thin layer over :class:`delta_sync.sync.WeightSync`, which the custom-trainer API uses too: one
-sender implementation serves both. The named-tensor source (a Megatron-Bridge export, or
+One class serves every ``--update-weight-transport``: a delta updater (``sparse_*``: a full seed,
+then only changed elements) or the full-broadcast baseline (plain names: every tensor every step),
+over hccl, nccl or gloo; the mode and backend come from the config. The named-tensor source (a
+Megatron-Bridge export, a :class:`~update_weight.megatron_shard_delta.MegatronShardDelta`, or
 ``model.named_parameters()``) is consumed by every trainer rank in lock-step; each tensor is diffed
 by its owner rank only.
 """
@@ -24,12 +26,11 @@ log = logging.getLogger(__name__)
 _FIELDS = {f.name for f in fields(SyncOptions)}
 
 
-class UpdateWeightFromSparseHCCL:
-    mode = "delta"
+class WeightUpdater:
+    """Syncs the engines after every training step (``update_weights`` on every trainer rank).
+    ``sync_options`` override the config's :class:`SyncOptions` fields or go to ``WeightSync``."""
 
     def __init__(self, cfg: UpdateWeightConfig, engines, group=None, **sync_options):
-        if cfg.mode != self.mode:
-            raise ValueError(f"{type(self).__name__} serves --update-weight-mode {self.mode}, got {cfg.mode}")
         self.cfg = cfg
         options = replace(cfg.options, **{k: sync_options.pop(k) for k in list(sync_options) if k in _FIELDS})
         self.sync = WeightSync(engines, options, group=group, **sync_options)
