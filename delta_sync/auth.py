@@ -42,8 +42,11 @@ class AuthError(DeltaSyncError):
     """A call without a valid proof of the engine's secret: refused, nothing written."""
 
 
-def load_secret(secret: str | None = None, *, required: bool = True) -> bytes | None:
-    """The secret given, else ``$DELTA_SYNC_SECRET``; too short or missing (when required) is an error."""
+def load_secret(secret: str | bytes | None = None, *, required: bool = True) -> bytes | None:
+    """The secret given, else ``$DELTA_SYNC_SECRET``; too short or missing (when required) is an error.
+    Bytes are a secret loaded already (passed on as they are)."""
+    if isinstance(secret, bytes):
+        return secret
     value = secret if secret is not None else os.environ.get(ENV)
     if not value:
         if required:

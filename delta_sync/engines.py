@@ -50,7 +50,7 @@ class _SignedEngine:
 
     name: str
 
-    def __init__(self, secret: str | None):
+    def __init__(self, secret: str | bytes | None):
         self._signer = Signer(load_secret(secret))
         #: the engine's identity for this boot (every envelope names it), asked on first use
         self._engine_id: str | None = None
@@ -295,7 +295,7 @@ class InProcessEngine(_SignedEngine):
         self._guard("reset_prefix_cache", self.llm.reset_prefix_cache)
 
 
-def as_engine(target, secret: str | None = None) -> EngineClient:
+def as_engine(target, secret: str | bytes | None = None) -> EngineClient:
     """A URL string becomes an :class:`HttpEngine`, an ``LLM`` an :class:`InProcessEngine` (both sign
     their calls with ``secret``, default ``$DELTA_SYNC_SECRET``); an object with the client methods
     is used as it is."""

@@ -176,9 +176,10 @@ class WeightSync:
         self.groups = TrainerGroups.around(group) if dist.is_initialized() else None
         self.rank = self.groups.rank if self.groups else 0
         self.world = self.groups.world if self.groups else 1
-        clients = [as_engine(e, secret=secret) for e in engines] if self.rank == 0 else []
+        key = load_secret(secret, required=False) if self.rank == 0 else None  # loaded once, for every client
+        clients = [as_engine(e, secret=key if key is not None else secret) for e in engines] if self.rank == 0 else []
         #: rank 0: the engines and the channel to their workers
-        self._engines = Engines(clients, key=load_secret(secret, required=False) if self.rank == 0 else None,
+        self._engines = Engines(clients, key=key,
                                 host=o.host or "127.0.0.1", port=o.port, backend=o.backend, timeout_s=o.timeout_s,
                                 pause_mode=o.pause_mode)
         self.store = SnapshotStore(self.rank, self.world, o.snapshot_device)

@@ -360,3 +360,25 @@ def test_the_pause_lease_is_the_engines_not_one_api_servers(lease_report, caplog
         asyncio.run(asyncio.wait_for(_watch(llm, 0.05, resume, rpc), 10))
     assert calls == ["delta_sync_status"] * 3 + ["resume"]
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_the_trainer_loads_its_secret_once_and_a_missing_one_is_named(monkeypatch):
+    """WeightSync reads the secret once and hands the loaded key to every engine client; an HTTP
+    engine without any secret is refused when the sync is built, naming the variable."""
+    from delta_sync.sync import WeightSync
+
+    monkeypatch.delenv(ENV, raising=False)
+    with pytest.raises(AuthError, match=f"no engine secret: set {ENV}"):
+        WeightSync(["http://127.0.0.1:9"])
+    reads = []  # loads that read a secret (not the passing on of a loaded key)
+
+    def counted(secret=None, **kw):
+        if not isinstance(secret, bytes):
+            reads.append(secret)
+        return load_secret(secret, **kw)
+    for where in ("delta_sync.sync", "delta_sync.engines"):
+        monkeypatch.setattr(f"{where}.load_secret", counted)
+    sync = WeightSync(["http://127.0.0.1:9", "http://127.0.0.1:10"], secret="s" * 32)
+    assert len(reads) == 1
+    assert all(e._signer._key == b"s" * 32 for e in sync.engines)
+    sync.close()
