@@ -336,6 +336,8 @@ def value_segments(entries: list[dict], dname: str, total: int) -> list[tuple[in
     do not tile the buffer make it one broadcast of the whole buffer (and :func:`entry_patches`
     refuses the bucket once it has arrived)."""
     whole: list[tuple[int | None, int, int]] = [(None, 0, total)]
+    if not any(e.get("seg") is True for e in entries):  # a delta's buckets: no entry travels alone
+        return whole
     segs: list[tuple[int | None, int, int]] = []
     pos = 0
     for i, e in enumerate(entries):
@@ -613,6 +615,12 @@ class TensorAssembler:
         out = []
         for name, parts in self._parts.items():
             first = parts[0][1]
+            if len(parts) == 1:  # the usual case: the tensor's one entry is its patch
+                if first.dense and int(parts[0][0]["start"]) != 0:
+                    raise PatchValidationError(name, f"dense range starts at {parts[0][0]['start']}, expected 0",
+                                               kept=self.kept)
+                out.append(first)
+                continue
             if any(p.shape != first.shape or p.dtype != first.dtype or p.dense != first.dense
                    for _, p in parts):
                 raise PatchValidationError(name, "entries disagree on shape, dtype or encoding", kept=self.kept)

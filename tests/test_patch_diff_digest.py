@@ -494,6 +494,21 @@ def test_buckets_roundtrip_split_and_checksum(bucket_bytes):
             TensorAssembler().add(b)
 
 
+def test_a_tensor_whose_first_range_is_missing_is_refused_not_assembled():
+    """A dense tensor split over buckets, its first bucket lost: the range that arrived is one
+    entry of its tensor (the assembler's one-entry path), and it does not start at 0."""
+    t = torch.arange(96, dtype=torch.float32).to(torch.bfloat16)
+    buckets = list(BucketPacker(3, "full", 64).pack([Patch.full("w", t)]))  # 32 elements a bucket
+    assert len(buckets) > 2
+    whole, tail = TensorAssembler(), TensorAssembler()
+    for b in buckets:
+        whole.add(b)
+    assert torch.equal(whole.patches()[0].values.view(torch.int16), t.view(torch.int16))
+    tail.add(buckets[1])
+    with pytest.raises(PatchValidationError, match="'w': dense range starts at 32, expected 0"):
+        tail.patches()
+
+
 def test_memory_receiver_mismatched_names_missing_and_flipped_tensors():
     from delta_sync.memory_receiver import MemoryReceiver
 
