@@ -877,7 +877,7 @@ def test_an_init_description_checks_itself_where_it_is_built(payload, named):
         _parse(DeltaSyncUpdateInfo, {"version": True}, "update", "")
 
 
-def test_engine_settings_are_read_in_one_place_and_a_bad_one_is_named():
+def test_engine_settings_are_read_in_one_place_and_a_bad_one_is_named(monkeypatch):
     """Every engine setting comes from EngineOptions; the plugin reads them when vLLM loads it, so
     a bad value stops the engine at start naming its variable (it used to fall back silently, or
     fail at the trainer's first call)."""
@@ -891,3 +891,8 @@ def test_engine_settings_are_read_in_one_place_and_a_bad_one_is_named():
                        ({"DELTA_SYNC_RPC_ALLOW": "sleep;rm"}, "DELTA_SYNC_RPC_ALLOW names 'sleep;rm'")]:
         with pytest.raises(ValueError, match=named):
             EngineOptions.from_env(env)
+    from patches.vllm_plugin import register
+
+    monkeypatch.setenv("DELTA_SYNC_PAUSE_LEASE_S", "soon")  # what vLLM runs when it loads the plugin
+    with pytest.raises(ValueError, match="DELTA_SYNC_PAUSE_LEASE_S='soon'"):
+        register()
