@@ -56,7 +56,7 @@ def detect_family() -> str:
     """The best family present: npu, then cuda, then cpu.
 
     A driver that is installed but fails (``torch.npu.is_available()`` raising, a broken
-    torch_npu) is an error, not "cpu": a silent CPU run looks healthy and is 100x slower."""
+    torch_npu) is an error, not "cpu": a silent CPU run looks healthy and is orders of magnitude slower."""
     for family in ("npu", "cuda"):
         try:
             if family_available(family):
@@ -100,7 +100,7 @@ class Placement:
 def bind(family: str | None = None, local_rank: int | None = None) -> Placement:
     """Bind this process to its device (LOCAL_RANK) before any process group is created.
 
-    A fallback to CPU that was not asked for is refused: it looks healthy and is 100x slower.
+    A fallback to CPU that was not asked for is refused: it looks healthy and is far slower.
     """
     family = family or detect_family()
     require_family(family)

@@ -361,7 +361,7 @@ def value_segments(entries: list[dict], dname: str, total: int) -> list[tuple[in
 
 def _part(t: torch.Tensor, start: int, count: int, device: torch.device) -> torch.Tensor:
     """``t[start:start+count]`` on ``device``, without a slice or a ``to`` where none is needed:
-    a delta's thousands of small parts paid ~10 us each for them (bf16 ``to`` is the slow one)."""
+    a delta's thousands of small parts each paid for them (bf16 ``to`` the most)."""
     if start or count != t.numel():
         t = t.narrow(0, start, count)
     return t if t.device == device else t.to(device)
