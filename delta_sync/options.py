@@ -22,7 +22,9 @@ MODES = ("delta", "full")
 PAUSE_MODES = ("wait", "abort", "keep")
 
 
-def _is_int(x) -> bool:
+def is_int(x) -> bool:
+    """An int that is not a bool (JSON and keyword arguments both deliver ``True`` where a count
+    was meant)."""
     return isinstance(x, int) and not isinstance(x, bool)
 
 
@@ -59,15 +61,15 @@ class SyncOptions:
 
     def __post_init__(self):
         self._check(self.mode in MODES, "mode", f"must be one of {', '.join(MODES)}")
-        self._check(_is_int(self.bucket_bytes) and self.bucket_bytes >= MIN_BUCKET_BYTES, "bucket_bytes",
+        self._check(is_int(self.bucket_bytes) and self.bucket_bytes >= MIN_BUCKET_BYTES, "bucket_bytes",
                     f"must be at least {MIN_BUCKET_BYTES} bytes (a bucket carries at least one element and its "
                     "bookkeeping; the default is 512 MiB)")
-        self._check(_is_int(self.verify_every) and self.verify_every >= 0, "verify_every", "must be an integer >= 0")
-        self._check(_is_int(self.drift_sweep) and self.drift_sweep >= 0, "drift_sweep", "must be an integer >= 0")
+        self._check(is_int(self.verify_every) and self.verify_every >= 0, "verify_every", "must be an integer >= 0")
+        self._check(is_int(self.drift_sweep) and self.drift_sweep >= 0, "drift_sweep", "must be an integer >= 0")
         self._check(self.pause_mode in PAUSE_MODES, "pause_mode", f"must be one of {', '.join(PAUSE_MODES)}")
         self._check(self.host is None or (isinstance(self.host, str) and self.host), "host",
                     "must be a host name or address")
-        self._check(self.port is None or (_is_int(self.port) and 0 <= self.port < 65536), "port",
+        self._check(self.port is None or (is_int(self.port) and 0 <= self.port < 65536), "port",
                     "must be 1-65535, or None / 0 for a free port")
         self._check(self.backend is None or isinstance(self.backend, str), "backend", "must be a backend name")
         self._check(isinstance(self.timeout_s, (int, float)) and not isinstance(self.timeout_s, bool)

@@ -80,9 +80,6 @@ class Engines:
         self.pause_mode = pause_mode
         self.channel: Channel | None = None
 
-    def __bool__(self) -> bool:
-        return bool(self.clients)
-
     def connect(self) -> None:
         """Every engine worker joins one channel with rank 0 (once; again after :meth:`drop_channel`)."""
         if self.channel is not None:

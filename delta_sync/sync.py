@@ -164,14 +164,12 @@ class WeightSync:
         if options is not None and settings:
             raise TypeError(f"give SyncOptions or its fields as keywords, not both (got {', '.join(settings)})")
         o = self.options = options if options is not None else SyncOptions(**settings)
-        self.mode, self.bucket_bytes, self.verify_every, self.drift_sweep = (o.mode, o.bucket_bytes, o.verify_every,
-                                                                             o.drift_sweep)
         self._catalog: dict[str, int] = {}  # checkpoint name -> bytes, stream order (same on every rank)
         self._sweep_at = 0
         #: rank 0: the next sweep window and the trainer's digests of it at the committed version;
         #: the engines report theirs when they start the next delta (no call of its own)
         self._sweep: tuple[list[str], dict[str, str]] | None = None
-        self.name_map, self.group, self.dtype = name_map, group, o.dtype
+        self.name_map, self.group = name_map, group
         #: device group (payloads) and host group (metadata) of the trainer; None without a world
         self.groups = TrainerGroups.around(group) if dist.is_initialized() else None
         self.rank = self.groups.rank if self.groups else 0
@@ -207,9 +205,12 @@ class WeightSync:
     def channel(self) -> Channel | None:
         return self._engines.channel
 
-    @property
-    def pause_mode(self) -> str:
-        return self._engines.pause_mode
+    # the settings this sync reads (its SyncOptions; the engines' part went to Engines)
+    mode = property(lambda self: self.options.mode)
+    bucket_bytes = property(lambda self: self.options.bucket_bytes)
+    verify_every = property(lambda self: self.options.verify_every)
+    drift_sweep = property(lambda self: self.options.drift_sweep)
+    dtype = property(lambda self: self.options.dtype)
 
     def _kept(self) -> str:
         return f"engines and trainer snapshot at v{self.version}"

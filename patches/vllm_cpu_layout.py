@@ -13,7 +13,6 @@ MoE experts live differs by vLLM generation; :mod:`patches.vllm_compat` says whi
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 

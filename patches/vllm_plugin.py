@@ -73,7 +73,8 @@ def _cap_shm_spin(seconds: float) -> None:
     sleeps on its notify socket. On a host where the engine and the trainer share a few cores,
     every sync call then costs the trainer about a core for a second. Capped here to ``seconds``,
     and within them the reader checks the queue every :data:`SPIN_POLL_S` instead of spinning: a
-    delta's diff runs while the workers wait between calls (docs/usage.md). Later than ``seconds`` after the previous read, a read waits on vLLM's socket."""
+    delta's diff runs while the workers wait between calls (docs/usage.md). Later than ``seconds``
+    after the previous read, a read waits on vLLM's socket."""
     from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
 
     if getattr(SpinCondition, "_delta_sync_spin", None) == seconds:

@@ -48,6 +48,7 @@ from delta_sync.auth import Verifier
 from delta_sync.channel import Channel
 from delta_sync.digest import digest_tensor
 from delta_sync.errors import DeltaSyncError, LayoutNotSupported, NeedsSeed, PatchValidationError
+from delta_sync.options import is_int
 from delta_sync.patch import Patch
 from delta_sync.transfer import BULK_KINDS, ReceivedUpdate, receive_update
 
@@ -57,6 +58,7 @@ from .loader_views import LoaderView, digest_view, probe_views
 from .receiver_guard import ReceiverGuard
 
 log = logging.getLogger(__name__)
+
 
 @dataclass
 class DeltaSyncInitInfo:
@@ -72,7 +74,7 @@ class DeltaSyncInitInfo:
     def __post_init__(self):
         _require(isinstance(self.host, str) and self.host, f"host must be a non-empty string, got {self.host!r}")
         for key in ("port", "world_size", "rank_offset"):
-            _require(_is_int(getattr(self, key)), f"{key} must be an integer, got {getattr(self, key)!r}")
+            _require(is_int(getattr(self, key)), f"{key} must be an integer, got {getattr(self, key)!r}")
         _require(0 <= self.port < 65536, f"port {self.port} is outside 0..65535")
         _require(1 <= self.rank_offset < self.world_size,
                  f"rank_offset {self.rank_offset} must lie in 1..world_size-1 (world_size {self.world_size})")
@@ -87,12 +89,8 @@ class DeltaSyncUpdateInfo:
     version: int | None = None  # if set, the version the sender announced out of band
 
     def __post_init__(self):
-        _require(self.version is None or (_is_int(self.version) and self.version >= 0),
+        _require(self.version is None or (is_int(self.version) and self.version >= 0),
                  f"version must be a non-negative integer, got {self.version!r}")
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _require(ok, why: str) -> None:

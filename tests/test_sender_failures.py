@@ -6,6 +6,7 @@ The injections are shared with the Megatron four-rank scenario (tests/test_megat
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch.distributed as dist
 
@@ -68,7 +69,7 @@ def sender_dies_mid_send(rank: int, sync: WeightSync):
     if rank != 0:
         yield
         return
-    real, bucket_bytes = transfer.BucketPacker.pack, sync.bucket_bytes
+    real, options = transfer.BucketPacker.pack, sync.options
 
     def broken_pack(self, patches, **kwargs):
         for i, b in enumerate(real(self, patches, **kwargs)):
@@ -76,11 +77,11 @@ def sender_dies_mid_send(rank: int, sync: WeightSync):
                 raise RuntimeError("sender died while packing bucket 1")
             yield b
     transfer.BucketPacker.pack = broken_pack
-    sync.bucket_bytes = 256  # several buckets
+    sync.options = dataclasses.replace(options, bucket_bytes=256)  # several buckets
     try:
         yield
     finally:
-        transfer.BucketPacker.pack, sync.bucket_bytes = real, bucket_bytes
+        transfer.BucketPacker.pack, sync.options = real, options
 
 
 @contextlib.contextmanager

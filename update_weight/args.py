@@ -15,6 +15,11 @@ _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 
           "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
 
 
+def transport_for(mode: str, backend: str) -> str:
+    """The transport name of ``mode`` over ``backend``: ``sparse_<backend>`` for a delta."""
+    return ("sparse_" if mode == "delta" else "") + backend
+
+
 @dataclass(frozen=True)
 class UpdateWeightConfig:
     """The launcher's choice of transport and the sync options its flags set (validated once)."""
@@ -25,8 +30,7 @@ class UpdateWeightConfig:
     @classmethod
     def of(cls, mode: str, backend: str = "gloo", **options) -> "UpdateWeightConfig":
         """The config for ``mode`` over ``backend`` (its sparse transport for a delta)."""
-        transport = ("sparse_" if mode == "delta" else "") + backend
-        return cls(transport, SyncOptions(mode=mode, backend=backend, **options))
+        return cls(transport_for(mode, backend), SyncOptions(mode=mode, backend=backend, **options))
 
     @classmethod
     def from_dict(cls, d: dict) -> "UpdateWeightConfig":
@@ -77,7 +81,7 @@ def resolve_update_weight_args(args) -> UpdateWeightConfig:
     transport = args.update_weight_transport
     here = accelerator.backend_for(accelerator.detect_family())
     if transport is None:
-        transport = ("sparse_" if mode == "delta" else "") + here
+        transport = transport_for(mode, here)
     if transport not in TRANSPORTS:
         raise SystemExit(f"--update-weight-transport {transport!r}: choose one of {', '.join(TRANSPORTS)}")
     sparse = transport.startswith("sparse_")
