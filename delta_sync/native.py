@@ -54,6 +54,8 @@ MIN_WORDS_PER_THREAD = 1 << 17
 _VALUE_DTYPE = {16: torch.int16, 32: torch.int32}
 _MOVE_BYTES = (1, 2, 4, 8)
 _MOVE_POS = (torch.int32, torch.int64)
+#: int64 words per row of the move kernel's table (its MOVE_ROW)
+_MOVE_ROW = 8
 
 
 def _cache_dir() -> Path:
@@ -212,28 +214,48 @@ def move_rows(rows: list[tuple], spans: list[tuple[int, int]] | None = None, che
     nothing was read or written. ``spans``: ``(lo, hi)`` row ranges that then run concurrently,
     one thread each (rows writing one tensor belong in one span). Rows must pass :func:`can_move`,
     their buffers be of the tensor's dtype and the positions' count (ValueError otherwise; ``checked``:
-    the caller ran :func:`movable_rows` on them already)."""
+    the caller ran :func:`movable_rows` on them already). The same as :func:`row_table`, then
+    :func:`check_rows` and :func:`run_rows`, which a caller may run apart (the table and its check
+    before an engine pauses, the run inside the pause)."""
     if not rows:
         return
+    table = row_table(rows, checked)
+    check_rows(rows, table)
+    run_rows(table, spans)
+
+
+def row_table(rows: list[tuple], checked: bool = False) -> torch.Tensor:
+    """The kernel's table of :func:`move_rows`' rows (their buffers' addresses: they must stay alive
+    and in place until the table is run)."""
     bad_row = None if checked else next((k for k, (f, p, _, v, o) in enumerate(rows) if not movable(f, p, v, o)),
                                         None)
     if bad_row is not None:
         flat, pos = rows[bad_row][:2]
         raise ValueError(f"row {bad_row} ({flat.dtype} {flat.device} target, {pos.dtype} positions) is not for the "
                          "host kernel: check can_move() and the buffers' dtype and count first")
-    table = torch.tensor([[flat.data_ptr(), pos.data_ptr(), pos.numel(), int(off), flat.numel(),
-                           0 if v is None else v.data_ptr(), 0 if o is None else o.data_ptr(),
-                           flat.element_size() | pos.element_size() << 8] for flat, pos, off, v, o in rows],
-                         dtype=torch.int64)
+    return torch.tensor([[flat.data_ptr(), pos.data_ptr(), pos.numel(), int(off), flat.numel(),
+                          0 if v is None else v.data_ptr(), 0 if o is None else o.data_ptr(),
+                          flat.element_size() | pos.element_size() << 8] for flat, pos, off, v, o in rows],
+                        dtype=torch.int64).reshape(-1, _MOVE_ROW)
+
+
+def check_rows(rows: list[tuple], table: torch.Tensor) -> None:
+    """Raise IndexError, naming it, for the first position of ``table``'s rows outside its tensor
+    (reads and writes nothing)."""
     lib, bad = kernel(), ctypes.c_int64()
-    k = lib.move_rows(len(rows), table.data_ptr(), 1, ctypes.byref(bad))
+    k = lib.move_rows(table.shape[0], table.data_ptr(), 1, ctypes.byref(bad))
     if k >= 0:
         flat, pos, off = rows[k][:3]
         raise IndexError(f"patch position {int(pos[bad.value]) + int(off)} (entry {bad.value} of {pos.numel()}) is "
                          f"outside a tensor of {flat.numel()} elements; no patch of this batch was read or written")
-    spans = spans or [(0, len(rows))]
+
+
+def run_rows(table: torch.Tensor, spans: list[tuple[int, int]] | None = None) -> None:
+    """Perform the rows of a checked ``table`` (:func:`check_rows`), each span of rows on a thread."""
+    lib, bad = kernel(), ctypes.c_int64()
+    spans = spans or [(0, table.shape[0])]
     _, error = run_spread([functools.partial(lib.move_rows, hi - lo, table[lo].data_ptr(), 0, ctypes.byref(bad))
-                           for lo, hi in spans])
+                           for lo, hi in spans if hi > lo])
     if error is not None:  # cannot happen for checked rows: the kernel only loads and stores
         raise error
 

@@ -36,6 +36,7 @@ class WorkerWeights(Protocol):
     needs_seed: bool
     partial: bool
     last_error: str | None
+    param_table: object  # a ParamTable: the model's parameters by name, read through their modules
 
     def probe(self, names_shapes: list[tuple[str, tuple[int, ...], torch.dtype]]) -> None: ...
 

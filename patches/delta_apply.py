@@ -1,5 +1,7 @@
 """A staged delta applied on one worker at ``finish``, all or nothing.
 
+The writes are planned when the delta arrives, while the engine still serves (:func:`plan_delta`:
+routes, the host kernel's row table, every position checked), so the pause holds the writes alone.
 Every position's old value is read into the undo log in the visit that writes the new one (one
 gather and one scatter per loader-view segment, sparse patches batched per parameter); names
 without a loader view go through vLLM's own loader, which may write anywhere, so every parameter's
@@ -9,6 +11,7 @@ old value is kept first. Any failure restores v-1 from the undo log before it is
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -17,34 +20,94 @@ from delta_sync.patch import Patch, apply_patch
 
 from . import vllm_compat
 from .bulk_apply import WorkerWeights
-from .loader_views import UndoLog, apply_dense, apply_sparse_many
+from .loader_views import LoaderView, SparsePlan, UndoLog, apply_dense, plan_sparse
 
 
-def apply_delta(r: WorkerWeights, patches: list[Patch], version: int) -> dict[str, float]:
-    """Apply ``patches`` to ``r``'s model in place; on failure restore every written position and
-    raise a :class:`DeltaSyncError` that says so. Returns the apply's timings."""
+@dataclass
+class DeltaPlan:
+    """A staged delta's writes, worked out on receipt while the engine still serves
+    (:func:`plan_delta`): what :func:`apply_delta` has left to do inside the pause is the writes."""
+
+    version: int
+    sparse: SparsePlan
+    dense: list[tuple[LoaderView, torch.Tensor]]
+    slow: list[Patch]  # names without a loader view: through vLLM's loader
+    #: the parameters' storages and layout the plan's addresses belong to
+    layout: dict[str, tuple]
+    plan_s: float = 0.0
+    undo: UndoLog | None = None  # the apply's, kept with the plan (freed with it, after the pause)
+
+
+def plan_delta(r: WorkerWeights, patches: list[Patch], version: int) -> DeltaPlan:
+    """Route ``patches`` to ``r``'s parameters and check every position (nothing is written)."""
     t0 = time.perf_counter()
-    undo = UndoLog()
+    params = r.param_table.params()
+    slow, dense, sparse = [], [], []
+    for p in patches:
+        view = r.views.get(p.name)
+        if view is None:
+            slow.append(p)
+        elif p.dense:
+            dense.append((view, p.values))
+        else:
+            sparse.append((p.name, p.indices, p.values))
     try:
         with torch.no_grad():
-            params = dict(r.model.named_parameters())
-            slow, sparse = [], []
-            for p in patches:
-                view = r.views.get(p.name)
-                if view is None:
-                    slow.append(p)
-                elif p.dense:
-                    apply_dense(view, params, p.values, undo)
-                else:
-                    sparse.append((p.name, p.indices, p.values))
-            apply_sparse_many(r.views, params, sparse, undo)
-            if slow:
-                _through_loader(r, slow, params, undo)
+            sparse_plan = plan_sparse(r.views, params, sparse)
+    except Exception as e:
+        raise DeltaSyncError(f"delta v{version} does not fit this engine's parameters: {type(e).__name__}: {e}",
+                             kept=r.kept() + " (nothing was written)") from e
+    plan = DeltaPlan(version, sparse_plan, dense, slow, layout_of(params))
+    plan.plan_s = time.perf_counter() - t0
+    return plan
+
+
+def layout_of(params: dict[str, torch.Tensor]) -> dict[str, tuple]:
+    """Every parameter's storage address, strides, shape and dtype: what a plan's addresses hold for."""
+    return {n: (p.data_ptr(), tuple(p.stride()), tuple(p.shape), p.dtype) for n, p in params.items()}
+
+
+class ParamTable:
+    """A model's named parameters, read back through the modules that own them: a few dict reads
+    per parameter, not a walk of the module tree (a 30B-A3B model has thousands of modules), so the
+    pause can check that a plan's parameters are still the model's. Made again wherever vLLM's
+    loader may have replaced parameters."""
+
+    def __init__(self, model: torch.nn.Module):
+        self._where = []
+        for name, _ in model.named_parameters():
+            owner, _, key = name.rpartition(".")
+            self._where.append((name, model.get_submodule(owner) if owner else model, key))
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return {name: module._parameters[key] for name, module, key in self._where}
+
+
+def apply_delta(r: WorkerWeights, plan: DeltaPlan) -> dict[str, float]:
+    """Apply ``plan`` to ``r``'s model in place; on failure restore every written position and
+    raise a :class:`DeltaSyncError` that says so. A plan whose parameters moved since it was made
+    (a wake from sleep, say) is made again first. Returns the apply's timings."""
+    t0 = time.perf_counter()
+    undo = plan.undo = UndoLog()
+    try:
+        params = r.param_table.params()
+        replanned = layout_of(params) != plan.layout
+    except (KeyError, AttributeError):  # a parameter left its module: read them all again
+        params, replanned = dict(r.model.named_parameters()), True
+    try:
+        with torch.no_grad():
+            sparse = plan_sparse(r.views, params, plan.sparse.patches) if replanned else plan.sparse
+            for view, values in plan.dense:
+                apply_dense(view, params, values, undo)
+            sparse.run(undo)
+            if plan.slow:
+                _through_loader(r, plan.slow, params, undo)
     except Exception as e:
         undo.restore()
-        r.last_error = f"apply of v{version} failed: {type(e).__name__}: {e}"
+        r.last_error = f"apply of v{plan.version} failed: {type(e).__name__}: {e}"
         raise DeltaSyncError(r.last_error, kept=r.kept() + " (undo log restored)") from e
-    return {"apply_s": time.perf_counter() - t0, "undo_bytes": float(undo.nbytes)}
+    return {"apply_s": time.perf_counter() - t0, "plan_s": plan.plan_s, "replanned": float(replanned),
+            "undo_bytes": float(undo.nbytes)}
 
 
 def _through_loader(r: WorkerWeights, patches: list[Patch], params, undo: UndoLog) -> None:

@@ -235,15 +235,42 @@ def probe_views(model: torch.nn.Module, names_shapes: list[tuple[str, tuple[int,
     return views, unsupported
 
 
+class RowsUndo:
+    """The old values of a kernel row table's positions (:func:`plan_sparse`), in one buffer read in
+    the visit that writes the new ones; restored by one kernel run. Rows of a plan write disjoint
+    positions (views never hold an element twice), so the order they are put back in is free. It
+    keeps the rows, whose buffers its tables address, alive."""
+
+    def __init__(self, table: torch.Tensor, rows: list, room: torch.Tensor, nbytes: int):
+        self.table, self.rows, self.room, self.nbytes = table, rows, room, nbytes
+
+    @classmethod
+    def room_for(cls, table: torch.Tensor, rows: list) -> "RowsUndo":
+        """Point ``table``'s rows at room for their old values (8-byte aligned, each of its target's
+        dtype) and make the table that writes them back."""
+        sizes = table[:, 2] * (table[:, 7] & 0xFF)  # positions x element bytes
+        room = (sizes + 7) // 8 * 8
+        buf = torch.empty(int(room.sum()), dtype=torch.uint8)
+        table[:, 6] = (torch.cumsum(room, 0) - room) + buf.data_ptr()
+        back = table.clone()
+        back[:, 5], back[:, 6] = table[:, 6], 0  # values: the old ones; nothing read
+        pos_bytes = table[:, 2] * (table[:, 7] >> 8)
+        return cls(back, rows, buf, int((sizes + pos_bytes).sum()))
+
+    def restore(self) -> None:
+        native.run_rows(self.table)
+
+
 @dataclass
 class UndoLog:
-    """Old values at every position an apply wrote, restorable in reverse order.
+    """Old values at every position an apply wrote, restorable in reverse order: ``(target,
+    positions, offset, old values)`` entries, or a :class:`RowsUndo` for a kernel run's rows.
 
     Positions are a 1-D target's element ``offset + pos[i]`` (``pos`` int32 or int64: a whole-run
     patch keeps its own int32 indices and the parameter offset of its tensor)."""
 
-    #: (target, positions or None for the whole target, offset, old values)
-    entries: list[tuple[torch.Tensor, torch.Tensor | None, int, torch.Tensor]] = field(default_factory=list)
+    #: (target, positions or None for the whole target, offset, old values), or a RowsUndo
+    entries: list = field(default_factory=list)
 
     def change_rows(self, rows: list[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]],
                     spans: list[tuple[int, int]], checked: bool = False) -> None:
@@ -279,13 +306,17 @@ class UndoLog:
 
     def restore(self) -> None:
         for entry in reversed(self.entries):
-            _put(*entry)
+            if isinstance(entry, RowsUndo):
+                entry.restore()
+            else:
+                _put(*entry)
         self.entries.clear()
 
     @property
     def nbytes(self) -> int:
-        return sum(o.numel() * o.element_size() + (0 if p is None else p.numel() * p.element_size())
-                   for _, p, _, o in self.entries)
+        return sum(e.nbytes if isinstance(e, RowsUndo) else
+                   e[3].numel() * e[3].element_size() + (0 if e[1] is None else e[1].numel() * e[1].element_size())
+                   for e in self.entries)
 
 
 #: elements below which host writes of an apply stay on the calling thread
@@ -385,51 +416,97 @@ def whole_run(view: LoaderView) -> Segment | None:
 
 def apply_sparse_many(views: dict[str, LoaderView], params: dict[str, torch.Tensor],
                       patches: list[tuple[str, torch.Tensor, torch.Tensor]], undo: UndoLog | None) -> int:
-    """:func:`apply_sparse` for ``(name, indices, values)`` of many tensors: those held whole as one
+    """:func:`apply_sparse` for ``(name, indices, values)`` of many tensors: :func:`plan_sparse`,
+    then its run. Returns elements written."""
+    return plan_sparse(views, params, patches, undo is not None).run(undo)
+
+
+def plan_sparse(views: dict[str, LoaderView], params: dict[str, torch.Tensor],
+                patches: list[tuple[str, torch.Tensor, torch.Tensor]], keep_old: bool = True) -> "SparsePlan":
+    """The writes of :func:`apply_sparse_many`, worked out without writing: those held whole as one
     run are grouped by parameter. On a host with the kernel (:func:`delta_sync.native.move_rows`)
-    each tensor's int32 indices are read at its offset in the parameter, and the undo reads and the
-    writes of all tensors take one foreign call per thread, each position visited once; elsewhere
-    each parameter takes one undo gather and one ``index_copy_`` for all of its tensors (a fused
-    qkv takes one for q, k and v), instead of a handful of ops and a host sync per tensor. The
-    others go through :func:`apply_sparse`. Parameters are shared out between threads, one
-    parameter's writes on one thread. Returns elements written."""
+    each tensor's int32 indices are read at its offset in the parameter, the kernel's row table is
+    built and every position checked here, and the run reads the undo values and writes all tensors
+    in one foreign call per thread, each position visited once; elsewhere each parameter's positions
+    and values are joined here, and the run takes one undo gather and one ``index_copy_`` per
+    parameter (a fused qkv: one for q, k and v), not a handful of ops and a host sync per tensor.
+    The others go through :func:`apply_sparse` in the run. So an engine plans a delta while it still
+    serves, and its pause holds the writes alone. ``keep_old``: the run will be given an undo log."""
+    plan = SparsePlan(views, params, patches)
     groups: dict[str, list[tuple[torch.Tensor, int, torch.Tensor]]] = {}
-    written = 0
     for name, idx, vals in patches:
         view = views[name]
         seg = whole_run(view)
         if seg is None:
-            written += apply_sparse(view, params, idx, vals, undo)
+            plan.others.append((view, idx, vals))
         elif idx.numel():
             groups.setdefault(seg.param, []).append((idx, seg.dst_offset, vals))
     per_param = list(groups.items())
-    sizes = [sum(i.numel() for i, _, _ in parts) for _, parts in per_param]
+    plan.sizes = [sum(i.numel() for i, _, _ in parts) for _, parts in per_param]
     flats = [flat_param(params[pname]) for pname, _ in per_param]
     device = flats[0].device if flats else None
     rows = [(flat, idx, off, vals if vals.dtype == flat.dtype else vals.to(flat.dtype))
             for flat, (_, parts) in zip(flats, per_param) for idx, off, vals in parts]
     if native.movable_rows([(*row, None) for row in rows]):
         # host kernel: each tensor's int32 indices at its parameter offset, a few foreign calls for all
-        spans = _row_spans([len(parts) for _, parts in per_param], sizes, device)
-        if undo is None:
-            native.move_rows([(*row, None) for row in rows], spans, checked=True)
-        else:
-            undo.change_rows(rows, spans, checked=True)
-        return written + sum(sizes)
+        plan.rows = rows
+        plan.table = native.row_table([(*row, None) for row in rows], checked=True)
+        native.check_rows(plan.rows, plan.table)
+        plan.spans = _row_spans([len(parts) for _, parts in per_param], plan.sizes, device)
+        if keep_old:
+            plan.undo = RowsUndo.room_for(plan.table, rows)
+        return plan
+    for flat, (_, parts) in zip(flats, per_param):
+        dst = torch.cat([i for i, _, _ in parts]) if len(parts) > 1 else parts[0][0]
+        dst = dst.to(torch.int64)
+        if any(off for _, off, _ in parts):
+            offsets = torch.tensor([off for _, off, _ in parts], dtype=torch.int64, device=dst.device)
+            counts = torch.tensor([i.numel() for i, _, _ in parts], dtype=torch.int64, device=dst.device)
+            dst += torch.repeat_interleave(offsets, counts, output_size=dst.numel())
+        vals = torch.cat([v for _, _, v in parts]) if len(parts) > 1 else parts[0][2]
+        plan.joined.append((flat, dst, vals.to(flat.dtype)))
+    plan.device = device
+    return plan
 
-    def run(lo: int, hi: int) -> None:  # parameters lo:hi (one thread's share; disjoint storages)
-        for flat, (_, parts) in zip(flats[lo:hi], per_param[lo:hi]):
-            idx = torch.cat([i for i, _, _ in parts]) if len(parts) > 1 else parts[0][0]
-            dst = idx.to(torch.int64)
-            if any(off for _, off, _ in parts):
-                offsets = torch.tensor([off for _, off, _ in parts], dtype=torch.int64, device=dst.device)
-                counts = torch.tensor([i.numel() for i, _, _ in parts], dtype=torch.int64, device=dst.device)
-                dst += torch.repeat_interleave(offsets, counts, output_size=dst.numel())
-            vals = torch.cat([v for _, _, v in parts]) if len(parts) > 1 else parts[0][2]
-            write_positions(flat, dst, vals, undo)
 
-    run_threaded(sizes, run, device=device)
-    return written + sum(sizes)
+@dataclass
+class SparsePlan:
+    """:func:`plan_sparse`'s work for :meth:`run`. The parameters must not move in between (an engine
+    plans again where they did)."""
+
+    views: dict
+    params: dict[str, torch.Tensor]
+    patches: list  # what was planned: (name, indices, values)
+    #: tensors not held whole as one run: (view, indices, values), through :func:`apply_sparse`
+    others: list = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)  # elements written per parameter
+    #: host kernel: its rows ``(flat, pos, offset, values)``, their table (checked) and spans, and
+    #: the room the run reads the old values into (None: planned without it)
+    rows: list = field(default_factory=list)
+    table: torch.Tensor | None = None
+    spans: list[tuple[int, int]] = field(default_factory=list)
+    undo: "RowsUndo | None" = None
+    #: elsewhere: per parameter ``(flat, int64 positions, values)``
+    joined: list = field(default_factory=list)
+    device: torch.device | None = None
+
+    def run(self, undo: UndoLog | None) -> int:
+        """Write the planned values, the old ones into ``undo`` first; returns elements written."""
+        written = sum(apply_sparse(view, self.params, idx, vals, undo) for view, idx, vals in self.others)
+        if self.table is not None:
+            if undo is not None and self.undo is None:
+                raise ValueError("this plan was made without room for the old values; plan it with keep_old")
+            native.run_rows(self.table, self.spans)
+            if undo is not None:
+                undo.entries.append(self.undo)
+            return written + sum(self.sizes)
+
+        def run(lo: int, hi: int) -> None:  # parameters lo:hi (one thread's share; disjoint storages)
+            for flat, dst, vals in self.joined[lo:hi]:
+                write_positions(flat, dst, vals, undo)
+
+        run_threaded(self.sizes, run, device=self.device)
+        return written + sum(self.sizes)
 
 
 def write_positions(flat: torch.Tensor, dst: torch.Tensor, values: torch.Tensor, undo: UndoLog | None,

@@ -53,7 +53,7 @@ from delta_sync.patch import Patch
 from delta_sync.transfer import BULK_KINDS, ReceivedUpdate, receive_update
 
 from .bulk_apply import BulkWrite, covered
-from .delta_apply import apply_delta
+from .delta_apply import DeltaPlan, ParamTable, apply_delta, layout_of, plan_delta
 from .loader_views import LoaderView, digest_view, probe_views
 from .receiver_guard import ReceiverGuard
 
@@ -141,10 +141,6 @@ def check_layout_supported(vllm_config, model: torch.nn.Module, device: torch.de
         check_ascend_layout(vllm_config, model)
 
 
-def _fingerprint(model: torch.nn.Module) -> dict[str, tuple]:
-    return {n: (p.data_ptr(), tuple(p.stride()), tuple(p.shape), p.dtype) for n, p in model.named_parameters()}
-
-
 class DeltaSyncReceiver:
     """One worker's receiver: it runs the lifecycle (module doc) and keeps the worker's version,
     loader views and staged update. Who may call it is the :class:`ReceiverGuard`'s; a seed's
@@ -172,6 +168,10 @@ class DeltaSyncReceiver:
         self.shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         #: the received, not yet applied update, or None
         self._staged: ReceivedUpdate | None = None
+        self._plan: DeltaPlan | None = None  # a staged delta's writes, planned on receipt
+        #: the last applied delta and its plan, freed at the next update, not inside the pause
+        self._retired: tuple | None = None
+        self.param_table = ParamTable(model)
         self._bulk = BulkWrite(self)
         self._fingerprint: dict | None = None
         self.last_timings: dict[str, float] = {}
@@ -225,8 +225,10 @@ class DeltaSyncReceiver:
     def start_weight_update(self) -> None:
         self.guard.require("start")
         self.discard_staged()
-        if self._fingerprint is not None and self._fingerprint != _fingerprint(self.model):
-            changed = [n for n, f in _fingerprint(self.model).items() if self._fingerprint.get(n) != f]
+        now = layout_of(dict(self.model.named_parameters())) if self._fingerprint is not None else None
+        if now is not None and self._fingerprint != now:
+            self.param_table = ParamTable(self.model)
+            changed = [n for n, f in now.items() if self._fingerprint.get(n) != f]
             self.views.clear()
             self._fingerprint = None
             self.version = None
@@ -244,7 +246,7 @@ class DeltaSyncReceiver:
         if self.channel is None:
             raise DeltaSyncError("init_transfer_engine was not called", kept=self.kept())
         t0 = time.perf_counter()
-        self._staged = None
+        self._staged, self._plan, self._retired = None, None, None
         self._bulk = BulkWrite(self)
         try:
             upd = receive_update(self.channel, kept=self.kept(), bulk_sink=self._bulk.apply_bucket, sink_checks=True,
@@ -256,12 +258,16 @@ class DeltaSyncReceiver:
                 self._bulk.check_complete(upd, self.kept())
             else:
                 self._check_delta(upd)
+                plan = plan_delta(self, upd.patches, upd.version)
         except Exception as e:
             self.last_error = str(e)
             raise
         self.last_timings = {"receive_s": time.perf_counter() - t0, "peak_buckets": float(upd.peak_buckets),
                              "bulk_apply_s": self._bulk.apply_s, "placed_ranges": float(self._bulk.placed),
                              "check_s": upd.check_s}
+        if upd.kind not in BULK_KINDS:
+            self._plan = plan
+            self.last_timings["plan_s"] = plan.plan_s
         self._staged = upd
 
     def _check_delta(self, upd: ReceivedUpdate) -> None:
@@ -305,22 +311,28 @@ class DeltaSyncReceiver:
 
     def discard_staged(self) -> None:
         """Drop a received, not yet applied delta (nothing was written)."""
-        self._staged = None
+        self._staged, self._plan = None, None
 
     def finish_weight_update(self) -> None:
         self.guard.require("finish")
         version = self.guard.call_version
         upd, self._staged = self._staged, None
+        plan, self._plan = self._plan, None
         if upd is None:
             return  # start/finish with nothing received (e.g. the sender aborted before sending)
         if version is not None and upd.version != version:
             self.last_error = f"finish of v{version} but v{upd.version} is staged"
             raise DeltaSyncError(self.last_error + "; the staged update was discarded", kept=self.kept())
         if upd.kind not in BULK_KINDS:  # a bulk update was applied while it arrived, and is complete
-            self.last_timings.update(apply_delta(self, upd.patches, upd.version))
+            self.last_timings.update(apply_delta(self, plan))
         self.version, self.needs_seed, self.last_error = upd.version, False, None
         self.partial = False
-        self._fingerprint = _fingerprint(self.model)  # vLLM's loader, on the fallback path, may move storage
+        # the layout the writes went to; vLLM's loader (the fallback path, a bulk update) may move storage
+        moved = plan is None or plan.slow or self.last_timings.get("replanned")
+        if moved:
+            self.param_table = ParamTable(self.model)
+        self._fingerprint = layout_of(self.param_table.params()) if moved else plan.layout
+        self._retired = (upd, plan)
         self._record_loader_params()
 
     def loader_layout(self):

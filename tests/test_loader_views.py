@@ -375,3 +375,55 @@ def test_a_write_of_the_wrong_length_raises_and_leaves_nothing_to_restore_wrongl
         undo.change(flat, pos + 1, torch.tensor([7.0, 8.0]))  # two values for three positions
     undo.restore()
     assert torch.equal(flat, torch.arange(n, dtype=torch.float32))
+
+
+class _Mixed(torch.nn.Module):
+    """Parameters of three widths, odd sizes: bf16, fp32 and int8 (an fp8-like byte weight)."""
+
+    DTYPES = (torch.bfloat16, torch.float32, torch.int8)
+
+    def __init__(self):
+        super().__init__()
+        for i, dtype in enumerate(self.DTYPES):
+            self.register_parameter(f"w{i}", torch.nn.Parameter(torch.zeros(97 + 2 * i, dtype=dtype),
+                                                                requires_grad=False))
+
+    def load_weights(self, items):
+        for name, w in items:
+            getattr(self, name).data.copy_(w)
+
+
+def test_a_planned_apply_over_parameters_of_several_widths_writes_and_restores_each_exactly():
+    """One kernel plan writes bf16, fp32 and int8 parameters (odd counts, so each row's room for
+    its old values must be sized and aligned by its own width): the writes land as the patches
+    say, the old values are read into room of the right size (the plan's undo bytes count them),
+    and the restore puts every bit back."""
+    from delta_sync import native
+    from patches.loader_views import plan_sparse
+
+    if native.kernel() is None:
+        pytest.skip("no C compiler: the host kernel is not built")
+    g = torch.Generator().manual_seed(3)
+    m = _Mixed()
+    specs = [(n, tuple(p.shape), p.dtype) for n, p in m.named_parameters()]
+    views, unsupported = probe_views(m, specs)
+    assert not unsupported
+    for p in m.parameters():
+        p.data.copy_(torch.randint(-100, 100, p.shape, generator=g).to(p.dtype))
+    before = {n: p.detach().clone() for n, p in m.named_parameters()}
+    patches = []
+    for name, shape, dtype in specs:
+        idx = torch.randperm(shape[0], generator=g)[:shape[0] // 3 * 2 + 1].sort().values.to(torch.int32)
+        patches.append((name, idx, torch.randint(-100, 100, (idx.numel(),), generator=g).to(dtype)))
+    plan = plan_sparse(views, dict(m.named_parameters()), patches)
+    assert plan.table is not None and len(plan.rows) == 3
+    undo = UndoLog()
+    assert plan.run(undo) == sum(i.numel() for _, i, _ in patches)
+    assert undo.nbytes == sum(i.numel() * (4 + v.element_size()) for _, i, v in patches)
+    for name, idx, vals in patches:
+        expect = before[name].clone()
+        expect[idx.long()] = vals
+        assert torch.equal(getattr(m, name), expect), name
+    undo.restore()
+    for name, p in m.named_parameters():
+        assert torch.equal(p, before[name]), name

@@ -231,9 +231,10 @@ def test_worker_calls_run_without_full_gc_passes(engine, monkeypatch):
 
 
 def test_apply_failure_midway_restores_previous_version(engine, monkeypatch):
-    """A delta is staged while the engine serves and applied at finish. A failure before any write
-    (the kernel's position check) writes nothing; one after some writes is undone from the undo
-    log. Either way the engine stays on v1 and the trainer's next delta carries v1 -> v2 again."""
+    """A delta is staged and its writes planned while the engine serves, and applied at finish. A
+    failure of the plan (the kernel's position check, on receipt) writes nothing; one after some
+    writes is undone from the undo log. Either way the engine stays on v1 and the trainer's next
+    delta carries v1 -> v2 again."""
     kind, path, llm = engine
     state, sync = _seeded(llm, path)
     evolve(state, 1)
@@ -246,10 +247,10 @@ def test_apply_failure_midway_restores_previous_version(engine, monkeypatch):
 
     calls = {"n": 0}
 
-    def refused(rows, spans=None, checked=False):  # the kernel checks every position before it touches any
+    def refused(rows, table):  # the kernel checks every position before it touches any
         calls["n"] += 1
         raise IndexError("injected failure before any write")
-    monkeypatch.setattr(native, "move_rows", refused)
+    monkeypatch.setattr(native, "check_rows", refused)
     evolve(state, 2)
     with pytest.raises(EngineError, match="injected failure before any write"):
         sync.update(state.items())
@@ -257,12 +258,12 @@ def test_apply_failure_midway_restores_previous_version(engine, monkeypatch):
     assert greedy(llm, PROMPTS) == before
     monkeypatch.undo()
 
-    real = delta_apply.apply_sparse_many
+    real = delta_apply.SparsePlan.run
 
-    def write_then_fail(views, params, patches, undo):  # every sparse write done for real, then a failure
-        assert real(views, params, patches, undo) > 0 and undo.entries
+    def write_then_fail(plan, undo):  # every sparse write done for real, then a failure
+        assert real(plan, undo) > 0 and undo.entries
         raise RuntimeError("injected failure after the writes")
-    monkeypatch.setattr(delta_apply, "apply_sparse_many", write_then_fail)
+    monkeypatch.setattr(delta_apply.SparsePlan, "run", write_then_fail)
     with pytest.raises(EngineError, match="injected failure after the writes.*undo log restored"):
         sync.update(state.items())
     assert sync.version == 1 and not sync.needs_seed and worker.version == 1
