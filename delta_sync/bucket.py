@@ -41,6 +41,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from . import native
+from .catalog import Catalog, CatalogBuilder, TableSlice, encode_table
 from .digest import PUBLIC, Digest, DigestKey, checksum_bytes, nonfinite_count, scan_many
 from .errors import ChecksumMismatch, PatchValidationError
 from .patch import DTYPES, Patch, dtype_name, first_true
@@ -63,6 +64,8 @@ class Bucket:
     sources: dict[int, torch.Tensor] = field(default_factory=dict)
     #: the key its digests and checksum are computed under (a channel's buckets: one per nonce)
     key: DigestKey = PUBLIC
+    #: its table (:mod:`delta_sync.catalog`), once :func:`entry_patches` parsed and checked it
+    table: TableSlice | None = None
 
     def wire_parts(self, dname: str) -> list[torch.Tensor]:
         """What travels for the ``dname`` value buffer, in order: the whole buffer, or its packed
@@ -144,6 +147,12 @@ class BucketPacker:
         self.keep: Callable[[str, torch.Tensor], None] | None = None
         #: dense ranges of at least this many bytes travel from their source (None: always packed)
         self.direct_min_bytes: int | None = DIRECT_MIN_BYTES
+        #: a delta's: sparse entries of the tensors it holds go in each bucket's table, by id
+        #: (:mod:`delta_sync.catalog`); None: every entry in JSON
+        self.catalog: Catalog | None = None
+        #: a bulk update's: the catalogue its buckets define, built as they are packed
+        self.record: CatalogBuilder | None = None
+        self._table_last = -1  # the last table id of this version (ids increase across its buckets)
 
     def _direct(self, p: Patch, take: int, device: torch.device) -> bool:
         """Does this dense range travel in a broadcast of its own (``seg``), from its source or,
@@ -190,11 +199,12 @@ class BucketPacker:
             total = p.count
             if total == 0 and not p.dense:
                 continue  # nothing changed: no entry at all
+            tid = self._table_id(p, dname)
             if self.keep is not None and p.dense:
                 if total * per > self.bucket_bytes:  # its own memory, sent in bucket-sized pieces
                     yield from self._pack_own(fill, p, dname, per)
                     continue
-                if fill.entries and fill.nbytes + total * per > self.bucket_bytes:
+                if not fill.empty and fill.nbytes + total * per > self.bucket_bytes:
                     yield self._flush(fill, False)  # whole tensors only: each one stays a view of its bucket
             done = 0
             while True:
@@ -203,17 +213,31 @@ class BucketPacker:
                     yield self._flush(fill, False)
                     continue
                 take = min(room, total - done)
-                fill.add(p, dname, per, done, take)
+                if tid is None:
+                    fill.add(p, dname, per, done, take)
+                else:
+                    fill.add_table(p, tid, dname, per, done, take)
                 done += take
                 if done >= total:
                     break
-        if close or fill.entries:
+        if close or not fill.empty:
             yield self._flush(fill, close)
+
+    def _table_id(self, p: Patch, dname: str) -> int | None:
+        """``p``'s id when its entries go in the table: a sparse patch of a catalogued tensor, after
+        every table entry so far (a stream out of the catalogue's order keeps the rest in JSON)."""
+        if self.catalog is None or p.dense:
+            return None
+        tid = self.catalog.id_of(p.name, tuple(p.shape), dname)
+        if tid is None or tid <= self._table_last:
+            return None
+        self._table_last = tid
+        return tid
 
     def _pack_own(self, fill: "_Filling", p: Patch, dname: str, per: int) -> Iterator[Bucket]:
         """Keep mode, a tensor larger than a bucket: memory of its own (its snapshot), sent in
         bucket-sized pieces, each a bucket of one entry."""
-        if fill.entries:
+        if not fill.empty:
             yield self._flush(fill, False)
         total = p.count
         own = Arena(p.values.device).carve([(p.dtype, total)])[0]
@@ -232,7 +256,7 @@ class BucketPacker:
         if into is not None:
             return torch.empty(0, dtype=torch.int32, device=into.device), {fill.entries[0]["dtype"]: into}
         fresh = self.arena is None or self.keep is not None
-        arena = Arena(self._device(fill.parts)) if fresh else self.arena
+        arena = Arena(self._device(fill.parts + fill.t_parts)) if fresh else self.arena
         names = sorted(fill.values)
         bufs = arena.carve([(torch.int32, fill.indices)] + [(DTYPES[k], fill.values[k]) for k in names])
         return bufs[0], dict(zip(names, bufs[1:]))
@@ -261,12 +285,19 @@ class BucketPacker:
         return sources
 
     @staticmethod
-    def _write_sparse(fill: "_Filling", idx: torch.Tensor, vals: dict[str, torch.Tensor]) -> None:
-        """A delta's sparse parts: one cat per buffer, not a copy per tensor."""
-        dev = idx.device
-        torch.cat([_part(p.indices, d, t, dev) for _, p, d, t in fill.parts], out=idx)
+    def _write_sparse(parts: list[tuple[str, Patch, int, int]], idx: torch.Tensor, vals: dict[str, torch.Tensor],
+                      idx_at: int = 0, vals_at: dict[str, int] | None = None) -> None:
+        """A delta's sparse ``(dtype name, patch, first, count)`` parts into the buffers from
+        ``idx_at`` / ``vals_at[dtype]`` on: one cat per buffer, not a copy per tensor."""
+        dev, vals_at = idx.device, vals_at or {}
+        if not parts:
+            return
+        torch.cat([_part(p.indices, d, t, dev) for _, p, d, t in parts], out=idx.narrow(0, idx_at, idx.numel() - idx_at))
         for k, buf in vals.items():
-            torch.cat([_part(p.values, d, t, dev) for e, p, d, t in fill.parts if e["dtype"] == k], out=buf)
+            at = vals_at.get(k, 0)
+            mine = [_part(p.values, d, t, dev) for dn, p, d, t in parts if dn == k]
+            if mine:
+                torch.cat(mine, out=buf.narrow(0, at, sum(m.numel() for m in mine)))
 
     def _flush(self, fill: "_Filling", last: bool, into: torch.Tensor | None = None) -> Bucket:
         """The filled bucket, written, digested and checked; ``fill`` starts the next one."""
@@ -277,14 +308,28 @@ class BucketPacker:
         if any(p.dense for _, p, _, _ in fill.parts):  # bulk buckets: one fused pass per range
             sources = self._write_dense(fill, idx, vals, key)
         elif fill.parts:
-            self._write_sparse(fill, idx, vals)
+            self._write_sparse([(e["dtype"], p, d, t) for e, p, d, t in fill.parts], idx, vals)
+        j_idx = idx.numel() - fill.t_idx  # the JSON entries' indices; the table's follow them
+        table = None
+        if fill.t_ids:
+            j_vals = {k: vals[k].numel() - n for k, n in fill.t_vals.items()}
+            self._write_sparse(fill.t_parts, idx, vals, j_idx, j_vals)
+            table = TableSlice(self.catalog, torch.tensor(fill.t_ids), torch.tensor(fill.t_counts), idx[j_idx:],
+                               {k: vals[k][j_vals[k]:] for k in fill.t_vals}, f"bucket {self.seq} of v{self.version}")
         header = {"version": self.version, "seq": self.seq, "last": last, "kind": self.kind,
                   "entries": list(fill.entries), "index_count": int(idx.numel()),
                   "value_counts": {k: int(v.numel()) for k, v in vals.items()}}
+        if table is not None:
+            header["table"] = encode_table(self.catalog, fill.t_ids, fill.t_counts)
+        if self.record is not None:
+            for e in fill.entries:
+                self.record.see(e["name"], e["shape"], e["dtype"])
         if nonce is not None:
             header["nonce"] = nonce
-        if self.check:
-            check_sparse_entries(header["entries"], idx, vals, self.kept)  # refused before it leaves
+        if self.check:  # refused before it leaves
+            if table is not None:
+                check_table(table, self.kept)
+            check_sparse_entries(header["entries"], idx[:j_idx], vals, self.kept)
         if self.keep is not None and into is None:
             for entry, p, done, take in fill.parts:
                 if p.dense and take == p.count:
@@ -301,31 +346,55 @@ class BucketPacker:
 
 
 class _Filling:
-    """The bucket being filled: its entries and the patch range behind each, and its counts."""
+    """The bucket being filled: its JSON entries and the patch range behind each, its table's
+    parts (which follow the JSON entries' in every buffer), and its counts."""
 
     def __init__(self):
         self.entries: list[dict] = []
         self.parts: list[tuple[dict, Patch, int, int]] = []  # (entry, patch, first element, count)
+        self.t_ids: list[int] = []
+        self.t_counts: list[int] = []
+        self.t_parts: list[tuple[str, Patch, int, int]] = []  # (dtype name, patch, first element, count)
         self.clear()
 
     def clear(self) -> None:
         self.entries.clear()
         self.parts.clear()
+        self.t_ids.clear()
+        self.t_counts.clear()
+        self.t_parts.clear()
         self.indices = 0  # int32 indices
         self.nbytes = 0  # payload bytes
         self.values: dict[str, int] = {}  # elements per value dtype
+        self.t_idx = 0  # of which the table's
+        self.t_vals: dict[str, int] = {}
+
+    @property
+    def empty(self) -> bool:
+        return not self.entries and not self.t_ids
 
     def add(self, p: Patch, dname: str, per: int, done: int, take: int) -> None:
-        """Elements ``[done, done + take)`` of ``p`` (``per`` bytes each on the wire)."""
-        vo = self.values.get(dname, 0)
+        """Elements ``[done, done + take)`` of ``p`` (``per`` bytes each on the wire), as a JSON entry."""
+        vo = self.values.get(dname, 0) - self.t_vals.get(dname, 0)
         entry = {"name": p.name, "dtype": dname, "shape": list(p.shape),
                  "encoding": "dense" if p.dense else "sparse", "count": take,
-                 "start": done if p.dense else 0, "index_offset": self.indices, "value_offset": vo}
+                 "start": done if p.dense else 0, "index_offset": self.indices - self.t_idx, "value_offset": vo}
         self.entries.append(entry)
         self.parts.append((entry, p, done, take))
         if not p.dense:
             self.indices += take
-        self.values[dname] = vo + take
+        self.values[dname] = self.values.get(dname, 0) + take
+        self.nbytes += take * per
+
+    def add_table(self, p: Patch, tid: int, dname: str, per: int, done: int, take: int) -> None:
+        """Elements ``[done, done + take)`` of sparse ``p``, catalogued as ``tid``, into the table."""
+        self.t_ids.append(tid)
+        self.t_counts.append(take)
+        self.t_parts.append((dname, p, done, take))
+        self.t_idx += take
+        self.t_vals[dname] = self.t_vals.get(dname, 0) + take
+        self.indices += take
+        self.values[dname] = self.values.get(dname, 0) + take
         self.nbytes += take * per
 
 
@@ -356,7 +425,11 @@ def value_segments(entries: list[dict], dname: str, total: int) -> list[tuple[in
             segs[-1] = (None, segs[-1][1], segs[-1][2] + n)
         elif n:
             segs.append((None, off, n))
-    return segs if pos == total else whole
+    if pos < total and segs and segs[-1][0] is None:
+        segs[-1] = (None, segs[-1][1], total - segs[-1][1])
+    elif pos < total:
+        segs.append((None, pos, total - pos))
+    return segs if pos <= total else whole
 
 
 def _part(t: torch.Tensor, start: int, count: int, device: torch.device) -> torch.Tensor:
@@ -377,25 +450,48 @@ def parse_header(raw: bytes) -> dict:
         raise PatchValidationError("<bucket header>", f"malformed header: {e}") from None
 
 
-def entry_patches(bucket: Bucket, kept: str | None = None, check_dense: bool = True) -> list[tuple[dict, Patch]]:
+def entry_patches(bucket: Bucket, kept: str | None = None, check_dense: bool = True,
+                  catalog: Catalog | None = None) -> list[tuple[dict, Patch]]:
     """Split a received bucket into per-entry patches after checking its checksum and bounds.
 
     Dense entries become ``Patch`` objects with ``indices=None`` and values for the entry's
     ``[start, start+count)`` range (the caller joins ranges of one tensor). Their digests and
     finiteness are checked here, unless ``check_dense`` is False: then the caller must run
-    :func:`check_dense_entry` on each (a receiver that digests while it applies).
+    :func:`check_dense_entry` on each (a receiver that digests while it applies). A delta bucket's
+    table is parsed against ``catalog`` and checked, and set as ``bucket.table``; its entries are
+    not among the returned ones (:meth:`TableSlice.patches` makes them).
     """
     _check_checksum(bucket, kept)
+    h = bucket.header
+    if "table" in h:
+        where = f"bucket {h['seq']} of version {h['version']}"
+        if h["kind"] != "delta":
+            raise PatchValidationError("<bucket table>", f"{where}: a table in a {h['kind']!r} bucket", kept=kept)
+        bucket.table = TableSlice.parse(h["table"], catalog, bucket.indices, bucket.values, where, kept)
+        check_table(bucket.table, kept)
     tiling = _Tiling(bucket, kept)
-    out = [(e, tiling.patch(i, e)) for i, e in enumerate(bucket.header["entries"])]
+    out = [(e, tiling.patch(i, e)) for i, e in enumerate(h["entries"])]
     tiling.check_covered()
     if check_dense:  # the bucket's dense ranges digested together (one device sync), checked in order
         dense = [(e, p) for e, p in out if p.indices is None]
         scans = scan_many([(p.values, int(e["start"]), None) for e, p in dense], key=bucket.key)
         for (e, p), (got, bad) in zip(dense, scans):
             check_dense_entry(e, got, bad, p.values, kept)
-    check_sparse_entries(bucket.header["entries"], bucket.indices, bucket.values, kept)
+    check_sparse_entries(h["entries"], bucket.indices[:tiling.json_indices], bucket.values, kept)
     return out
+
+
+def check_table(table: TableSlice, kept: str | None = None) -> None:
+    """Order, bounds and finiteness of a table's entries: one pass of the host kernel and one scan
+    per value buffer; elsewhere, or to name what is wrong, :func:`check_sparse_entries` over its
+    entries stated as JSON entries would be."""
+    ok = native.sparse_in_order(table.indices, table.counts.tolist(), table.catalog.numel[table.ids].tolist())
+    if ok and not any(nonfinite_count(v) for v in table.values.values()):
+        return
+    check_sparse_entries(table.entries(), table.indices, table.values, kept)
+    if ok is False:  # the kernel and the torch checks disagree: refuse all the same
+        raise PatchValidationError("<bucket table>", f"{table.where}: table indices out of order or bounds",
+                                   kept=kept)
 
 
 def _check_checksum(bucket: Bucket, kept: str | None) -> None:
@@ -418,7 +514,11 @@ class _Tiling:
         self.bucket, self.kept = bucket, kept
         self.used = {k: 0 for k in bucket.values}  # value elements taken so far, per dtype
         self.used_idx = 0  # indices taken so far
-        self.idx_views, self.val_views = _entry_views(bucket.header["entries"], bucket)
+        table = bucket.table  # its parts follow the entries' in every buffer
+        self.json_indices = bucket.indices.numel() - (table.indices.numel() if table else 0)
+        self.json_values = {k: v.numel() - (table.value_counts.get(k, 0) if table else 0) for k, v in bucket.values.items()}
+        self.idx_views, self.val_views = _entry_views(bucket.header["entries"], bucket, self.json_indices,
+                                                      self.json_values)
 
     def _refuse(self, name: str, why: str) -> PatchValidationError:
         return PatchValidationError(name, why, kept=self.kept)
@@ -435,7 +535,7 @@ class _Tiling:
             raise self._refuse(name, f"invalid shape {shape}")
         if e["encoding"] == "sparse":
             io, n = int(e["index_offset"]), int(e["count"])
-            if io != self.used_idx or io + n > self.bucket.indices.numel():
+            if io != self.used_idx or io + n > self.json_indices:
                 raise self._refuse(name, "entry points outside the index buffer")
             self.used_idx += n
             indices = self.idx_views[i] if self.idx_views is not None else self.bucket.indices[io:io + n]
@@ -446,7 +546,7 @@ class _Tiling:
     def _values(self, i: int, e: dict, name: str) -> torch.Tensor:
         vals_all = self.bucket.values.get(e["dtype"])
         n, vo = int(e["count"]), int(e["value_offset"])
-        if n < 0 or vals_all is None or vo < 0 or vo + n > vals_all.numel():
+        if n < 0 or vals_all is None or vo < 0 or vo + n > self.json_values[e["dtype"]]:
             raise self._refuse(name, f"entry points outside the {e['dtype']} value buffer")
         if vo != self.used[e["dtype"]]:
             raise self._refuse(name, f"value offset {vo}, expected {self.used[e['dtype']]}: entries must "
@@ -469,33 +569,36 @@ class _Tiling:
         e["_key"], e["_pad"] = self.bucket.key, self.bucket.key.pad(i)  # what a later check digests under
 
     def check_covered(self) -> None:
+        """The entries and the table together cover every index and value."""
         b = self.bucket
-        if self.used_idx != b.indices.numel() or any(self.used[k] != v.numel() for k, v in b.values.items()):
+        if self.used_idx != self.json_indices or any(self.used[k] != n for k, n in self.json_values.items()):
             raise self._refuse("<bucket>", f"bucket {b.header['seq']}: entries cover {self.used_idx} of "
-                               f"{b.indices.numel()} indices and {self.used} of the value buffers "
-                               f"{ {k: v.numel() for k, v in b.values.items()} }")
+                               f"{self.json_indices} indices and {self.used} of the value buffers "
+                               f"{self.json_values} (past them: the table's)")
 
 
-def _entry_views(entries: list[dict], bucket: Bucket) -> tuple[dict | None, dict | None]:
+def _entry_views(entries: list[dict], bucket: Bucket, n_idx: int, n_vals: dict[str, int]
+                 ) -> tuple[dict | None, dict | None]:
     """Every entry's slice of the index buffer and of its value buffer, by entry position, cut
     with one ``split`` per buffer (a MoE delta's ~19k entries: one call, not a slice each), where
-    the entries tile the buffers in order as they must; (None, None) where they do not (the
-    caller's checks then name what is wrong)."""
+    the entries tile the first ``n_idx`` indices and ``n_vals[dtype]`` values (those before a
+    table's) in order, as they must; (None, None) where they do not (the caller's checks then name
+    what is wrong)."""
     try:
         sparse = [(i, int(e["count"])) for i, e in enumerate(entries) if e.get("encoding") == "sparse"]
         per_dtype: dict[str, list[tuple[int, int]]] = {}
         for i, e in enumerate(entries):
             per_dtype.setdefault(e["dtype"], []).append((i, int(e["count"])))
-        if sum(n for _, n in sparse) != bucket.indices.numel() or any(n < 0 for _, n in sparse) or \
-                any(k not in bucket.values or sum(n for _, n in v) != bucket.values[k].numel() or
-                    any(n < 0 for _, n in v) for k, v in per_dtype.items()):
+        if sum(n for _, n in sparse) != n_idx or any(n < 0 for _, n in sparse) or \
+                any(k not in bucket.values or sum(n for _, n in v) != n_vals[k] or any(n < 0 for _, n in v)
+                    for k, v in per_dtype.items()):
             return None, None
     except (KeyError, TypeError, ValueError, AttributeError):
         return None, None
-    idx = dict(zip((i for i, _ in sparse), bucket.indices.split([n for _, n in sparse])))
+    idx = dict(zip((i for i, _ in sparse), bucket.indices[:n_idx].split([n for _, n in sparse])))
     vals = {}
     for k, members in per_dtype.items():
-        vals.update(zip((i for i, _ in members), bucket.values[k].split([n for _, n in members])))
+        vals.update(zip((i for i, _ in members), bucket.values[k][:n_vals[k]].split([n for _, n in members])))
     return idx, vals
 
 
@@ -525,10 +628,15 @@ def check_sparse_entries(entries: list[dict], indices: torch.Tensor, values: dic
     sparse = [e for e in entries if e["encoding"] == "sparse"]
     if not sparse:
         return
+    _check_order_bounds(sparse, indices, kept)
+    _check_finite(sparse, indices, values, kept)
+
+
+def _check_order_bounds(sparse: list[dict], indices: torch.Tensor, kept: str | None) -> None:
+    """Strict order and bounds of the ``sparse`` entries, which tile ``indices`` from its start."""
     count_list = [int(e["count"]) for e in sparse]
     limits = [math.prod(int(d) for d in e["shape"]) for e in sparse]
     if native.sparse_in_order(indices, count_list, limits):  # one host-kernel pass: nothing to name
-        _check_finite(sparse, indices, values, kept)
         return
     dev = indices.device
     counts = torch.tensor(count_list, dtype=torch.int64, device=dev)
@@ -565,7 +673,6 @@ def check_sparse_entries(entries: list[dict], indices: torch.Tensor, values: dic
                 at = first_true(idx[start:start + int(e["count"])] >= int(numel[k]))
                 why = f"out of bounds for {math.prod(e['shape'])} elements"
             raise PatchValidationError(e["name"], f"index {int(idx[start + at])} {why}", index=at, kept=kept)
-    _check_finite(sparse, indices, values, kept)
 
 
 def _check_finite(sparse: list[dict], indices: torch.Tensor, values: dict[str, torch.Tensor],
@@ -604,8 +711,9 @@ class TensorAssembler:
         self.kept = kept
         self._parts: dict[str, list[tuple[dict, Patch]]] = {}
 
-    def add(self, bucket: Bucket) -> None:
-        self.add_entries(entry_patches(bucket, self.kept))
+    def add(self, bucket: Bucket, catalog: Catalog | None = None) -> None:
+        entries = entry_patches(bucket, self.kept, catalog=catalog)
+        self.add_entries((bucket.table.patches() if bucket.table is not None else []) + entries)
 
     def add_entries(self, entries: list[tuple[dict, Patch]]) -> None:
         for e, p in entries:

@@ -128,6 +128,9 @@ class Channel:
         self._key = key  # bucket headers are MACed under the channel token
         #: host channels keep their bulk arenas between updates (see :meth:`arenas`)
         self._arenas: list = []
+        #: the tensors the last whole bulk update over this channel numbered (delta tables name them by id;
+        #: :mod:`delta_sync.catalog`); None before one, and after a failed one
+        self.catalog = None
 
     @classmethod
     def connect(cls, host: str, port: int, rank: int, world_size: int, token: str,

@@ -14,7 +14,7 @@ import torch
 
 from .channel import Channel
 from .digest import digest_tensor
-from .errors import EngineError
+from .errors import EngineError, NeedsSeed
 from .patch import DTYPES, apply_patch
 from .transfer import receive_update
 
@@ -28,6 +28,7 @@ class MemoryReceiver:
         self.direct = direct
         self._lock = threading.Lock()
         self.version: int | None = None
+        self.needs_seed = False  # set by an update it cannot take on its version (it asks for a seed)
         self.channel: Channel | None = None
         self._staged = None
         #: most buckets alive at once while receiving (bounded by delta_sync.transfer.BUCKETS_IN_FLIGHT)
@@ -54,6 +55,8 @@ class MemoryReceiver:
             self._staged = receive_update(self.channel, bulk_sink=self._write_ranges,
                                           place=self._place if self.direct else None)
         except Exception as e:  # what an engine client reports for a failed update RPC
+            if isinstance(e, NeedsSeed):  # e.g. a delta numbered by a catalogue this receiver lacks
+                self.needs_seed = True
             raise EngineError(self.name, f"{type(e).__name__}: {e}", kind="update") from e
         self.peak_buckets = max(self.peak_buckets, self._staged.peak_buckets)
 
@@ -92,6 +95,8 @@ class MemoryReceiver:
                 self.tensors[p.name] = torch.empty(p.shape, dtype=p.dtype)
             apply_patch(self.tensors[p.name], p)
         self.version = upd.version
+        if upd.kind != "delta":
+            self.needs_seed = False
 
     def discard(self) -> None:
         self._staged = None
@@ -107,7 +112,7 @@ class MemoryReceiver:
         return [n for n, t in expected if n not in self.tensors or not torch.equal(bits(self.tensors[n]), bits(t))]
 
     def report(self, digests: bool = False, names: list[str] | None = None) -> list[dict]:
-        out = {"version": self.version, "needs_seed": self.version is None, "rank": None}
+        out = {"version": self.version, "needs_seed": self.version is None or self.needs_seed, "rank": None}
         if digests:
             out["digests"] = {n: [digest_tensor(t).hex(), t.numel(), t.numel()] for n, t in self.tensors.items()
                               if names is None or n in names}

@@ -239,11 +239,15 @@ def row_table(rows: list[tuple], checked: bool = False) -> torch.Tensor:
                         dtype=torch.int64).reshape(-1, _MOVE_ROW)
 
 
-def check_rows(rows: list[tuple], table: torch.Tensor) -> None:
+def check_rows(rows: list[tuple] | None, table: torch.Tensor) -> None:
     """Raise IndexError, naming it, for the first position of ``table``'s rows outside its tensor
-    (reads and writes nothing)."""
+    (reads and writes nothing). ``rows``: the table's rows, to name the position (None: a table
+    built without them)."""
     lib, bad = kernel(), ctypes.c_int64()
     k = lib.move_rows(table.shape[0], table.data_ptr(), 1, ctypes.byref(bad))
+    if k >= 0 and rows is None:
+        raise IndexError(f"row {k} of a patch table: its entry {bad.value} of {int(table[k, 2])} positions is outside "
+                         f"a tensor of {int(table[k, 4])} elements; no patch of this batch was read or written")
     if k >= 0:
         flat, pos, off = rows[k][:3]
         raise IndexError(f"patch position {int(pos[bad.value]) + int(off)} (entry {bad.value} of {pos.numel()}) is "

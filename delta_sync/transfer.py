@@ -25,9 +25,10 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from .bucket import Arena, Bucket, BucketPacker, DEFAULT_BUCKET_BYTES, TensorAssembler, entry_patches
+from .catalog import CatalogBuilder, TableSlice
 from .channel import Channel
-from .errors import DeltaSyncError
-from .patch import Patch
+from .errors import DeltaSyncError, PatchValidationError
+from .patch import Patch, first_true
 
 #: buckets alive at once on either side of a bulk update (one on the wire, one being packed/applied)
 BUCKETS_IN_FLIGHT = 2
@@ -60,6 +61,8 @@ class ReceivedUpdate:
     version: int
     kind: str
     patches: list[Patch] = field(default_factory=list)
+    #: a delta's tables, for a receiver that asked for them (``tables=True``); else in ``patches``
+    tables: list[TableSlice] = field(default_factory=list)
     buckets: int = 0
     payload_bytes: int = 0
     #: most buckets alive at once on the receiver (received and not yet handed back)
@@ -107,6 +110,11 @@ class BucketSender:
         self.channel = channel
         self._before_first = before_first  # called once, on the caller's thread, before bucket 0 leaves
         self.packer = BucketPacker(version, kind, bucket_bytes, checksum, kept=kept, keys=channel.digest_key)
+        if kind in BULK_KINDS:  # it numbers the tensors anew: the old catalogue goes now, the new one if it all went
+            channel.catalog = None
+            self.packer.record = CatalogBuilder()
+        else:
+            self.packer.catalog = channel.catalog
         self.stats = SendStats()
         self._names: set[str] = set()
         self._slots = _Slots(BUCKETS_IN_FLIGHT, channel.device, channel.arenas())
@@ -207,12 +215,14 @@ class BucketSender:
     def abort(self, reason: str) -> None:
         """End the version with an abort bucket (receivers discard it); waits for the wire."""
         self._queue.put((_abort_bucket(self.packer.version, reason), self._slots.take()))
-        self._finish()
+        self._finish(aborted=True)
 
-    def _finish(self) -> SendStats:
+    def _finish(self, aborted: bool = False) -> SendStats:
         self._queue.put(None)
         self._thread.join()
         self._raise()
+        if self.packer.record is not None and not aborted:
+            self.channel.catalog = self.packer.record.build()
         self.stats.tensors = len(self._names)
         self.stats.pack_s = max(0.0, self.stats.pack_s - self.stats.source_s)
         self.stats.digest_s = self.packer.digest_s
@@ -297,6 +307,7 @@ def receive_stream(channel: Channel, kept: str | None = None, check_bulk: bool =
     first_error: Exception | None = None
     version = None
     expect_seq = 0
+    catalog, record = getattr(channel, "catalog", None), None
     stream = _prefetch(channel, slots, streamed, place)
     try:
         for bucket in stream:
@@ -305,17 +316,24 @@ def receive_stream(channel: Channel, kept: str | None = None, check_bulk: bool =
                 raise UpdateAborted(f"sender aborted version {h['version']}: {h.get('reason')}", kept=kept)
             if version is None:
                 version = h["version"]
+                if h["kind"] in BULK_KINDS:  # it numbers the tensors anew (see delta_sync.catalog)
+                    channel.catalog, record = None, CatalogBuilder()
             if first_error is None:
                 try:
                     if h["seq"] != expect_seq or h["version"] != version:
                         raise DeltaSyncError(f"bucket out of order: got v{h['version']} seq {h['seq']}, "
                                              f"expected v{version} seq {expect_seq}", kept=kept)
                     t0 = time.perf_counter()
-                    entries = entry_patches(bucket, kept, check_dense=check_bulk or h["kind"] not in BULK_KINDS)
+                    entries = entry_patches(bucket, kept, check_dense=check_bulk or h["kind"] not in BULK_KINDS,
+                                            catalog=catalog)
                     h["_check_s"] = time.perf_counter() - t0
                 except Exception as e:  # noqa: BLE001 - keep draining so the channel stays in step
                     first_error = e
                 else:
+                    if record is not None:
+                        for e in h["entries"]:
+                            record.see(e["name"], e["shape"], e["dtype"])
+                    h["_table"] = bucket.table
                     h["_payload_bytes"] = bucket.payload_bytes
                     h["_peak_buckets"] = slots.peak
                     yield h, entries
@@ -324,12 +342,15 @@ def receive_stream(channel: Channel, kept: str | None = None, check_bulk: bool =
         stream.close()
     if first_error is not None:
         raise first_error
+    if record is not None:
+        channel.catalog = record.build()
 
 
 def receive_update(channel: Channel, kept: str | None = None,
                    bulk_sink: Callable[[list[tuple[dict, Patch]]], None] | None = None,
                    sink_checks: bool = False,
-                   place: Callable[[dict], dict[int, torch.Tensor]] | None = None) -> ReceivedUpdate:
+                   place: Callable[[dict], dict[int, torch.Tensor]] | None = None,
+                   tables: bool = False) -> ReceivedUpdate:
     """Receive one version.
 
     A delta (or any version without ``bulk_sink``) is assembled into one patch per tensor: the
@@ -345,7 +366,11 @@ def receive_update(channel: Channel, kept: str | None = None,
     by entry position, e.g. the parameter slices they belong in. Their patches then hold those
     tensors, already written: the sink only checks them. Such a receiver is written by a bulk
     update from its first bucket on (and drained buckets still land), so it needs a seed after any
-    failure, as a sink that writes does."""
+    failure, as a sink that writes does.
+
+    ``tables``: a delta's tables (:mod:`delta_sync.catalog`) are handed over as they are, in
+    ``tables`` (checked to name no tensor twice), not as patches: for a receiver that routes them by
+    id."""
     asm = TensorAssembler(kept)
     update: ReceivedUpdate | None = None
     sink_error: Exception | None = None
@@ -368,10 +393,47 @@ def receive_update(channel: Channel, kept: str | None = None,
                 except Exception as err:  # noqa: BLE001 - keep draining: the channel stays in step with the sender
                     sink_error = err
         else:
+            table = h["_table"]
+            if table is not None and tables:
+                if sink_error is None:
+                    try:
+                        _follows(update.tables, table, kept)
+                    except Exception as err:  # noqa: BLE001 - keep draining: the channel stays in step
+                        sink_error = err
+                update.tables.append(table)
+            elif table is not None:
+                asm.add_entries(table.patches())
             asm.add_entries(entries)
     if update is None:
         raise DeltaSyncError("the update ended before its first bucket", kept=kept)
     if sink_error is not None:
         raise sink_error
     update.patches = asm.patches()
+    if update.tables and update.patches:
+        _apart(update.tables, update.patches, kept)
     return update
+
+
+def _follows(before: list[TableSlice], table: TableSlice, kept: str | None) -> None:
+    """A bucket's table after the version's others: its ids go on from theirs, a tensor continued
+    from the bucket before only at higher indices (each tensor's entries stay in order, once)."""
+    if not before:
+        return
+    last = before[-1]
+    a, b = int(last.ids[-1]), int(table.ids[0])
+    if b < a or (b == a and int(last.indices[-1]) >= int(table.indices[0])):
+        raise DeltaSyncError(f"{table.where}: its table goes back to tensor {b} "
+                             f"({table.catalog.names[b]}) after tensor {a}: a tensor twice or out of order", kept=kept)
+
+
+def _apart(tables: list[TableSlice], patches: list[Patch], kept: str | None) -> None:
+    """No tensor both in a table and among the JSON entries."""
+    catalog = tables[0].catalog
+    ids = {catalog.ids.get(p.name) for p in patches} - {None}
+    if not ids:
+        return
+    both = torch.isin(torch.tensor(sorted(ids)), torch.cat([t.ids for t in tables]))
+    if bool(both.any()):
+        name = catalog.names[sorted(ids)[first_true(both)]]
+        raise PatchValidationError(name, "sent twice in one update (in a bucket's table and as an entry of its own)",
+                                   kept=kept)

@@ -37,6 +37,8 @@ class WorkerWeights(Protocol):
     partial: bool
     last_error: str | None
     param_table: object  # a ParamTable: the model's parameters by name, read through their modules
+    routes: object  # a TableRoutes for the last catalogue a delta's tables named, and its key
+    routes_key: tuple | None
 
     def probe(self, names_shapes: list[tuple[str, tuple[int, ...], torch.dtype]]) -> None: ...
 

@@ -20,7 +20,7 @@ from delta_sync.patch import Patch, apply_patch
 
 from . import vllm_compat
 from .bulk_apply import WorkerWeights
-from .loader_views import LoaderView, SparsePlan, UndoLog, apply_dense, plan_sparse
+from .loader_views import LoaderView, SparsePlan, TableRoutes, UndoLog, apply_dense, plan_sparse, plan_tables
 
 
 @dataclass
@@ -34,32 +34,52 @@ class DeltaPlan:
     slow: list[Patch]  # names without a loader view: through vLLM's loader
     #: the parameters' storages and layout the plan's addresses belong to
     layout: dict[str, tuple]
+    #: the delta's tables (:mod:`delta_sync.catalog`) and their routed entries' plan
+    tables: list = None
+    routed: SparsePlan | None = None
     plan_s: float = 0.0
     undo: UndoLog | None = None  # the apply's, kept with the plan (freed with it, after the pause)
 
 
-def plan_delta(r: WorkerWeights, patches: list[Patch], version: int) -> DeltaPlan:
-    """Route ``patches`` to ``r``'s parameters and check every position (nothing is written)."""
+def plan_delta(r: WorkerWeights, patches: list[Patch], version: int, tables: list | None = None) -> DeltaPlan:
+    """Route ``patches`` and the entries of ``tables`` to ``r``'s parameters and check every
+    position (nothing is written)."""
     t0 = time.perf_counter()
     params = r.param_table.params()
-    slow, dense, sparse = [], [], []
-    for p in patches:
-        view = r.views.get(p.name)
-        if view is None:
-            slow.append(p)
-        elif p.dense:
-            dense.append((view, p.values))
-        else:
-            sparse.append((p.name, p.indices, p.values))
     try:
         with torch.no_grad():
+            routed, general = _plan_tables(r, tables or [], params, cache=True)
+            slow, dense, sparse = [], [], []
+            for p in patches + [p for _, p in general]:
+                view = r.views.get(p.name)
+                if view is None:
+                    slow.append(p)
+                elif p.dense:
+                    dense.append((view, p.values))
+                else:
+                    sparse.append((p.name, p.indices, p.values))
             sparse_plan = plan_sparse(r.views, params, sparse)
     except Exception as e:
         raise DeltaSyncError(f"delta v{version} does not fit this engine's parameters: {type(e).__name__}: {e}",
                              kept=r.kept() + " (nothing was written)") from e
-    plan = DeltaPlan(version, sparse_plan, dense, slow, layout_of(params))
+    plan = DeltaPlan(version, sparse_plan, dense, slow, layout_of(params), tables or [], routed)
     plan.plan_s = time.perf_counter() - t0
     return plan
+
+
+def _plan_tables(r: WorkerWeights, tables: list, params: dict[str, torch.Tensor], cache: bool):
+    """:func:`plan_tables` under ``r``'s routes for the tables' catalogue (kept while the catalogue,
+    the parameters and the views stay; ``cache=False``: made for ``params`` and not kept)."""
+    if not tables:
+        return None, []
+    catalog = tables[0].catalog
+    key = (catalog.fingerprint, id(r.param_table), len(r.views), len(r.fallback))
+    routes = r.routes if cache and r.routes is not None and r.routes_key == key else None
+    if routes is None:
+        routes = TableRoutes(catalog, r.views, params)
+        if cache:
+            r.routes, r.routes_key = routes, key
+    return plan_tables(routes, tables)
 
 
 def layout_of(params: dict[str, torch.Tensor]) -> dict[str, tuple]:
@@ -96,10 +116,15 @@ def apply_delta(r: WorkerWeights, plan: DeltaPlan) -> dict[str, float]:
         params, replanned = dict(r.model.named_parameters()), True
     try:
         with torch.no_grad():
-            sparse = plan_sparse(r.views, params, plan.sparse.patches) if replanned else plan.sparse
+            sparse, routed = plan.sparse, plan.routed
+            if replanned:
+                routed, _ = _plan_tables(r, plan.tables, params, cache=False)  # the same entries take the general path
+                sparse = plan_sparse(r.views, params, plan.sparse.patches)
             for view, values in plan.dense:
                 apply_dense(view, params, values, undo)
             sparse.run(undo)
+            if routed is not None:
+                routed.run(undo)
             if plan.slow:
                 _through_loader(r, plan.slow, params, undo)
     except Exception as e:

@@ -469,6 +469,86 @@ def plan_sparse(views: dict[str, LoaderView], params: dict[str, torch.Tensor],
     return plan
 
 
+_INT32_POS = torch.empty(0, dtype=torch.int32)
+
+
+class TableRoutes:
+    """Where each tensor of a catalogue (:mod:`delta_sync.catalog`) is written on this worker, as
+    the columns of the host kernel's row table: per id, ``how`` is 1 (one whole run of a parameter the
+    kernel writes: ``cols`` = parameter address, offset, size, element kinds), -1 (held nowhere
+    here: an expert of another worker) or 0 (anything else: its patch takes the general path).
+    Built once per catalogue and parameter layout; a delta's table is then routed by id, with no
+    Python object per tensor (:func:`plan_tables`)."""
+
+    def __init__(self, catalog, views: dict[str, LoaderView], params: dict[str, torch.Tensor]):
+        from delta_sync.patch import DTYPES
+
+        self.catalog = catalog
+        how, cols = [], []
+        flats: dict[str, torch.Tensor | None] = {}  # per parameter: its flat storage, None where the kernel cannot write it
+        for name, dname in zip(catalog.names, catalog.dtypes):
+            view, h, c = views.get(name), 0, (0, 0, 0, 0)
+            if view is not None and not view.segments:
+                h = -1
+            elif view is not None and (seg := whole_run(view)) is not None:
+                if seg.param not in flats:
+                    flat = flat_param(params[seg.param])
+                    flats[seg.param] = flat if native.can_move(flat, _INT32_POS) else None
+                flat = flats[seg.param]
+                if flat is not None and flat.dtype == DTYPES[dname]:
+                    h, c = 1, (flat.data_ptr(), seg.dst_offset, flat.numel(), flat.element_size() | 4 << 8)
+            how.append(h)
+            cols.append(c)
+        self.how = torch.tensor(how, dtype=torch.int8)
+        self.cols = torch.tensor(cols, dtype=torch.int64).reshape(-1, 4)
+        self._flats = flats  # the addresses in cols stay theirs
+
+
+def plan_tables(routes: TableRoutes, tables: list, keep_old: bool = True) -> tuple["SparsePlan | None", list]:
+    """A delta's tables as one host-kernel plan: each routed entry one row of the kernel's table,
+    built with a handful of vectorized operations per bucket (addresses from ``routes``, the
+    entry's indices and values where they lie in the received buffers), every position checked,
+    rows ordered by parameter for the threads; entries held nowhere here are left out untouched.
+    Returns the plan (None when nothing is routed) and ``(entry, patch)`` of the entries that take
+    the general path (:func:`plan_sparse`): tensors ``routes`` does not route, buffers off the host."""
+    from delta_sync.catalog import CODES
+    from delta_sync.patch import DTYPES
+
+    esize = torch.tensor([DTYPES[k].itemsize for k in CODES], dtype=torch.int64)
+    parts, general = [], []
+    for t in tables:
+        how = routes.how[t.ids]
+        if t.indices.device.type != "cpu" or not native.supports_words(t.indices):
+            how = torch.zeros_like(how)
+        go = how == 1
+        if not bool(go.all()):
+            general += t.patches((how == 0).nonzero().flatten())
+        if not bool(go.any()):
+            continue
+        ids, codes = t.ids[go], t.codes[go]
+        base = torch.zeros(len(CODES), dtype=torch.int64)
+        for k, v in t.values.items():
+            base[CODES.index(k)] = v.data_ptr()
+        c = routes.cols[ids]
+        parts.append(torch.stack([c[:, 0], t.indices.data_ptr() + 4 * t.index_starts[go], t.counts[go], c[:, 1],
+                                  c[:, 2], base[codes] + esize[codes] * t.value_starts[go], torch.zeros_like(ids),
+                                  c[:, 3]], 1))
+    if not parts:
+        return None, general
+    table = torch.cat(parts)
+    table = table[torch.argsort(table[:, 0], stable=True)]  # each parameter's rows together
+    native.check_rows(None, table)
+    _, per_param = torch.unique_consecutive(table[:, 0], return_counts=True)
+    ends = torch.cumsum(per_param, 0)
+    upto = torch.cumsum(table[:, 2], 0)[ends - 1]
+    sizes = torch.diff(upto, prepend=upto.new_zeros(1)).tolist()
+    plan = SparsePlan({}, {}, [], sizes=sizes, table=table, rows=tables,
+                      spans=_row_spans(per_param.tolist(), sizes, torch.device("cpu")))
+    if keep_old:
+        plan.undo = RowsUndo.room_for(table, tables)
+    return plan, general
+
+
 @dataclass
 class SparsePlan:
     """:func:`plan_sparse`'s work for :meth:`run`. The parameters must not move in between (an engine

@@ -49,7 +49,7 @@ from delta_sync.channel import Channel
 from delta_sync.digest import digest_tensor
 from delta_sync.errors import DeltaSyncError, LayoutNotSupported, NeedsSeed, PatchValidationError
 from delta_sync.options import is_int
-from delta_sync.patch import Patch
+from delta_sync.patch import DTYPES, Patch
 from delta_sync.transfer import BULK_KINDS, ReceivedUpdate, receive_update
 
 from .bulk_apply import BulkWrite, covered
@@ -172,6 +172,8 @@ class DeltaSyncReceiver:
         #: the last applied delta and its plan, freed at the next update, not inside the pause
         self._retired: tuple | None = None
         self.param_table = ParamTable(model)
+        self.routes, self.routes_key = None, None  # where a delta's table entries land (delta_apply)
+        self._catalog_checked: str | None = None  # the catalogue whose names were checked against shapes
         self._bulk = BulkWrite(self)
         self._fingerprint: dict | None = None
         self.last_timings: dict[str, float] = {}
@@ -250,7 +252,7 @@ class DeltaSyncReceiver:
         self._bulk = BulkWrite(self)
         try:
             upd = receive_update(self.channel, kept=self.kept(), bulk_sink=self._bulk.apply_bucket, sink_checks=True,
-                                 place=self._bulk.place if self._in_place() else None)
+                                 place=self._bulk.place if self._in_place() else None, tables=True)
             if update_info.version is not None and upd.version != update_info.version:
                 raise DeltaSyncError(f"received version {upd.version}, the sender announced {update_info.version}",
                                      kept=self.kept())
@@ -258,9 +260,11 @@ class DeltaSyncReceiver:
                 self._bulk.check_complete(upd, self.kept())
             else:
                 self._check_delta(upd)
-                plan = plan_delta(self, upd.patches, upd.version)
+                plan = plan_delta(self, upd.patches, upd.version, upd.tables)
         except Exception as e:
             self.last_error = str(e)
+            if isinstance(e, NeedsSeed):  # e.g. a delta numbered by a catalogue this engine lacks: ask for a seed
+                self.needs_seed = True
             raise
         self.last_timings = {"receive_s": time.perf_counter() - t0, "peak_buckets": float(upd.peak_buckets),
                              "bulk_apply_s": self._bulk.apply_s, "placed_ranges": float(self._bulk.placed),
@@ -279,6 +283,17 @@ class DeltaSyncReceiver:
                                  "it was built on another base and was not staged", kept=self.kept())
         for p in upd.patches:
             self._validate(p)
+        if upd.tables and self._catalog_checked != upd.tables[0].catalog.fingerprint:
+            self._check_catalog(upd.tables[0].catalog)
+
+    def _check_catalog(self, catalog) -> None:
+        """The tensors a catalogue numbers are the ones seeded here, as seeded (once per catalogue)."""
+        for name, shape, dname in zip(catalog.names, catalog.shapes, catalog.dtypes):
+            known = self.shapes.get(name)
+            if known is None or known != (shape, DTYPES[dname]):
+                raise NeedsSeed(f"{name}: the channel's catalogue has it as {shape} {dname}, this engine "
+                                f"{'never seeded it' if known is None else f'seeded {known}'}", kept=self.kept())
+        self._catalog_checked = catalog.fingerprint
 
     def _in_place(self) -> bool:
         """Can large bulk ranges be received straight into the parameters? Where a worker holds

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import threading
@@ -84,6 +85,9 @@ def test_seed_and_deltas_equal_fresh_engine(engine, tmp_path):
     assert all(0 < r.changed_fraction < 1 for r in reports)
     status = sync.engines[0].report()[0]
     assert status["version"] == VERSIONS and not status["fallback"] and status["views"] == len(state)
+    # the deltas' tables were routed by id, every tensor of this one-worker engine straight to its parameter
+    routes = _worker_engine(llm).routes
+    assert routes is not None and len(routes.catalog) == len(state) and bool((routes.how == 1).all())
     live = greedy(llm, PROMPTS)
     fresh = fresh_engine(export(state, path, tmp_path / "patched"))
     assert [r["token_ids"] for r in live] == [r["token_ids"] for r in fresh]
@@ -91,8 +95,10 @@ def test_seed_and_deltas_equal_fresh_engine(engine, tmp_path):
     sync.close()
 
 
-def _raw_update(sync: WeightSync, llm, patches, version, corrupt_checksum=False):
-    """Send patches that skipped the trainer-side validation, as a buggy or hostile sender would."""
+def _raw_update(sync: WeightSync, llm, patches, version, corrupt_checksum=False, tables=True, headers=None):
+    """Send patches that skipped the trainer-side validation, as a buggy or hostile sender would;
+    without ``tables`` every entry in JSON (as a sender without a catalogue sends them). The
+    headers sent go into ``headers``."""
     sync._engines.connect()
     eng = sync.engines[0]
     eng.start()
@@ -106,17 +112,23 @@ def _raw_update(sync: WeightSync, llm, patches, version, corrupt_checksum=False)
     th = threading.Thread(target=recv)
     th.start()
     chan = sync.channel
-    if corrupt_checksum:  # on this sender's channel only: the in-process receiver has its own
-        plain_send = chan.send_bucket
+    plain_send = chan.send_bucket
 
-        def send_corrupt(bucket: Bucket) -> None:
+    def send(bucket: Bucket) -> None:  # on this sender's channel only: the in-process receiver has its own
+        if corrupt_checksum:
             bucket.header["checksum"] = "0" * 16
-            plain_send(bucket)
-        chan.send_bucket = send_corrupt
+        if headers is not None:
+            headers.append(dict(bucket.header))
+        plain_send(bucket)
+    chan.send_bucket = send
+    catalog = chan.catalog
+    if not tables:
+        chan.catalog = None
     try:
         send_update(chan, version, "delta", patches, check=False)
     finally:
         chan.__dict__.pop("send_bucket", None)
+        chan.catalog = catalog
     th.join(300)
     assert not th.is_alive(), "engine update RPC still blocked after 300 s"
     for step in (eng.discard, lambda: eng.finish(version)):
@@ -148,10 +160,19 @@ def test_bad_updates_rejected_and_outputs_unchanged(engine):
         "duplicate": Patch(name, tuple(t.shape), t.dtype, i32([3, 3]), vals(2)),
         "non-finite": Patch(name, tuple(t.shape), t.dtype, i32([1, 2]), torch.tensor([1.0, float("nan")]).to(t.dtype)),
     }
-    for what, bad in cases.items():
-        good = Patch(name, tuple(t.shape), t.dtype, i32([7]), vals(1))  # would change outputs if applied
-        e = _raw_update(sync, llm, [good, bad], sync.version + 1)
+    later = "model.layers.1.self_attn.q_proj.weight"  # after ``name`` in the checkpoint's order
+    for (what, bad), tables in itertools.product(cases.items(), (True, False)):
+        # a good patch (it would change outputs if applied) before the bad one, and one after it:
+        # with tables, the bad one is a table entry where its name and shape are catalogued
+        good = Patch(name, tuple(t.shape), t.dtype, i32([7]), vals(1))
+        after = Patch(later, tuple(state[later].shape), t.dtype, i32([7]), vals(1))
+        catalogued = what not in ("unknown name", "wrong shape", "dtype")
+        sent, headers = [bad, after] if tables and catalogued else [good, bad, after], []
+        e = _raw_update(sync, llm, sent, sync.version + 1, tables=tables, headers=headers)
         assert isinstance(e, EngineError) and "PatchValidationError" in str(e), f"{what}: got {e!r}"
+        assert ("table" in headers[0]) == tables, what
+        if catalogued:  # named as precisely from a table as from an entry
+            assert what.split()[0] in str(e) and name in str(e), str(e)
         assert greedy(llm, PROMPTS) == before, what
     e = _raw_update(sync, llm, [Patch(name, tuple(t.shape), t.dtype, i32([7]), vals(1))], sync.version + 1,
                     corrupt_checksum=True)
@@ -260,9 +281,12 @@ def test_apply_failure_midway_restores_previous_version(engine, monkeypatch):
 
     real = delta_apply.SparsePlan.run
 
-    def write_then_fail(plan, undo):  # every sparse write done for real, then a failure
-        assert real(plan, undo) > 0 and undo.entries
-        raise RuntimeError("injected failure after the writes")
+    def write_then_fail(plan, undo):  # the plan that writes (tables routed, or patches): for real, then a failure
+        written = real(plan, undo)
+        if written:
+            assert undo.entries
+            raise RuntimeError("injected failure after the writes")
+        return written
     monkeypatch.setattr(delta_apply.SparsePlan, "run", write_then_fail)
     with pytest.raises(EngineError, match="injected failure after the writes.*undo log restored"):
         sync.update(state.items())

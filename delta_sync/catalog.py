@@ -1,0 +1,165 @@
+"""The checkpoint's tensors by number, as both ends of a channel saw them in the last seed.
+
+A 30B-A3B checkpoint has 18,867 tensors; a delta touches most of them with a handful of elements
+each. Naming each one in a bucket's JSON header (name, shape, dtype, offsets: ~190 bytes) and
+parsing, checking and routing it entry by entry cost more than the elements themselves. So a
+seed or full update defines a :class:`Catalog`: its tensors in the order they first travelled,
+with their shapes and dtypes. Both ends build it from the buckets themselves (the sender as it
+packs them, each receiver as it checks them) and keep it on their :class:`~delta_sync.channel.Channel`
+once the version went through whole; a failed or aborted one leaves none.
+
+A delta bucket then names its sparse entries of catalogued tensors in a *table*: the catalogue's
+fingerprint, and two ``int32`` arrays, tensor ids (strictly increasing) and element counts (8 bytes
+per tensor, base64 in the header, so the header's MAC covers them). Their indices and values
+follow those of the bucket's JSON entries (dense ones, names the catalogue lacks) in every buffer,
+in table order. A receiver checks a table with a few vectorized operations, and an engine routes it
+by id without a Python object per tensor (:class:`TableSlice`). A receiver whose catalogue differs
+(another seed, a restarted engine, a new channel) refuses the delta: it needs a seed.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import math
+
+import torch
+
+from .errors import NeedsSeed, PatchValidationError
+from .patch import DTYPES, Patch
+
+#: dtype names by the code a catalogue stores them as
+CODES = tuple(DTYPES)
+
+
+class Catalog:
+    """Tensors by id: ``names[i]``, ``shapes[i]``, ``dtypes[i]`` (dtype names)."""
+
+    def __init__(self, names: list[str], shapes: list[tuple[int, ...]], dtypes: list[str]):
+        self.names, self.shapes, self.dtypes = names, shapes, dtypes
+        self.ids = {n: i for i, n in enumerate(names)}
+        h = hashlib.blake2b(digest_size=12)
+        for n, s, d in zip(names, shapes, dtypes):
+            h.update(f"{n}|{','.join(map(str, s))}|{d}\n".encode())
+        self.fingerprint = h.hexdigest()
+        self.numel = torch.tensor([math.prod(s) for s in shapes], dtype=torch.int64)
+        self.codes = torch.tensor([CODES.index(d) for d in dtypes], dtype=torch.int64)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def id_of(self, name: str, shape: tuple[int, ...], dname: str) -> int | None:
+        """The id of ``name`` where it is catalogued with this shape and dtype, else None."""
+        i = self.ids.get(name)
+        return i if i is not None and self.shapes[i] == shape and self.dtypes[i] == dname else None
+
+
+class CatalogBuilder:
+    """Tensors in the order they first appear in a bulk update's buckets."""
+
+    def __init__(self):
+        self._names: list[str] = []
+        self._shapes: list[tuple[int, ...]] = []
+        self._dtypes: list[str] = []
+        self._seen: set[str] = set()
+
+    def see(self, name: str, shape, dname: str) -> None:
+        if name not in self._seen:
+            self._seen.add(name)
+            self._names.append(name)
+            self._shapes.append(tuple(int(d) for d in shape))
+            self._dtypes.append(dname)
+
+    def build(self) -> Catalog:
+        return Catalog(self._names, self._shapes, self._dtypes)
+
+
+def encode_table(catalog: Catalog, ids: list[int], counts: list[int]) -> dict:
+    """A bucket header's ``table``."""
+    return {"catalog": catalog.fingerprint, "ids": _b64(ids), "counts": _b64(counts)}
+
+
+def _b64(values: list[int]) -> str:
+    return base64.b64encode(torch.tensor(values, dtype=torch.int32).numpy().tobytes()).decode()
+
+
+def _ints(text, what: str, where: str) -> torch.Tensor:
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (TypeError, ValueError):
+        raise PatchValidationError("<bucket table>", f"{where}: table {what} are not base64") from None
+    if len(raw) % 4:
+        raise PatchValidationError("<bucket table>", f"{where}: table {what} are not int32 ({len(raw)} bytes)")
+    return torch.frombuffer(bytearray(raw), dtype=torch.int32).to(torch.int64)
+
+
+class TableSlice:
+    """One bucket's table: entry ``k`` is tensor ``ids[k]``'s next ``counts[k]`` changed elements,
+    its int32 indices at ``index_starts[k]`` of :attr:`indices` and its values at
+    ``value_starts[k]`` of its dtype's buffer in :attr:`values`."""
+
+    def __init__(self, catalog: Catalog, ids: torch.Tensor, counts: torch.Tensor, indices: torch.Tensor,
+                 values: dict[str, torch.Tensor], where: str):
+        self.catalog, self.ids, self.counts, self.where = catalog, ids, counts, where
+        self.indices, self.values = indices, values
+        self.codes = catalog.codes[ids]
+        self.index_starts = torch.cumsum(counts, 0) - counts
+        self.value_starts = torch.empty_like(counts)
+        for code in self.codes.unique().tolist():
+            mask = self.codes == code
+            c = counts[mask]
+            self.value_starts[mask] = torch.cumsum(c, 0) - c
+
+    @classmethod
+    def parse(cls, table, catalog: Catalog | None, indices: torch.Tensor, values: dict[str, torch.Tensor],
+              where: str, kept: str | None) -> "TableSlice":
+        """The table of a received bucket (``indices`` / ``values``: its whole buffers, whose ends
+        hold the table's), its ids, counts and extent checked; its indices and values are checked by
+        the caller."""
+        if not isinstance(table, dict):
+            raise PatchValidationError("<bucket table>", f"{where}: malformed table", kept=kept)
+        if catalog is None or table.get("catalog") != catalog.fingerprint:
+            have = "no catalogue (no seed went through this channel)" if catalog is None else \
+                f"catalogue {catalog.fingerprint}"
+            raise NeedsSeed(f"{where} names tensors by catalogue {table.get('catalog')!r}, this receiver has "
+                            f"{have}: the tensors it numbers are not known here", kept=kept)
+        ids, counts = _ints(table.get("ids"), "ids", where), _ints(table.get("counts"), "counts", where)
+        if ids.numel() != counts.numel() or not ids.numel():
+            raise PatchValidationError("<bucket table>", f"{where}: {ids.numel()} ids, {counts.numel()} counts",
+                                       kept=kept)
+        if int(ids.min()) < 0 or int(ids.max()) >= len(catalog) or bool((ids[1:] <= ids[:-1]).any()):
+            raise PatchValidationError("<bucket table>", f"{where}: table ids must increase strictly within "
+                                       f"the {len(catalog)} catalogued tensors", kept=kept)
+        if bool((counts <= 0).any()):
+            raise PatchValidationError("<bucket table>", f"{where}: a table entry without elements", kept=kept)
+        n_idx = int(counts.sum())
+        per_dtype = {CODES[c]: int(counts[catalog.codes[ids] == c].sum()) for c in catalog.codes[ids].unique().tolist()}
+        if n_idx > indices.numel() or any(k not in values or n > values[k].numel() for k, n in per_dtype.items()):
+            raise PatchValidationError("<bucket table>", f"{where}: the table's {n_idx} elements "
+                                       f"{per_dtype} overrun the buffers", kept=kept)
+        return cls(catalog, ids, counts, indices[indices.numel() - n_idx:],
+                   {k: values[k][values[k].numel() - n:] for k, n in per_dtype.items()}, where)
+
+    @property
+    def value_counts(self) -> dict[str, int]:
+        return {k: v.numel() for k, v in self.values.items()}
+
+    def entries(self, which: torch.Tensor | None = None) -> list[dict]:
+        """The table's entries (or those at positions ``which``) as JSON entries would state them."""
+        rows = range(self.ids.numel()) if which is None else which.tolist()
+        ids, counts = self.ids.tolist(), self.counts.tolist()
+        istart, vstart = self.index_starts.tolist(), self.value_starts.tolist()
+        cat = self.catalog
+        return [{"name": cat.names[ids[k]], "dtype": cat.dtypes[ids[k]], "shape": list(cat.shapes[ids[k]]),
+                 "encoding": "sparse", "count": counts[k], "start": 0, "index_offset": istart[k],
+                 "value_offset": vstart[k]} for k in rows]
+
+    def patches(self, which: torch.Tensor | None = None) -> list[tuple[dict, Patch]]:
+        """``(entry, patch)`` per table entry (or those at ``which``): each one's slices of the buffers."""
+        out = []
+        for e in self.entries(which):
+            n = e["count"]
+            out.append((e, Patch(e["name"], tuple(e["shape"]), DTYPES[e["dtype"]],
+                                 self.indices[e["index_offset"]:e["index_offset"] + n],
+                                 self.values[e["dtype"]][e["value_offset"]:e["value_offset"] + n])))
+        return out

@@ -1,0 +1,130 @@
+"""Delta tables: a delta names the tensors the last seed catalogued by id (delta_sync.catalog).
+
+Real channels (gloo, in this process) between a WeightSync and an in-memory receiver; the vLLM
+engine's routing of tables is tested in test_vllm_receiver."""
+
+import json
+
+import pytest
+import torch
+
+from delta_sync.bucket import BucketPacker, entry_patches
+from delta_sync.catalog import Catalog
+from delta_sync.errors import EngineError, NeedsSeed, PatchValidationError
+from delta_sync.memory_receiver import MemoryReceiver
+from delta_sync.patch import Patch
+from delta_sync.sync import WeightSync
+
+
+def _state(n: int, g: torch.Generator) -> dict[str, torch.Tensor]:
+    return {f"layers.{i}.w": torch.randn(8, 4 + i % 5, generator=g).to(torch.bfloat16) for i in range(n)}
+
+
+def _touch(state: dict[str, torch.Tensor], g: torch.Generator, per_tensor: int = 1) -> None:
+    for t in state.values():
+        flat = t.view(-1)
+        idx = torch.randperm(flat.numel(), generator=g)[:per_tensor]
+        flat[idx] = (flat[idx].float() + 1.0).to(flat.dtype)
+
+
+def _recording(sync: WeightSync) -> list[dict]:
+    headers = []
+    send = sync.channel.send_bucket
+
+    def record(bucket):
+        headers.append(json.loads(bucket.header_bytes()))
+        send(bucket)
+    sync.channel.send_bucket = record
+    return headers
+
+
+@pytest.mark.parametrize("bucket_bytes", [1 << 20, 200], ids=["one-bucket", "split-tensors"])
+def test_a_delta_names_its_tensors_by_id_in_a_compact_table_and_stays_exact(bucket_bytes):
+    """After a seed, a delta's sparse entries travel as a table of (id, count) pairs, at most 16
+    header bytes per changed tensor, no JSON entry each; split across small buckets (a tensor
+    continued from one bucket's table into the next) the receiver's tensors still equal the
+    trainer's, bit for bit, over several deltas."""
+    g = torch.Generator().manual_seed(1)
+    state = _state(300, g)
+    rx = MemoryReceiver()
+    sync = WeightSync([rx], mode="delta", bucket_bytes=bucket_bytes)
+    assert sync.update(state.items()).kind == "seed"
+    headers = _recording(sync)
+    for _ in range(3):
+        headers.clear()
+        _touch(state, g, per_tensor=3)
+        assert sync.update(state.items()).kind == "delta"
+        assert not rx.mismatched(state.items())
+        tables = [h["table"] for h in headers if "table" in h]
+        assert tables and not any(h["entries"] for h in headers), "every changed tensor catalogued: no JSON entry"
+        # whole tables (their catalogue's name included) in one bucket; the (id, count) pairs alone
+        # where a bucket of 200 bytes carries a few tensors each
+        per_tensor = sum(len(json.dumps(t)) if bucket_bytes > 200 else len(t["ids"]) + len(t["counts"])
+                         for t in tables) / len(state)
+        assert per_tensor <= 16, per_tensor
+    if bucket_bytes == 200:
+        assert len(headers) > 3  # the tensors' entries spread over buckets, some continued across two
+    sync.verify()
+    sync.close()
+
+
+def test_a_receiver_without_the_senders_catalogue_refuses_the_delta_and_the_next_update_reseeds():
+    """A receiver whose channel lost the catalogue (a new channel, a restart) cannot tell which
+    tensors a table numbers: it refuses the delta naming the catalogue, writes nothing, asks for a
+    seed; the trainer's next update is one, and deltas after it are tables again, exact."""
+    g = torch.Generator().manual_seed(2)
+    state = _state(40, g)
+    rx = MemoryReceiver()
+    sync = WeightSync([rx], mode="delta")
+    sync.update(state.items())
+    before = {n: t.clone() for n, t in rx.tensors.items()}
+    rx.channel.catalog = None
+    _touch(state, g)
+    with pytest.raises(EngineError, match="NeedsSeed.*catalogue"):
+        sync.update(state.items())
+    assert all(torch.equal(rx.tensors[n], t) for n, t in before.items())
+    assert rx.report()[0]["needs_seed"]
+    assert sync.update(state.items()).kind == "seed" and not rx.mismatched(state.items())
+    headers = _recording(sync)
+    _touch(state, g)
+    assert sync.update(state.items()).kind == "delta" and any("table" in h for h in headers)
+    assert not rx.mismatched(state.items())
+    sync.close()
+
+
+def _catalog(names, shape=(4, 4)) -> Catalog:
+    return Catalog(list(names), [shape] * len(names), ["bfloat16"] * len(names))
+
+
+def _packed(catalog: Catalog, patches: list[Patch], bucket_bytes: int = 1 << 20) -> list:
+    packer = BucketPacker(1, "delta", bucket_bytes)
+    packer.catalog = catalog
+    return list(packer.pack(patches))
+
+
+def _sparse(name: str, idx: list[int], value: float = 1.0) -> Patch:
+    return Patch(name, (4, 4), torch.bfloat16, torch.tensor(idx, dtype=torch.int32),
+                 torch.full((len(idx),), value, dtype=torch.bfloat16))
+
+
+def test_a_table_checks_its_entries_and_names_the_tensor():
+    """A table's entries get the checks JSON entries get (order, bounds, finiteness), and a failure
+    names the tensor; a stream out of the catalogue's order keeps the rest in JSON entries, and a
+    dense entry goes beside the table; a receiver with another catalogue refuses the bucket."""
+    cat = _catalog(["a", "b", "c"])
+    good = [_sparse("a", [1, 5]), Patch.full("b", torch.ones(4, 4, dtype=torch.bfloat16)), _sparse("c", [0])]
+    (bucket,) = _packed(cat, good)
+    assert [e["name"] for e in bucket.header["entries"]] == ["b"] and "table" in bucket.header
+    out = entry_patches(bucket, catalog=cat)
+    assert [p.name for _, p in bucket.table.patches()] == ["a", "c"] and [p.name for _, p in out] == ["b"]
+    (shuffled,) = _packed(cat, [_sparse("c", [2]), _sparse("a", [3])])  # "a" after "c": a JSON entry
+    assert [e["name"] for e in shuffled.header["entries"]] == ["a"]
+    for idx, value, why in (([5, 3], 1.0, "not increasing"), ([2, 16], 1.0, "out of bounds"),
+                            ([1, 2], float("nan"), "non-finite")):
+        packer = BucketPacker(1, "delta", 1 << 20, check=False)  # a buggy sender: its own checks off
+        packer.catalog = cat
+        (bad,) = packer.pack([_sparse("a", [0]), _sparse("b", idx, value)])
+        with pytest.raises(PatchValidationError, match=f"'b'.*{why}"):
+            entry_patches(bad, catalog=cat)
+    with pytest.raises(NeedsSeed, match="catalogue"):
+        entry_patches(bucket, catalog=_catalog(["a", "b", "x"]))
