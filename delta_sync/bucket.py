@@ -31,6 +31,8 @@ a bucket (:func:`value_segments`).
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 import math
 import secrets
@@ -44,7 +46,7 @@ from . import native
 from .catalog import Catalog, CatalogBuilder, TableSlice, encode_table
 from .digest import PUBLIC, Digest, DigestKey, checksum_bytes, nonfinite_count, scan_many
 from .errors import ChecksumMismatch, PatchValidationError
-from .patch import DTYPES, Patch, dtype_name, first_true
+from .patch import DTYPES, Patch, PatchBatch, dtype_name, first_true
 
 DEFAULT_BUCKET_BYTES = 512 << 20
 #: the smallest bucket (bytes of payload): room for an element of any dtype and its index
@@ -193,35 +195,93 @@ class BucketPacker:
         (carved from :attr:`arena` when set), dense ranges digested in the same pass."""
         fill = _Filling()
         for p in patches:
-            dname = dtype_name(p.dtype, tensor=p.name)
-            esize = p.values.element_size()
-            per = esize if p.dense else esize + 4  # bytes per element on the wire
-            total = p.count
-            if total == 0 and not p.dense:
-                continue  # nothing changed: no entry at all
-            tid = self._table_id(p, dname)
-            if self.keep is not None and p.dense:
-                if total * per > self.bucket_bytes:  # its own memory, sent in bucket-sized pieces
-                    yield from self._pack_own(fill, p, dname, per)
-                    continue
-                if not fill.empty and fill.nbytes + total * per > self.bucket_bytes:
-                    yield self._flush(fill, False)  # whole tensors only: each one stays a view of its bucket
-            done = 0
-            while True:
-                room = (self.bucket_bytes - fill.nbytes) // per
-                if room <= 0 and done < total:
-                    yield self._flush(fill, False)
-                    continue
-                take = min(room, total - done)
-                if tid is None:
-                    fill.add(p, dname, per, done, take)
-                else:
-                    fill.add_table(p, tid, dname, per, done, take)
-                done += take
-                if done >= total:
-                    break
+            if isinstance(p, PatchBatch):
+                yield from self._pack_batch(fill, p)
+            else:
+                yield from self._pack_one(fill, p)
         if close or not fill.empty:
             yield self._flush(fill, close)
+
+    def _pack_one(self, fill: "_Filling", p: Patch, tid: int | None = None) -> Iterator[Bucket]:
+        """``p`` into ``fill``, flushing it as it fills up; ``tid``: its table id, known already."""
+        dname = dtype_name(p.dtype, tensor=p.name)
+        esize = p.values.element_size()
+        per = esize if p.dense else esize + 4  # bytes per element on the wire
+        total = p.count
+        if total == 0 and not p.dense:
+            return  # nothing changed: no entry at all
+        if tid is None:
+            tid = self._table_id(p, dname)
+        if self.keep is not None and p.dense:
+            if total * per > self.bucket_bytes:  # its own memory, sent in bucket-sized pieces
+                yield from self._pack_own(fill, p, dname, per)
+                return
+            if not fill.empty and fill.nbytes + total * per > self.bucket_bytes:
+                yield self._flush(fill, False)  # whole tensors only: each one stays a view of its bucket
+        done = 0
+        while True:
+            room = (self.bucket_bytes - fill.nbytes) // per
+            if room <= 0 and done < total:
+                yield self._flush(fill, False)
+                continue
+            take = min(room, total - done)
+            if tid is None:
+                fill.add(p, dname, per, done, take)
+            else:
+                fill.add_table(p, tid, dname, per, done, take)
+            done += take
+            if done >= total:
+                break
+
+    def _pack_batch(self, fill: "_Filling", b: PatchBatch) -> Iterator[Bucket]:
+        """A batch's tensors into ``fill``'s tables by ranges: each run of catalogued tensors (in
+        the catalogue's order) goes in with a few list operations per bucket, not per tensor; a
+        tensor the catalogue lacks, or out of its order, goes as a JSON entry of its own."""
+        dname = dtype_name(b.dtype, tensor=b.names[0])
+        per = b.values.element_size() + 4
+        ids = self._table_ids(b, dname)
+        counts, starts = b.counts, b.starts()
+        k, n = 0, len(counts)
+        while k < n:
+            if ids[k] is None:
+                p = Patch(b.names[k], b.shapes[k], b.dtype, b.indices.narrow(0, starts[k], counts[k]),
+                          b.values.narrow(0, starts[k], counts[k]))
+                yield from self._pack_one(fill, p, None)
+                k += 1
+                continue
+            j = k + 1
+            while j < n and ids[j] is not None:
+                j += 1
+            # tensors k..j-1 fill buckets from element ``pos`` on; ``ends[m]``: where tensor k+m ends
+            ends = list(itertools.accumulate(counts[k:j], initial=starts[k]))[1:]
+            pos, m = starts[k], 0
+            while m < j - k:
+                room = (self.bucket_bytes - fill.nbytes) // per
+                if room <= 0:
+                    yield self._flush(fill, False)
+                    continue
+                whole = bisect.bisect_right(ends, pos + room, lo=m)  # tensors that end within the room
+                if whole > m:
+                    run_counts = [ends[m] - pos] + counts[k + m + 1:k + whole]
+                    fill.add_table_run(b, ids[k + m:k + whole], run_counts, dname, per, pos, ends[whole - 1] - pos)
+                    pos, m = ends[whole - 1], whole
+                elif room:  # the next tensor fills the bucket: its first elements here, the rest in the next
+                    fill.add_table_run(b, [ids[k + m]], [room], dname, per, pos, room)
+                    pos += room
+            k = j
+
+    def _table_ids(self, b: PatchBatch, dname: str) -> list[int | None]:
+        """:meth:`_table_id` of each tensor of ``b``."""
+        out: list[int | None] = [None] * len(b.names)
+        if self.catalog is None:
+            return out
+        cat, last = self.catalog, self._table_last
+        for k, (name, shape) in enumerate(zip(b.names, b.shapes)):
+            tid = cat.id_of(name, shape, dname)
+            if tid is not None and tid > last:
+                out[k] = last = tid
+        self._table_last = last
+        return out
 
     def _table_id(self, p: Patch, dname: str) -> int | None:
         """``p``'s id when its entries go in the table: a sparse patch of a catalogued tensor, after
@@ -292,7 +352,7 @@ class BucketPacker:
         dev, vals_at = idx.device, vals_at or {}
         if not parts:
             return
-        torch.cat([_part(p.indices, d, t, dev) for _, p, d, t in parts], out=idx.narrow(0, idx_at, idx.numel() - idx_at))
+        torch.cat([_part(p.indices, d, t, dev) for _, p, d, t in parts], out=idx.narrow(0, idx_at, sum(t for *_, t in parts)))
         for k, buf in vals.items():
             at = vals_at.get(k, 0)
             mine = [_part(p.values, d, t, dev) for dn, p, d, t in parts if dn == k]
@@ -322,8 +382,7 @@ class BucketPacker:
         if table is not None:
             header["table"] = encode_table(self.catalog, fill.t_ids, fill.t_counts)
         if self.record is not None:
-            for e in fill.entries:
-                self.record.see(e["name"], e["shape"], e["dtype"])
+            self.record.see_entries(header["entries"])
         if nonce is not None:
             header["nonce"] = nonce
         if self.check:  # refused before it leaves
@@ -388,8 +447,14 @@ class _Filling:
 
     def add_table(self, p: Patch, tid: int, dname: str, per: int, done: int, take: int) -> None:
         """Elements ``[done, done + take)`` of sparse ``p``, catalogued as ``tid``, into the table."""
-        self.t_ids.append(tid)
-        self.t_counts.append(take)
+        self.add_table_run(p, [tid], [take], dname, per, done, take)
+
+    def add_table_run(self, p: Patch | PatchBatch, tids: list[int], counts: list[int], dname: str, per: int,
+                      done: int, take: int) -> None:
+        """Elements ``[done, done + take)`` of ``p``'s buffers, ``counts[k]`` of them of tensor
+        ``tids[k]`` in turn, into the table."""
+        self.t_ids += tids
+        self.t_counts += counts
         self.t_parts.append((dname, p, done, take))
         self.t_idx += take
         self.t_vals[dname] = self.t_vals.get(dname, 0) + take

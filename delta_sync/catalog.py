@@ -55,23 +55,27 @@ class Catalog:
 
 
 class CatalogBuilder:
-    """Tensors in the order they first appear in a bulk update's buckets."""
+    """Tensors in the order they first appear in a bulk update's buckets: each bucket's JSON
+    entries are kept as they are (one list per bucket) and numbered only when :meth:`build` is
+    called, so a full-mode channel, which never sends a delta, never pays for a catalogue."""
 
     def __init__(self):
-        self._names: list[str] = []
-        self._shapes: list[tuple[int, ...]] = []
-        self._dtypes: list[str] = []
-        self._seen: set[str] = set()
+        self._buckets: list[list[dict]] = []
 
-    def see(self, name: str, shape, dname: str) -> None:
-        if name not in self._seen:
-            self._seen.add(name)
-            self._names.append(name)
-            self._shapes.append(tuple(int(d) for d in shape))
-            self._dtypes.append(dname)
+    def see_entries(self, entries: list[dict]) -> None:
+        """A checked bucket's entries (``name``, ``shape``, ``dtype``)."""
+        self._buckets.append(entries)
 
     def build(self) -> Catalog:
-        return Catalog(self._names, self._shapes, self._dtypes)
+        names, shapes, dtypes, seen = [], [], [], set()
+        for entries in self._buckets:
+            for e in entries:
+                if e["name"] not in seen:
+                    seen.add(e["name"])
+                    names.append(e["name"])
+                    shapes.append(tuple(int(d) for d in e["shape"]))
+                    dtypes.append(e["dtype"])
+        return Catalog(names, shapes, dtypes)
 
 
 def encode_table(catalog: Catalog, ids: list[int], counts: list[int]) -> dict:
@@ -99,10 +103,10 @@ class TableSlice:
     ``value_starts[k]`` of its dtype's buffer in :attr:`values`."""
 
     def __init__(self, catalog: Catalog, ids: torch.Tensor, counts: torch.Tensor, indices: torch.Tensor,
-                 values: dict[str, torch.Tensor], where: str):
+                 values: dict[str, torch.Tensor], where: str, codes: torch.Tensor | None = None):
         self.catalog, self.ids, self.counts, self.where = catalog, ids, counts, where
         self.indices, self.values = indices, values
-        self.codes = catalog.codes[ids]
+        self.codes = catalog.codes[ids] if codes is None else codes
         self.index_starts = torch.cumsum(counts, 0) - counts
         self.value_starts = torch.empty_like(counts)
         for code in self.codes.unique().tolist():
@@ -133,12 +137,13 @@ class TableSlice:
         if bool((counts <= 0).any()):
             raise PatchValidationError("<bucket table>", f"{where}: a table entry without elements", kept=kept)
         n_idx = int(counts.sum())
-        per_dtype = {CODES[c]: int(counts[catalog.codes[ids] == c].sum()) for c in catalog.codes[ids].unique().tolist()}
+        codes = catalog.codes[ids]
+        per_dtype = {CODES[c]: int(counts[codes == c].sum()) for c in codes.unique().tolist()}
         if n_idx > indices.numel() or any(k not in values or n > values[k].numel() for k, n in per_dtype.items()):
             raise PatchValidationError("<bucket table>", f"{where}: the table's {n_idx} elements "
                                        f"{per_dtype} overrun the buffers", kept=kept)
         return cls(catalog, ids, counts, indices[indices.numel() - n_idx:],
-                   {k: values[k][values[k].numel() - n:] for k, n in per_dtype.items()}, where)
+                   {k: values[k][values[k].numel() - n:] for k, n in per_dtype.items()}, where, codes)
 
     @property
     def value_counts(self) -> dict[str, int]:

@@ -39,6 +39,7 @@ from torch.distributed import PrefixStore, TCPStore
 
 from . import accelerator, collectives
 from .bucket import Arena, Bucket, parse_header, value_segments
+from .catalog import Catalog, CatalogBuilder
 from .digest import DigestKey
 from .errors import ChannelError
 from .patch import DTYPES
@@ -128,9 +129,20 @@ class Channel:
         self._key = key  # bucket headers are MACed under the channel token
         #: host channels keep their bulk arenas between updates (see :meth:`arenas`)
         self._arenas: list = []
-        #: the tensors the last whole bulk update over this channel numbered (delta tables name them by id;
-        #: :mod:`delta_sync.catalog`); None before one, and after a failed one
-        self.catalog = None
+        self._catalog = None  # a Catalog, or the CatalogBuilder of the last whole bulk update (see catalog)
+
+    @property
+    def catalog(self) -> Catalog | None:
+        """The tensors the last whole bulk update over this channel numbered (delta tables name them
+        by id; :mod:`delta_sync.catalog`); None before one, and after a failed one. Numbered on first
+        read, so channels that only ever carry full updates never build one."""
+        if isinstance(self._catalog, CatalogBuilder):
+            self._catalog = self._catalog.build()
+        return self._catalog
+
+    @catalog.setter
+    def catalog(self, value: Catalog | CatalogBuilder | None) -> None:
+        self._catalog = value
 
     @classmethod
     def connect(cls, host: str, port: int, rank: int, world_size: int, token: str,

@@ -25,6 +25,7 @@ C compiler is present; the torch-op path is the portable reference and the fallb
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import torch
 
@@ -79,17 +80,28 @@ class BitwiseDiff:
 
     def absorb_many(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]
                     ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """:meth:`absorb` of ``(old, new)`` pairs: :meth:`absorb_batched`, each pair's result apart."""
+        batches, out = self.absorb_batched(pairs)
+        for b in batches:
+            for i, got in zip(b.members, zip(*(t.split(b.counts.tolist()) for t in (b.indices, b.new, b.old)))):
+                out[i] = got
+        return out
+
+    def absorb_batched(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]
+                       ) -> tuple[list["Absorbed"], list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]]:
         """:meth:`absorb` of ``(old, new)`` pairs. Host tensors in whole words share a few calls of
-        the host kernel (:func:`native.changed_many`) instead of paying its per-call costs each;
-        the others go one by one. All or nothing: if one fails, every ``old`` advanced here is put back before
+        the host kernel (:func:`native.changed_batch`) per element width instead of paying its
+        per-call costs each, and come back as one :class:`Absorbed` per width; the others, one by
+        one, as ``(indices, new bits, old bits)`` at their position of the list (None for the
+        batched ones). All or nothing: if one fails, every ``old`` advanced here is put back before
         the error is raised."""
         out: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = [None] * len(pairs)
+        batches: list[Absorbed] = []
         batch: dict[int, list[int]] = {}  # element width -> pairs scanned together
         flat: dict[tuple, list[int]] = {}  # (width, device) -> torch-path pairs scanned together
-        whole = [self._batchable(old, new) for old, new in pairs]
         try:
             for i, (old, new) in enumerate(pairs):
-                if whole[i]:  # split over the threads by words, whatever the tensors' sizes
+                if self._batchable(old, new):  # split over the threads by words, whatever the tensors' sizes
                     batch.setdefault(old.element_size(), []).append(i)
                 elif self._flat(old, new):
                     flat.setdefault((old.element_size(), old.device), []).append(i)
@@ -100,21 +112,26 @@ class BitwiseDiff:
                                                     for i in members], self.chunk_words):
                     self._absorb_flat(pairs, members[lo:hi], out)
             for width, members in batch.items():
-                found = native.changed_many([pairs[i][0] for i in members], [pairs[i][1] for i in members],
-                                            8 // width, absorb=True)
-                for i, got in zip(members, found):
-                    out[i] = got
+                counts, idx, bits, old_bits = native.changed_batch(
+                    [pairs[i][0] for i in members], [pairs[i][1] for i in members], 8 // width, absorb=True)
+                batches.append(Absorbed(members, counts, idx, bits, old_bits))
         except BaseException:
             for (old, _), done in zip(pairs, out):
                 if done is not None:
                     restore(old, done[0], done[2])
+            for b in batches:
+                b.restore([pairs[i][0] for i in b.members])
             raise
-        return out
+        return batches, out
 
     def _batchable(self, snap: torch.Tensor, new: torch.Tensor) -> bool:
-        """A host tensor the kernel scans whole in 64-bit words."""
-        return (self.use_native and native.supports(snap) and new.device.type == "cpu" and _whole_words(snap, new)
-                and snap.data_ptr() % 8 == 0 and new.data_ptr() % 8 == 0)
+        """A host tensor the kernel scans whole in 64-bit words: same shape and dtype, both
+        contiguous, 8-byte aligned, a whole number of words (checked per tensor of a model's
+        ~19k: the cheapest tests first, no view made)."""
+        return (self.use_native and new.device.type == "cpu" and snap.dtype == new.dtype and snap.shape == new.shape
+                and snap.data_ptr() % 8 == 0 and new.data_ptr() % 8 == 0
+                and snap.numel() * snap.element_size() % 8 == 0 and native.supports(snap)
+                and snap.is_contiguous() and new.is_contiguous())
 
     def _flat(self, snap: torch.Tensor, new: torch.Tensor) -> bool:
         """A torch-path pair (device tensors) that :meth:`_absorb_flat` can scan with others: whole
@@ -258,6 +275,25 @@ class BitwiseDiff:
         if absorb:
             parts[2].append(old_words.view(lane_dtype).take(hit))
             o64.index_copy_(0, words, new_words)
+
+
+@dataclass
+class Absorbed:
+    """Pairs ``members`` (positions in the caller's list) of one element width, scanned together:
+    ``counts[k]`` (int64) changed elements of member ``k``, their int32 flat indices, new bits and
+    old bits after those of the members before it in :attr:`indices`, :attr:`new`, :attr:`old`."""
+
+    members: list[int]
+    counts: torch.Tensor
+    indices: torch.Tensor
+    new: torch.Tensor
+    old: torch.Tensor
+
+    def restore(self, snapshots: list[torch.Tensor]) -> None:
+        """Put the members' snapshots (in member order) back as they were before the scan."""
+        sizes = self.counts.tolist()
+        for snap, idx, old in zip(snapshots, self.indices.split(sizes), self.old.split(sizes)):
+            restore(snap, idx, old)
 
 
 def restore(snapshot: torch.Tensor, indices: torch.Tensor, old_bits: torch.Tensor) -> None:

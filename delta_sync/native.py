@@ -384,10 +384,19 @@ def word_shares(words: list[int], parts: int, align: int = 64) -> list[tuple[int
 
 def changed_many(olds: list[torch.Tensor], news: list[torch.Tensor], lanes: int, absorb: bool = False
                  ) -> list[tuple[torch.Tensor, ...]]:
+    """:func:`changed_batch`, as ``(indices, value bits[, old bits])`` per tensor (views)."""
+    counts, *found = changed_batch(olds, news, lanes, absorb)
+    sizes = counts.tolist()
+    return list(zip(*(f.split(sizes) for f in found))) if olds else []
+
+
+def changed_batch(olds: list[torch.Tensor], news: list[torch.Tensor], lanes: int, absorb: bool = False
+                  ) -> tuple[torch.Tensor, ...]:
     """:func:`changed_words` of many contiguous host tensors of ``lanes`` elements per 64-bit word
-    (8-byte aligned, a whole number of words each) in a few kernel calls: ``(indices, value bits[,
-    old bits])`` per tensor, views into one output per call. For a model's many small tensors, where
-    a call per tensor (scratch, foreign call, copies) costs more than scanning it.
+    (8-byte aligned, a whole number of words each) in a few kernel calls: ``(counts, indices, value
+    bits[, old bits])``, tensor ``k``'s ``counts[k]`` (int64) changed elements after those of the
+    tensors before it in each output. For a model's many small tensors, where a call per tensor
+    (scratch, foreign call, copies, a Python object) costs more than scanning it.
 
     The words of all arrays are split into ``torch.get_num_threads()`` runs of about equal words,
     one thread each, cutting through a tensor where a cut falls (not by whole tensors, which left
@@ -395,8 +404,6 @@ def changed_many(olds: list[torch.Tensor], news: list[torch.Tensor], lanes: int,
     every advanced word back before it is raised."""
     width = 64 // lanes
     n = len(olds)
-    if n == 0:
-        return []
     words = [t.numel() // lanes for t in olds]
     threads = max(1, min(torch.get_num_threads(), sum(words) // MIN_WORDS_PER_THREAD))
     runs = word_shares(words, threads)
@@ -404,23 +411,30 @@ def changed_many(olds: list[torch.Tensor], news: list[torch.Tensor], lanes: int,
                             absorb)
     # every run finishes (or restores itself) before an error leaves
     results, error = run_spread([functools.partial(run, *r) for r in runs])
+    counts = torch.zeros(n, dtype=torch.int64)
+    chunks: list[tuple[torch.Tensor, ...]] = []
+    for (lo, _, hi, _), res in zip(runs, results):
+        if res is not None:
+            counts[lo:hi] += res[0]
+            chunks += res[1]
     if error is not None:
         if absorb:  # the runs that did advance go back too
-            for (lo, *_), res in zip(runs, results):
-                for i, piece in enumerate(res or []):
-                    put_back(olds[lo + i], piece[0], piece[2])
+            for (lo, _, hi, _), res in zip(runs, results):
+                if res is not None:
+                    _put_back_all(olds[lo:hi], *res)
         raise error
-    out: list[list[tuple[torch.Tensor, ...]]] = [[] for _ in range(n)]
-    for (lo, *_), res in zip(runs, results):
-        for i, piece in enumerate(res):
-            out[lo + i].append(piece)
-    return [_joined(p) for p in out]  # a tensor cut between runs: its pieces in run order
+    if not chunks:
+        return (counts, *(o.narrow(0, 0, 0) for o in _outputs(0, width, absorb) if o is not None))
+    # in run order: a tensor cut between runs has its pieces one after the other, indices increasing
+    return (counts, *(c[0] if len(chunks) == 1 else torch.cat(c) for c in zip(*chunks)))
 
 
 def _scan_many(fn, width: int, olds: list[torch.Tensor], news: list[torch.Tensor], lanes: int,
-               absorb: bool, lo: int, first: int, hi: int, last: int) -> list[tuple[torch.Tensor, ...]]:
+               absorb: bool, lo: int, first: int, hi: int, last: int
+               ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, ...]]]:
     """Tensors ``lo:hi`` through ``diff_many``, from word ``first`` of tensor ``lo`` to word ``last``
-    of tensor ``hi - 1`` (see :func:`word_shares`): a few calls, per-tensor views of their outputs."""
+    of tensor ``hi - 1`` (see :func:`word_shares`) in a few calls: each tensor's count of changed
+    elements, and each call's outputs (views)."""
     n = hi - lo
     ends = [t.numel() // lanes for t in olds[lo:hi]]
     ends[-1] = last
@@ -428,9 +442,10 @@ def _scan_many(fn, width: int, olds: list[torch.Tensor], news: list[torch.Tensor
                         dtype=torch.int64)
     room = min(SCRATCH_ENTRIES, max(8 * lanes, (sum(ends) - first) * lanes))
     idx, val, prev = _outputs(room, width, absorb)
-    done = torch.empty(n, dtype=torch.int64)
+    done = torch.empty(n, dtype=torch.int64)  # per call: entries written up to the end of each tensor
+    counts = torch.zeros(n, dtype=torch.int64)
+    chunks: list[tuple[torch.Tensor, ...]] = []
     stop_t, stop_w = ctypes.c_int64(), ctypes.c_int64()
-    parts: list[list[tuple[torch.Tensor, ...]]] = [[] for _ in range(n)]
     t, w = 0, first
     try:
         while t < n:
@@ -438,14 +453,12 @@ def _scan_many(fn, width: int, olds: list[torch.Tensor], news: list[torch.Tensor
                    val.data_ptr(), prev.data_ptr() if absorb else None, room, done.data_ptr(),
                    ctypes.byref(stop_t), ctypes.byref(stop_w))
             st, sw = stop_t.value, stop_w.value
-            cuts = done[t:st].tolist() + ([k] if st < n else [])  # the stopped array's share comes last
-            sizes = [b - a for a, b in zip([0] + cuts[:-1], cuts)]
-            # each array's share of every output, cut with one split per output (views: see _outputs)
-            got = [g.narrow(0, 0, cuts[-1] if cuts else 0).split(sizes)
-                   for g in ((idx, val, prev) if absorb else (idx, val))]
-            for i, j in enumerate(range(t, t + len(cuts))):
-                if sizes[i] or not parts[j]:
-                    parts[j].append(tuple(g[i] for g in got))
+            if st > t:  # tensors t..st-1 ended in this call
+                counts[t:st] += torch.diff(done[t:st], prepend=done.new_zeros(1))
+            if st < n:  # the stopped tensor's share comes last
+                counts[st] += k - (int(done[st - 1]) if st > t else 0)
+            if k:
+                chunks.append(tuple(g.narrow(0, 0, k) for g in ((idx, val, prev) if absorb else (idx, val))))
             if (st, sw) == (t, w):  # cannot happen with room for 8 words of lanes
                 raise RuntimeError(f"diff kernel made no progress at array {lo + t}, word {w} (scratch {room})")
             t, w = st, sw
@@ -453,16 +466,18 @@ def _scan_many(fn, width: int, olds: list[torch.Tensor], news: list[torch.Tensor
                 idx, val, prev = _outputs(room, width, absorb)
     except BaseException:
         if absorb:  # put this run back before the error leaves
-            for j, pieces in enumerate(parts):
-                for piece in pieces:
-                    put_back(olds[lo + j], piece[0], piece[2])
+            _put_back_all(olds[lo:hi], counts, chunks)
         raise
-    return [_joined(p) for p in parts]
+    return counts, chunks
 
 
-def _joined(pieces: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
-    """One tensor's ``(indices, values[, old bits])`` pieces, in scan order (indices increasing), as one."""
-    return pieces[0] if len(pieces) == 1 else tuple(torch.cat(c) for c in zip(*pieces))
+def _put_back_all(olds: list[torch.Tensor], counts: torch.Tensor, chunks: list[tuple[torch.Tensor, ...]]) -> None:
+    """Undo an absorbing scan of ``olds`` whose outputs are ``chunks`` (counts per tensor)."""
+    if not chunks:
+        return
+    idx, prev = (torch.cat([c[i] for c in chunks]) for i in (0, 2))
+    for old, i, p in zip(olds, idx.split(counts.tolist()), prev.split(counts.tolist())):
+        put_back(old, i, p)
 
 
 def put_back(old: torch.Tensor, idx: torch.Tensor, prev: torch.Tensor) -> None:

@@ -10,6 +10,7 @@ Patches are overwrite, not additive or XOR: applying one twice is harmless.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -128,6 +129,53 @@ class Patch:
             raise bad(f"indices dtype {idx.dtype}, expected torch.int32")
         if idx.dim() != 1 or idx.numel() != v.numel():
             raise bad(f"{idx.numel()} indices for {v.numel()} values")
+
+
+@dataclass
+class PatchBatch:
+    """Sparse patches of many tensors of one dtype in shared buffers, as one diff kernel batch
+    produced them: tensor ``k`` (``names[k]``, ``shapes[k]``) has ``counts[k]`` changed elements,
+    whose int32 flat indices and values follow those of the tensors before it in :attr:`indices` /
+    :attr:`values`. What a list of :class:`Patch` would say, without a Python object per tensor:
+    the packer puts a batch in its buckets' tables by ranges (:mod:`delta_sync.catalog`)."""
+
+    names: list[str]
+    shapes: list[tuple[int, ...]]
+    dtype: torch.dtype
+    counts: list[int]  # every one > 0
+    indices: torch.Tensor  # int32, 1-D
+    values: torch.Tensor  # 1-D, dtype == self.dtype
+
+    #: a batch is sparse (the packer reads ``dense`` of whatever it is given)
+    dense = False
+
+    @property
+    def count(self) -> int:
+        return int(self.values.numel())
+
+    def starts(self) -> list[int]:
+        """Each tensor's first position in the buffers."""
+        return list(itertools.accumulate(self.counts, initial=0))[:-1]
+
+    def patches(self) -> list[Patch]:
+        """One :class:`Patch` per tensor (views of the buffers)."""
+        return [Patch(n, s, self.dtype, i, v) for n, s, i, v in
+                zip(self.names, self.shapes, self.indices.split(self.counts), self.values.split(self.counts))]
+
+    def validate(self, *, contents: bool = False, kept: str | None = None) -> None:
+        """The batch's counts against its buffers (its indices and values are checked per bucket,
+        as those of the patches it stands for; ``contents`` is for symmetry with :meth:`Patch.validate`)."""
+        n = sum(self.counts)
+        if (len(self.names) != len(self.counts) or len(self.shapes) != len(self.counts) or min(self.counts, default=1) <= 0
+                or self.indices.dtype != torch.int32 or self.values.dtype != self.dtype
+                or self.indices.numel() != n or self.values.numel() != n):
+            raise PatchValidationError(self.names[0] if self.names else "<batch>",
+                                       f"a batch of {len(self.names)} tensors whose counts ({n} elements) do not "
+                                       f"match its buffers ({self.indices.numel()} indices, {self.values.numel()} "
+                                       "values)", kept=kept)
+        if contents:
+            for p in self.patches():
+                p.validate(kept=kept)
 
 
 def _check_indices(idx: torch.Tensor, numel: int, bad) -> None:

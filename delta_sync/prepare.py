@@ -20,7 +20,7 @@ import torch
 
 from .errors import GatherError, PatchValidationError
 from .gather import Ordered
-from .patch import Patch, check_indexable
+from .patch import Patch, PatchBatch, check_indexable
 from .snapshot import SnapshotStore
 from .transfer import BucketSender, SendStats
 
@@ -71,7 +71,7 @@ class TensorStream:
             yield seq, name, t
 
     def _convert(self, name: str, mname: str, tensor: torch.Tensor) -> torch.Tensor:
-        t = _materialize(tensor.detach())
+        t = _materialize(tensor.detach() if tensor.requires_grad else tensor)
         if self.dtype is not None and t.dtype != self.dtype:
             if t.dtype.is_floating_point != self.dtype.is_floating_point:  # a cast would invent values
                 raise PatchValidationError(
@@ -102,6 +102,9 @@ class DeltaDiff:
         self.failure: BaseException | None = None
         self.batch: list[tuple[int, str, torch.Tensor]] = []  # owned, not yet diffed
         self.held = 0  # bytes in the batch
+        #: the kernel's batches come whole (:class:`~delta_sync.patch.PatchBatch`), for a packer on
+        #: this rank; else one patch per tensor (ranks gather them by stream position)
+        self.batched = False
         timings["diff_s"] = 0.0
 
     @property
@@ -149,8 +152,8 @@ class DeltaDiff:
         return []
 
     def _diff_batch(self) -> list[Ordered]:
-        patches = self.store.prepare_many([(name, t) for _, name, t in self.batch])
-        out = [Ordered(seq, p) for (seq, _, _), p in zip(self.batch, patches)]
+        patches = self.store.prepare_many([(name, t) for _, name, t in self.batch], batched=self.batched)
+        out = [Ordered(seq, p) for (seq, _, _), p in zip(self.batch, patches) if p is not None]
         self.batch.clear()
         self.held = 0
         return out
@@ -173,7 +176,7 @@ class DeltaDiff:
             self.sharded.seeded()
         return ready
 
-    def checked(self, patches: list[Patch]) -> list[Patch]:
+    def checked(self, patches: list[Patch | PatchBatch]) -> list[Patch | PatchBatch]:
         """Indices and values are checked per bucket by the packer (one vectorized pass, before the
         bucket leaves); here only what a bucket check cannot see."""
         t0 = time.perf_counter()

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .diff import BitwiseDiff, restore, word_aligned
+from .diff import Absorbed, BitwiseDiff, restore, word_aligned
 from .errors import PatchValidationError
-from .patch import Patch, check_indexable, dtype_name
+from .patch import Patch, PatchBatch, check_indexable, dtype_name
 
 
 def dense_is_smaller(count: int, numel: int, element_size: int) -> bool:
@@ -43,6 +43,10 @@ class _Staged:
     undo: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
+#: a tensor of one of the delta's kernel batches: its undo is the batch's (``SnapshotStore._undo``)
+_IN_BATCH = _Staged(())
+
+
 @dataclass
 class SnapshotStore:
     rank: int = 0
@@ -58,6 +62,8 @@ class SnapshotStore:
         self._base: dict[str, torch.Tensor] = {}
         self._staged: dict[str, _Staged] = {}
         self._spare: dict[str, torch.Tensor] = {}  # a reset snapshot's memory, reused by the next seed
+        #: a delta's kernel batches: each one's old bits and the snapshots they go back into
+        self._undo: list[tuple[Absorbed, list[torch.Tensor]]] = []
 
     # ---- ownership -------------------------------------------------------------------------
     def owner(self, name: str, nbytes: int) -> int:
@@ -81,11 +87,16 @@ class SnapshotStore:
         """
         return self.prepare_many([(name, tensor)], full=full)[0]
 
-    def prepare_many(self, items: list[tuple[str, torch.Tensor]], *, full: bool = False) -> list[Patch]:
+    def prepare_many(self, items: list[tuple[str, torch.Tensor]], *, full: bool = False, batched: bool = False
+                     ) -> list[Patch | PatchBatch | None]:
         """:meth:`prepare` of ``(name, tensor)`` items, their diffs run together (a model's many small
         tensors share the host kernel's calls). A bad item raises before anything of ``items`` is
-        diffed; what was staged before stays staged until :meth:`rollback`."""
-        out: list[Patch | None] = [None] * len(items)
+        diffed; what was staged before stays staged until :meth:`rollback`.
+
+        With ``batched``, the sparse patches of the tensors the kernel scanned together come as one
+        :class:`~delta_sync.patch.PatchBatch` per element width, at the position of its first tensor
+        (None at the others', and where nothing changed): no Python object per changed tensor."""
+        out: list[Patch | PatchBatch | None] = [None] * len(items)
         diffs: list[tuple[int, torch.Tensor]] = []  # (item, its tensor on the snapshot's device)
         names = set()
         for i, (name, tensor) in enumerate(items):
@@ -94,7 +105,7 @@ class SnapshotStore:
             check_indexable(name, tensor.numel())
             dtype_name(tensor.dtype, tensor=name)
             base = self._base.get(name)
-            new = tensor.detach()
+            new = tensor.detach() if tensor.requires_grad else tensor  # (the bits are read, never a graph)
             if new.device != self.device:
                 new = new.to(self.device, non_blocking=False)
             if base is not None and (base.shape != new.shape or base.dtype != new.dtype):
@@ -112,15 +123,65 @@ class SnapshotStore:
                 self._staged[name] = _Staged(out[i].shape, copy)
             else:
                 diffs.append((i, new))
-        found = self.differ.advance_many([(items[i][0], self._base[items[i][0]], new) for i, new in diffs])
-        for (i, new), (patch, old_bits) in zip(diffs, found):
-            name, tensor = items[i]
-            undo = (patch.indices, old_bits)
-            if dense_is_smaller(patch.count, patch.numel, new.element_size()):
-                patch = Patch.full(name, _own(new, tensor))
-            self._staged[name] = _Staged(patch.shape, undo=undo)
-            out[i] = patch
+        if not diffs:
+            return out
+        batches, single = self.differ.absorb_batched([(self._base[items[i][0]], new) for i, new in diffs])
+        for (i, new), got in zip(diffs, single):
+            if got is not None:
+                name = items[i][0]
+                self._staged[name] = _Staged(tuple(new.shape), undo=(got[0], got[2]))
+                out[i] = self._sparse_or_full(items[i], new, got[0], got[1])
+        for b in batches:
+            at = [diffs[k][0] for k in b.members]
+            self._undo.append((b, [self._base[items[i][0]] for i in at]))
+            for i in at:
+                self._staged[items[i][0]] = _IN_BATCH
+            if batched:
+                self._batch(items, diffs, b, out)
+            else:
+                sizes = b.counts.tolist()
+                for k, idx, bits in zip(b.members, b.indices.split(sizes), b.new.split(sizes)):
+                    i, new = diffs[k]
+                    out[i] = self._sparse_or_full(items[i], new, idx, bits)
         return out
+
+    @staticmethod
+    def _sparse_or_full(item: tuple[str, torch.Tensor], new: torch.Tensor, idx: torch.Tensor, bits: torch.Tensor
+                        ) -> Patch:
+        """The patch of a diffed tensor: sparse, or its full value where dense is smaller."""
+        name, tensor = item
+        if dense_is_smaller(idx.numel(), new.numel(), new.element_size()):
+            return Patch.full(name, _own(new, tensor))
+        return Patch(name, tuple(new.shape), new.dtype, idx, bits.view(new.dtype))
+
+    @staticmethod
+    def _batch(items: list[tuple[str, torch.Tensor]], diffs: list[tuple[int, torch.Tensor]], b: Absorbed,
+               out: list) -> None:
+        """``b``'s sparse patches as one :class:`PatchBatch` per dtype (a kernel batch holds one
+        element width), each at its first changed tensor's position; full patches for those where
+        dense is smaller (the batches' buffers then leave them out)."""
+        counts = b.counts.tolist()
+        news = [diffs[k][1] for k in b.members]
+        width = news[0].element_size()
+        numel = torch.tensor([t.numel() for t in news], dtype=torch.int64)
+        dense = b.counts * (4 + width) > numel * width  # dense_is_smaller, for every member at once
+        for k in dense.nonzero().squeeze(1).tolist():
+            i = diffs[b.members[k]][0]
+            out[i] = Patch.full(items[i][0], _own(news[k], items[i][1]))
+        changed = (b.counts > 0) & ~dense
+        dtypes = [t.dtype for t in news]
+        for dt in dict.fromkeys(dtypes):
+            sparse = changed & torch.tensor([d == dt for d in dtypes]) if len(set(dtypes)) > 1 else changed
+            ks = sparse.nonzero().squeeze(1).tolist()
+            if not ks:
+                continue
+            idx, bits = b.indices, b.new
+            if bool((sparse != (b.counts > 0)).any()):  # others share the buffers: this batch's elements alone
+                keep = torch.repeat_interleave(sparse, b.counts)
+                idx, bits = idx[keep], bits[keep]
+            out[diffs[b.members[ks[0]]][0]] = PatchBatch(
+                [items[diffs[b.members[k]][0]][0] for k in ks], [tuple(news[k].shape) for k in ks], dt,
+                [counts[k] for k in ks], idx, bits.view(dt))
 
     def adopt(self, name: str, tensor: torch.Tensor) -> None:
         """Stage ``tensor`` itself, not a copy, as the next full value of ``name``: memory the caller
@@ -144,6 +205,7 @@ class SnapshotStore:
             if st.full is not None:  # (a delta's snapshots advanced during its diff already)
                 self._base[name] = st.full.reshape(st.shape)
         self._staged.clear()
+        self._undo.clear()
         self._spare.clear()
         self.version = version
 
@@ -152,13 +214,17 @@ class SnapshotStore:
         for name, st in self._staged.items():
             if st.undo is not None:
                 restore(self._base[name], *st.undo)
+        for batch, snapshots in self._undo:
+            batch.restore(snapshots)
         self._staged.clear()
+        self._undo.clear()
 
     def reset(self) -> None:
         """Forget the snapshot too (engine needs a seed): the next prepare sends full tensors.
 
         Its memory is kept until the next commit, for the seed to copy into (no fresh pages)."""
         self._staged.clear()
+        self._undo.clear()
         self._spare.update(self._base)
         self._base.clear()
         self.version = None
@@ -167,6 +233,7 @@ class SnapshotStore:
         """Forget the snapshot and let its memory go (another owner, a sharded source's shard
         snapshots, backs the deltas)."""
         self._staged.clear()
+        self._undo.clear()
         self._base.clear()
         self._spare.clear()
         self.version = None

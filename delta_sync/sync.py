@@ -337,6 +337,7 @@ class WeightSync:
         def stream(sender: BucketSender) -> SendStats:
             return sender.close(p for ready in diff for p in diff.checked([o.patch for o in ready]))
 
+        diff.batched = True  # this rank packs: the kernel's batches go into the tables whole
         outcome, error = self._publish(version, "delta", timings, stream, early)
         timings["prepare_s"] = timings["diff_s"]
         if "send_s" in timings:  # what the send added to the diff it overlapped

@@ -28,7 +28,7 @@ from .bucket import Arena, Bucket, BucketPacker, DEFAULT_BUCKET_BYTES, TensorAss
 from .catalog import CatalogBuilder, TableSlice
 from .channel import Channel
 from .errors import DeltaSyncError, PatchValidationError
-from .patch import Patch, first_true
+from .patch import Patch, PatchBatch, first_true
 
 #: buckets alive at once on either side of a bulk update (one on the wire, one being packed/applied)
 BUCKETS_IN_FLIGHT = 2
@@ -203,7 +203,9 @@ class BucketSender:
             finally:  # the packer's clock runs meanwhile: _finish takes this back out of pack_s
                 self.stats.source_s += time.perf_counter() - t0
             self.stats.elements += p.count
-            if p.count or p.dense:
+            if isinstance(p, PatchBatch):
+                self._names.update(p.names)
+            elif p.count or p.dense:
                 self._names.add(p.name)
             yield p
 
@@ -222,7 +224,7 @@ class BucketSender:
         self._thread.join()
         self._raise()
         if self.packer.record is not None and not aborted:
-            self.channel.catalog = self.packer.record.build()
+            self.channel.catalog = self.packer.record  # numbered when a delta first needs it
         self.stats.tensors = len(self._names)
         self.stats.pack_s = max(0.0, self.stats.pack_s - self.stats.source_s)
         self.stats.digest_s = self.packer.digest_s
@@ -307,7 +309,7 @@ def receive_stream(channel: Channel, kept: str | None = None, check_bulk: bool =
     first_error: Exception | None = None
     version = None
     expect_seq = 0
-    catalog, record = getattr(channel, "catalog", None), None
+    catalog = record = None
     stream = _prefetch(channel, slots, streamed, place)
     try:
         for bucket in stream:
@@ -318,6 +320,8 @@ def receive_stream(channel: Channel, kept: str | None = None, check_bulk: bool =
                 version = h["version"]
                 if h["kind"] in BULK_KINDS:  # it numbers the tensors anew (see delta_sync.catalog)
                     channel.catalog, record = None, CatalogBuilder()
+                else:
+                    catalog = getattr(channel, "catalog", None)
             if first_error is None:
                 try:
                     if h["seq"] != expect_seq or h["version"] != version:
@@ -331,8 +335,7 @@ def receive_stream(channel: Channel, kept: str | None = None, check_bulk: bool =
                     first_error = e
                 else:
                     if record is not None:
-                        for e in h["entries"]:
-                            record.see(e["name"], e["shape"], e["dtype"])
+                        record.see_entries(h["entries"])
                     h["_table"] = bucket.table
                     h["_payload_bytes"] = bucket.payload_bytes
                     h["_peak_buckets"] = slots.peak
@@ -343,7 +346,7 @@ def receive_stream(channel: Channel, kept: str | None = None, check_bulk: bool =
     if first_error is not None:
         raise first_error
     if record is not None:
-        channel.catalog = record.build()
+        channel.catalog = record  # numbered when a delta first needs it
 
 
 def receive_update(channel: Channel, kept: str | None = None,
@@ -429,11 +432,11 @@ def _follows(before: list[TableSlice], table: TableSlice, kept: str | None) -> N
 def _apart(tables: list[TableSlice], patches: list[Patch], kept: str | None) -> None:
     """No tensor both in a table and among the JSON entries."""
     catalog = tables[0].catalog
-    ids = {catalog.ids.get(p.name) for p in patches} - {None}
+    ids = sorted({catalog.ids.get(p.name) for p in patches} - {None})
     if not ids:
         return
-    both = torch.isin(torch.tensor(sorted(ids)), torch.cat([t.ids for t in tables]))
+    both = torch.isin(torch.tensor(ids), torch.cat([t.ids for t in tables]))
     if bool(both.any()):
-        name = catalog.names[sorted(ids)[first_true(both)]]
+        name = catalog.names[ids[first_true(both)]]
         raise PatchValidationError(name, "sent twice in one update (in a bucket's table and as an entry of its own)",
                                    kept=kept)

@@ -272,25 +272,13 @@ class UndoLog:
     #: (target, positions or None for the whole target, offset, old values), or a RowsUndo
     entries: list = field(default_factory=list)
 
-    def change_rows(self, rows: list[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]],
-                    spans: list[tuple[int, int]], checked: bool = False) -> None:
-        """:meth:`change` of many ``(target, pos, offset, values)`` rows that the host kernel takes
-        (:func:`delta_sync.native.movable`), in one foreign call per span of rows (``spans``:
-        concurrent row ranges, see :func:`delta_sync.native.move_rows`): each position's old value
-        is read and the new one written in the same visit (``checked``: the rows passed
-        :func:`delta_sync.native.movable_rows`; the old values' buffers made here are of course fit)."""
-        if not rows:
-            return
-        counts = [r[1].numel() for r in rows]
-        olds = torch.empty(sum(counts), dtype=rows[0][0].dtype).split(counts)
-        native.move_rows([(t, pos, off, v, old) for (t, pos, off, v), old in zip(rows, olds)], spans, checked)
-        self.entries += [(t, pos, off, old) for (t, pos, off, _), old in zip(rows, olds)]
-
     def change(self, target: torch.Tensor, pos: torch.Tensor | None, values: torch.Tensor, offset: int = 0) -> None:
         """Record the old values at ``offset + pos`` of ``target`` (None: all of it), then write
         ``values`` there (one visit per position on a host)."""
-        if pos is not None and native.movable(target, pos, values):
-            self.change_rows([(target, pos, offset, values)], [(0, 1)])  # one visit per position
+        if pos is not None and native.movable(target, pos, values):  # one visit per position
+            old = torch.empty(pos.numel(), dtype=target.dtype)
+            native.move_rows([(target, pos, offset, values, old)], [(0, 1)])
+            self.entries.append((target, pos, offset, old))
             return
         if pos is None:
             self.record_view(target)

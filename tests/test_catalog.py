@@ -12,7 +12,7 @@ from delta_sync.bucket import BucketPacker, entry_patches
 from delta_sync.catalog import Catalog
 from delta_sync.errors import EngineError, NeedsSeed, PatchValidationError
 from delta_sync.memory_receiver import MemoryReceiver
-from delta_sync.patch import Patch
+from delta_sync.patch import Patch, PatchBatch
 from delta_sync.sync import WeightSync
 
 
@@ -39,11 +39,15 @@ def _recording(sync: WeightSync) -> list[dict]:
 
 
 @pytest.mark.parametrize("bucket_bytes", [1 << 20, 200], ids=["one-bucket", "split-tensors"])
-def test_a_delta_names_its_tensors_by_id_in_a_compact_table_and_stays_exact(bucket_bytes):
+def test_a_delta_names_its_tensors_by_id_in_a_compact_table_and_stays_exact(bucket_bytes, monkeypatch):
     """After a seed, a delta's sparse entries travel as a table of (id, count) pairs, at most 16
     header bytes per changed tensor, no JSON entry each; split across small buckets (a tensor
     continued from one bucket's table into the next) the receiver's tensors still equal the
-    trainer's, bit for bit, over several deltas."""
+    trainer's, bit for bit, over several deltas. A one-rank trainer hands the diff kernel's
+    batches to the packer whole (no patch object per tensor)."""
+    batches = []
+    real = BucketPacker._pack_batch
+    monkeypatch.setattr(BucketPacker, "_pack_batch", lambda self, fill, b: batches.append(len(b.names)) or real(self, fill, b))
     g = torch.Generator().manual_seed(1)
     state = _state(300, g)
     rx = MemoryReceiver()
@@ -62,6 +66,7 @@ def test_a_delta_names_its_tensors_by_id_in_a_compact_table_and_stays_exact(buck
         per_tensor = sum(len(json.dumps(t)) if bucket_bytes > 200 else len(t["ids"]) + len(t["counts"])
                          for t in tables) / len(state)
         assert per_tensor <= 16, per_tensor
+    assert sum(batches) == 3 * len(state)
     if bucket_bytes == 200:
         assert len(headers) > 3  # the tensors' entries spread over buckets, some continued across two
     sync.verify()
@@ -128,3 +133,47 @@ def test_a_table_checks_its_entries_and_names_the_tensor():
             entry_patches(bad, catalog=cat)
     with pytest.raises(NeedsSeed, match="catalogue"):
         entry_patches(bucket, catalog=_catalog(["a", "b", "x"]))
+
+
+def _decoded(buckets: list, cat: Catalog) -> dict[str, tuple[list[int], list[float]]]:
+    """Each tensor's indices and values as a receiver reads them from the buckets (tables and
+    JSON entries), in bucket order."""
+    out: dict[str, tuple[list[int], list[float]]] = {}
+    for b in buckets:
+        got = entry_patches(b, catalog=cat)
+        table = b.table.patches() if b.table is not None else []
+        for _, p in [*got, *table]:
+            idx, val = out.setdefault(p.name, ([], []))
+            idx += p.indices.tolist()
+            val += p.values.float().tolist()
+    return out
+
+
+@pytest.mark.parametrize("bucket_bytes", [1 << 20, 64, 77], ids=["one-bucket", "split", "odd-split"])
+def test_a_batch_packs_into_tables_as_its_patches_would(bucket_bytes):
+    """A PatchBatch (one diff kernel batch: many tensors' changed elements in shared buffers) goes
+    into the tables by ranges; what the receivers read is what the same tensors packed as
+    patches one by one give, with buckets cutting through tensors; a tensor the catalogue lacks,
+    or out of its order, travels as a JSON entry, and the run goes on after it."""
+    names = [f"w{i}" for i in range(12)]
+    cat = _catalog(names[:5] + names[6:])  # w5 is not catalogued
+    g = torch.Generator().manual_seed(3)
+    patches = []
+    for i, n in enumerate(["w0", "w1", "w2", "w5", "w3", "w4", "w9", "w7", "w8", "w10", "w11"]):  # w7 after w9
+        idx = torch.randperm(16, generator=g)[:2 + i % 7].sort().values.to(torch.int32)
+        patches.append(Patch(n, (4, 4), torch.bfloat16, idx, torch.randn(idx.numel(), generator=g).bfloat16()))
+    batch = PatchBatch([p.name for p in patches], [p.shape for p in patches], torch.bfloat16,
+                       [p.count for p in patches], torch.cat([p.indices for p in patches]),
+                       torch.cat([p.values for p in patches]))
+    batch.validate()
+    one_by_one, batched = _packed(cat, patches, bucket_bytes), _packed(cat, [batch], bucket_bytes)
+    assert _decoded(batched, cat) == _decoded(one_by_one, cat)
+    assert _decoded(batched, cat) == {p.name: (p.indices.tolist(), p.values.float().tolist()) for p in patches}
+    json_names = {e["name"] for b in batched for e in b.header["entries"]}
+    assert json_names == {"w5", "w7", "w8"}  # w7 and w8 come after w9
+    if bucket_bytes < 100:  # buckets of a few elements: tensors cut between two buckets' tables
+        per_bucket = [set(b.table.ids.tolist()) for b in batched if b.table is not None]
+        assert len(per_bucket) >= 3 and any(a & b for a, b in zip(per_bucket, per_bucket[1:]))
+    with pytest.raises(PatchValidationError, match="do not match its buffers"):
+        PatchBatch(["a"], [(4, 4)], torch.bfloat16, [2], torch.zeros(1, dtype=torch.int32),
+                   torch.zeros(1, dtype=torch.bfloat16)).validate()

@@ -8,7 +8,7 @@ from delta_sync.bucket import BucketPacker, TensorAssembler
 from delta_sync.diff import BitwiseDiff, int_view, restore
 from delta_sync.digest import Digest, digest_elements, digest_range, digest_tensor
 from delta_sync.errors import ChecksumMismatch, PatchValidationError
-from delta_sync.patch import Patch, apply_patch
+from delta_sync.patch import Patch, PatchBatch, apply_patch
 from delta_sync.snapshot import SnapshotStore
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -227,8 +227,8 @@ def test_advance_many_equals_one_by_one(monkeypatch, threads):
     olds, news = _mixed_tensors(torch.Generator().manual_seed(threads))
     before = [o.clone() for o in olds]
     calls = []
-    real = native.changed_many
-    monkeypatch.setattr(native, "changed_many", lambda *a, **k: calls.append(len(a[0])) or real(*a, **k))
+    real = native.changed_batch
+    monkeypatch.setattr(native, "changed_batch", lambda *a, **k: calls.append(len(a[0])) or real(*a, **k))
     got = BitwiseDiff().advance_many([(f"t{i}", o, n) for i, (o, n) in enumerate(zip(olds, news))])
     # a 16-bit (bf16 + fp16) and a 32-bit batch, split over the threads by words (the big one, 64
     # KiB, cut between them); unaligned and ragged ones one by one
@@ -386,6 +386,51 @@ def test_snapshot_stage_commit_rollback():
     assert torch.equal(int_view(s.snapshot_of("w")), int_view(v1)) and s.prepare("w", w).dense
     with pytest.raises(PatchValidationError, match="shape/dtype changed"):
         s.rollback(), s.prepare("w", torch.zeros(3))
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_batched_prepare_says_what_patches_would_and_rolls_back(monkeypatch, threads):
+    """``prepare_many(batched=True)``: the kernel's tensors come as one PatchBatch per dtype (bf16
+    and fp16 share a kernel batch: two batches from it), at the first changed tensor's position; a
+    tensor where dense is smaller comes as a full patch, an unchanged one not at all, the others
+    (unaligned, ragged) one by one. Their patches are the unbatched ones, bit for bit, and a
+    rollback puts every snapshot back."""
+    monkeypatch.setattr(native, "MIN_WORDS_PER_THREAD", 2048)
+    monkeypatch.setattr(native, "SCRATCH_ENTRIES", 64)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    olds, news = _mixed_tensors(torch.Generator().manual_seed(7))
+    items = [(f"t{i}", n) for i, n in enumerate(news)]
+    stores = []
+    for batched in (False, True):
+        s = SnapshotStore()
+        s.prepare_many([(f"t{i}", o.clone()) for i, o in enumerate(olds)], full=True)
+        s.commit(0)
+        stores.append((s, s.prepare_many(items, batched=batched)))
+    (plain, want), (store, got) = stores
+    batches = [p for p in got if isinstance(p, PatchBatch)]
+    # bf16 t0-t5, t9 and t11 (the large one, cut between threads), fp32 t6 (t9's new value is a
+    # clone: aligned); fp16 t8 is denser than a third
+    assert [(b.dtype, b.names) for b in batches] == [
+        (torch.bfloat16, ["t0", "t1", "t2", "t3", "t4", "t5", "t9", "t11"]), (torch.float32, ["t6"])]
+    assert got[8].dense and got[7] is None and got[12] is None  # dense smaller; no elements; unchanged
+    assert got[10].name == "t10" and not got[10].dense  # the kernel's leftover (a ragged tail), alone
+    for b in batches:
+        b.validate()
+        assert got[int(b.names[0][1:])] is b and all(c > 0 for c in b.counts)
+        assert all(got[int(n[1:])] is None for n in b.names[1:])
+    expanded = {p.name: p for b in batches for p in b.patches()}
+    expanded.update({p.name: p for p in got if isinstance(p, Patch)})
+    for p in want:
+        if p.dense or p.count:
+            q = expanded.pop(p.name)
+            assert q.dense == p.dense and q.shape == p.shape and q.dtype == p.dtype
+            assert p.dense or torch.equal(q.indices, p.indices)
+            assert torch.equal(int_view(q.values), int_view(p.values))
+    assert not expanded
+    store.rollback()
+    for i, o in enumerate(olds):
+        assert torch.equal(int_view(store.snapshot_of(f"t{i}")), int_view(o)), i
+    assert [p.count for p in store.prepare_many(items)] == [p.count for p in want]
 
 
 def test_ownership_balanced_by_bytes_and_deterministic():
