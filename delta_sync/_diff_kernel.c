@@ -287,6 +287,25 @@ int64_t digest_words(const int16_t *w, int64_t n, int64_t k0, int lanes, const i
     return bad;
 }
 
+/* digest_words of many ranges in one call (a model's thousands of small tensors cost one foreign
+ * call per thread, not one each). `items` holds n rows of DIGEST_ITEM int64:
+ *   w, nwords, k0   the int16 words, how many, the position of the first
+ *   dst             0, or where the words are copied in the same pass
+ *   exp_mask        the non-finite test's exponent bits (0: none), as a 16-bit pattern
+ *   stride          words per element (the test reads each element's last word)
+ * out: n rows of 5 int64: the lane residues (lanes of them, the rest 0), the non-finite count. */
+#define DIGEST_ITEM 6
+void digest_many(int64_t n, const int64_t *items, int lanes, const int64_t *p, const int16_t *t1,
+                 const int16_t *t2, const int16_t *t3, int64_t t3_len, int64_t *out) {
+    for (int64_t i = 0; i < n; ++i) {
+        const int64_t *it = items + i * DIGEST_ITEM;
+        int64_t *o = out + i * 5;
+        o[0] = o[1] = o[2] = o[3] = 0;
+        o[4] = digest_words((const int16_t *)(intptr_t)it[0], it[1], it[2], lanes, p, t1, t2, t3, t3_len, o,
+                            (int16_t)it[4], it[5], it[5] - 1, (int16_t *)(intptr_t)it[3]);
+    }
+}
+
 /* Writes of sparse patches at the positions they name, and the reads of an undo log's old values,
  * for many patches in one call (a model's few hundred tensors cost one foreign call, not one each).
  *

@@ -44,7 +44,7 @@ import torch
 
 from . import native
 from .catalog import Catalog, CatalogBuilder, TableSlice, encode_table
-from .digest import PUBLIC, Digest, DigestKey, checksum_bytes, nonfinite_count, scan_many
+from .digest import PUBLIC, DigestKey, checksum_bytes, nonfinite_count, scan_many
 from .errors import ChecksumMismatch, PatchValidationError
 from .patch import DTYPES, Patch, PatchBatch, dtype_name, first_true
 
@@ -185,7 +185,7 @@ class BucketPacker:
                 where = done + first_true(~torch.isfinite(p.values[done:done + take]))
                 raise PatchValidationError(p.name, f"non-finite value at flat index {where}", index=where,
                                            kept=self.kept)
-            entry["digest"] = (d + key.pad(i)).hex()
+            entry["digest"] = key.masked(d, i)
 
     def pack(self, patches: Iterable[Patch], close: bool = True) -> Iterator[Bucket]:
         """Yield buckets; with ``close`` the last one has ``header['last'] = True`` (possibly with no
@@ -631,7 +631,7 @@ class _Tiling:
             raise self._refuse(name, "dense entry without a digest")
         h = self.bucket.header
         e["_where"] = f"bucket {h['seq']} of version {h['version']}"  # for a later check's message
-        e["_key"], e["_pad"] = self.bucket.key, self.bucket.key.pad(i)  # what a later check digests under
+        e["_key"], e["_at"] = self.bucket.key, i  # what a later check digests under, and where
 
     def check_covered(self) -> None:
         """The entries and the table together cover every index and value."""
@@ -672,7 +672,7 @@ def check_dense_entry(entry: dict, digest, bad: int, values: torch.Tensor, kept:
     sender's, or hold Inf/NaN; ``digest`` and ``bad`` are what a scan of them under the entry's key
     (``entry["_key"]``, set by :func:`entry_patches`) found."""
     name, start, n = entry.get("name", "<unnamed>"), int(entry["start"]), int(entry["count"])
-    got = (digest + entry.get("_pad", Digest())).hex()
+    got = entry["_key"].masked(digest, entry["_at"]) if "_key" in entry else digest.hex()
     if got != entry["digest"]:
         raise ChecksumMismatch(f"{entry.get('_where', 'a bucket')}: {name!r} values "
                                f"[{start}, {start + n}) digest {got} != header {entry['digest']}", kept=kept)

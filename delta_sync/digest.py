@@ -88,8 +88,16 @@ class DigestKey:
 
     def pad(self, i: int) -> "Digest":
         """The mask of the ``i``-th digest a header carries under this key."""
+        return Digest(*self._pad(i))
+
+    def _pad(self, i: int) -> list[int]:
         raw = hashlib.shake_256(b"delta-sync/digest-pad\0" + self.seed + i.to_bytes(8, "little")).digest(2 * _LANES)
-        return Digest(*(int.from_bytes(raw[2 * l:2 * l + 2], "little") for l in range(_LANES)))
+        return [int.from_bytes(raw[2 * l:2 * l + 2], "little") for l in range(_LANES)]
+
+    def masked(self, digest: "Digest", i: int) -> str:
+        """``(digest + self.pad(i)).hex()``: what the ``i``-th digest of a header says, in one step
+        (a seed's header carries one per tensor: ~19k at 30B-A3B)."""
+        return "".join(f"{(x + m) % p:04x}" for x, m, p in zip(digest, self._pad(i), PRIMES))
 
     def on(self, device: torch.device) -> tuple[torch.Tensor, ...]:
         """``(p, t1, t2, t3)`` on ``device`` as (lanes, 1) int64 and int32 / int64 / int64 tables
@@ -128,6 +136,11 @@ class Digest(tuple):
     def __new__(cls, *lanes: int):
         lanes = lanes or (0,) * _LANES
         return super().__new__(cls, tuple(int(x) % p for x, p in zip(lanes, PRIMES)))
+
+    @classmethod
+    def of_residues(cls, lanes) -> "Digest":
+        """The digest of lane values reduced already (a kernel's output): no modulo again."""
+        return tuple.__new__(cls, lanes)
 
     def __add__(self, other):  # type: ignore[override]
         return Digest(*(x + y for x, y in zip(self, other)))
@@ -342,8 +355,14 @@ def scan_many(items: list[tuple[torch.Tensor, int, torch.Tensor | None]], lanes:
         for i in indices:
             out[i] = scan_range(*items[i], threads=threads_each, lanes=lanes, key=key)
 
+    def run_group(indices: list[int]) -> None:  # one kernel call for the whole group
+        for i, got in zip(indices, _native_many([items[i] for i in indices], lanes, key)):
+            out[i] = got
+
     groups = [pooled[lo:hi] for lo, hi in native.contiguous_groups([sizes[i] for i in pooled], threads)]
-    _, error = native.run_spread([functools.partial(run, g, 1) for g in groups])  # every range finishes first
+    if threads == 1:  # one thread: every host range in one call
+        groups, alone = [[i for i, ok in enumerate(host) if ok]], []
+    _, error = native.run_spread([functools.partial(run_group, g) for g in groups if g])  # every range finishes first
     try:
         run(alone, None)
         _scan_device(items, [i for i, ok in enumerate(host) if not ok], out, key)
@@ -354,6 +373,44 @@ def scan_many(items: list[tuple[torch.Tensor, int, torch.Tensor | None]], lanes:
     if error is not None:
         raise error
     return out  # type: ignore[return-value]
+
+
+#: int64 per range of :func:`_native_many`'s table (``DIGEST_ITEM`` of the kernel)
+_ITEM = 6
+
+
+def _native_many(items: list[tuple[torch.Tensor, int, torch.Tensor | None]], lanes: bool, key: DigestKey
+                 ) -> list[tuple[Digest, int]]:
+    """:func:`scan_range` of host ranges ``(values, start, copy_to)`` on one thread, in one call of
+    the kernel: a range costs a row of its table, not a foreign call, a scratch tensor and a
+    round of argument checks (a 30B-A3B seed has ~19k ranges of a few KB). A bad range raises
+    once the others are done."""
+    kept, rows, error = [], [], None
+    for k, (values, start, copy_to) in enumerate(items):
+        try:
+            w, mask = _words_per_element(values), _EXP_MASK.get(values.dtype, 0)
+            if values.is_contiguous() and values.element_size() > 1 and (
+                    copy_to is None or (copy_to.is_contiguous() and copy_to.numel() == values.numel()
+                                        and copy_to.element_size() == values.element_size())):
+                words, dst = values, copy_to  # their bytes as they are: no view per range
+            else:
+                words, dst = _words(values), _copy_target(values, copy_to)
+            n = words.numel() * words.element_size() // 2
+            _check_span(start * w, n)
+        except (TypeError, ValueError) as e:
+            error = error or e
+            continue
+        kept.append((words, dst))  # alive until the call returns
+        rows.append((words.data_ptr(), n, start * w, 0 if dst is None else dst.data_ptr(),
+                     mask - 65536 if mask > 32767 else mask, w))
+    out = torch.empty(len(rows), 5, dtype=torch.int64)
+    if rows:
+        table = torch.tensor(rows, dtype=torch.int64)
+        native.kernel().digest_many(len(rows), table.data_ptr(), _LANES if lanes else 0, key.p.data_ptr(),
+                                    key.t1.data_ptr(), key.t2.data_ptr(), key.t3.data_ptr(), T3, out.data_ptr())
+    if error is not None:
+        raise error
+    return [(Digest.of_residues(r[:_LANES]), r[_LANES]) for r in out.tolist()]
 
 
 def _scan_device(items: list[tuple[torch.Tensor, int, torch.Tensor | None]], indices: list[int],

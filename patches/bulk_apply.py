@@ -9,17 +9,18 @@ fails the update, which leaves the worker needing a seed.
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Protocol
 
 import torch
 
 from delta_sync.bucket import check_dense_entry
-from delta_sync.digest import scan_many, scan_range
+from delta_sync.digest import Digest, scan_many, scan_range
 from delta_sync.errors import DeltaSyncError, PatchValidationError
 from delta_sync.patch import DTYPES, Patch
 
-from .loader_views import apply_dense_range, apply_dense_range_scanned, dense_range_target
+from .loader_views import apply_dense_range, dense_range_copies, dense_range_target
 
 
 class WorkerWeights(Protocol):
@@ -132,13 +133,21 @@ class BulkWrite:
         try:
             self.r.probe([(p.name, p.shape, p.dtype) for _, p in entries])
             placed: list[tuple[dict, Patch]] = []
+            copies: list[tuple[dict, Patch, list]] = []
             for entry, p in entries:
-                self._write_range(entry, p, placed)
-            # ranges received in place: their digests, spread over the threads together
-            scans = scan_many([(p.values, int(entry["start"]), None) for entry, p in placed],
-                              key=placed[0][0]["_key"] if placed else None)
-            for (entry, p), scanned in zip(placed, scans):
-                check_dense_entry(entry, *scanned, p.values, "needs_seed")
+                self._write_range(entry, p, placed, copies)
+            # ranges received in place, and the copies into whole-tensor views made in the pass that
+            # digests them: one scan for the bucket, spread over the threads; checked in order after
+            items = [(p.values, int(entry["start"]), None) for entry, p in placed]
+            items += [(part, lo, dst) for _, _, hits in copies for dst, part, lo in hits]
+            scans = iter(scan_many(items, key=next((e["_key"] for e, _ in entries if "_key" in e), None)))
+            for entry, p in placed:
+                check_dense_entry(entry, *next(scans), p.values, "needs_seed")
+            for entry, p, hits in copies:
+                total, bad = Digest(), 0
+                for d, b in itertools.islice(scans, len(hits)):
+                    total, bad = total + d, bad + b
+                check_dense_entry(entry, total, bad, p.values, "needs_seed")
         except DeltaSyncError:
             raise
         except Exception as e:
@@ -159,9 +168,11 @@ class BulkWrite:
             raise PatchValidationError(p.name, f"arrives as {p.dtype} but the engine holds it as {wrong}; "
                                        f"convert on the trainer (WeightSync(dtype={wrong}))", kept="needs_seed")
 
-    def _write_range(self, entry: dict, p: Patch, placed: list[tuple[dict, Patch]]) -> None:
-        """Check one range and write it through its view (digested in that pass or before it); a
-        range received in place joins ``placed``, whose digests the caller checks together."""
+    def _write_range(self, entry: dict, p: Patch, placed: list[tuple[dict, Patch]], copies: list) -> None:
+        """Check one range and write it through its view (digested before it), or leave the write to
+        the caller: a range received in place joins ``placed``, one whose view holds the whole
+        tensor in contiguous segments joins ``copies`` with them (the caller copies and digests in
+        one pass, and checks after)."""
         view = self.r.views.get(p.name)  # probed for the whole bucket by apply_bucket
         self._check_target(p, view)
         start = int(entry["start"])
@@ -172,10 +183,10 @@ class BulkWrite:
             return
         params = self.params()
         with torch.no_grad():
-            scanned = apply_dense_range_scanned(view, params, p.values, start, entry["_key"]) \
+            hits = dense_range_copies(view, params, p.values, start) \
                 if view is not None and self.r.holds_whole_tensors() else None
-            if scanned is not None:  # written and digested in one pass: compare after the write
-                check_dense_entry(entry, *scanned, p.values, "needs_seed")
+            if hits is not None:  # written and digested in one pass by the caller: compared after the write
+                copies.append((entry, p, hits))
                 return
             check_dense_entry(entry, *scan_range(p.values, start, key=entry["_key"]), p.values, "needs_seed")
             if view is not None:

@@ -26,7 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from delta_sync import native
-from delta_sync.digest import PRIMES, Digest, DigestKey, digest_range, element_sums, scan_range
+from delta_sync.digest import PRIMES, Digest, digest_range, element_sums
 
 
 @dataclass(frozen=True)
@@ -637,24 +637,20 @@ def apply_dense_range(view: LoaderView, params: dict[str, torch.Tensor], values:
     return written
 
 
-def apply_dense_range_scanned(view: LoaderView, params: dict[str, torch.Tensor], values: torch.Tensor,
-                              start: int, key: DigestKey | None = None) -> tuple[Digest, int] | None:
-    """:func:`apply_dense_range` through a view that holds the whole tensor in contiguous segments
-    (TP=1), each copy fused with the digest (under ``key``) and Inf/NaN count of what it copies; returns their sums
-    over the range, to compare with the sender's after the write. None, writing nothing, for any
-    other view (strided or partial segments): the caller checks the values first."""
+def dense_range_copies(view: LoaderView, params: dict[str, torch.Tensor], values: torch.Tensor, start: int
+                       ) -> list[tuple[torch.Tensor, torch.Tensor, int]] | None:
+    """What :func:`apply_dense_range` copies through a view that holds the whole tensor in
+    contiguous segments (TP=1): ``(parameter slice, slice of values, its first checkpoint index)``
+    per segment the range meets, for a caller that makes the copies fused with the digest and
+    Inf/NaN count (:func:`delta_sync.digest.scan_many` with ``copy_to``, a bucket's ranges in one
+    call) and compares after the write. None for any other view (strided or partial segments): the
+    caller checks the values first, then writes."""
     if not view.segments or not all(seg.contiguous for seg in view.segments) or \
             sum(seg.numel for seg in view.segments) != math.prod(view.shape):
         return None
     src = values.reshape(-1)
-    total, bad = Digest(), 0
-    for seg in view.segments:
-        hit = _run_slices(seg, flat_param(params[seg.param]), src, start)
-        if hit is not None:
-            dst, part, lo = hit
-            d, b = scan_range(part, lo, copy_to=dst, key=key)
-            total, bad = total + d, bad + b
-    return total, bad
+    hits = (_run_slices(seg, flat_param(params[seg.param]), src, start) for seg in view.segments)
+    return [hit for hit in hits if hit is not None]
 
 
 def dense_range_target(view: LoaderView, params: dict[str, torch.Tensor], start: int, count: int

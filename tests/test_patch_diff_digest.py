@@ -707,6 +707,7 @@ def test_scan_many_equals_scan_range_per_range(monkeypatch, threads):
         if n > 100:
             x[n // 2] = float("nan")
         items.append((x, 11 * k, torch.zeros_like(x) if k % 2 else None))
+    items.append((torch.randn(40, 3, generator=g).bfloat16()[:, 1], 7, torch.zeros(40, dtype=torch.bfloat16)))  # strided
     want = [dg.scan_range(v, s) for v, s, _ in items]
     assert dg.scan_many(items) == want and all(w[1] == (1 if v.numel() > 100 else 0) for w, (v, _, _) in zip(want, items))
     # the check alone (what a sender runs digest or not): the same counts and copies, no digests
