@@ -389,9 +389,9 @@ def bench_pipeline(device, g, shapes: dict[str, tuple[int, ...]], density: float
                 t0 = time.perf_counter()
                 if kind == "delta":
                     with gc_held(), counters["receiver"] if v == counted else contextlib.nullcontext():
-                        upd = receive_update(rx)
+                        upd = receive_update(rx, tables=True)  # tables as an engine takes them
                         t1 = time.perf_counter()
-                        for p in upd.patches:
+                        for p in [*upd.patches, *(p for t in upd.tables for _, p in t.patches())]:
                             apply_patch(got[p.name], p)
                 else:
                     receive_update(rx, bulk_sink=sink, place=place)
@@ -415,7 +415,8 @@ def bench_pipeline(device, g, shapes: dict[str, tuple[int, ...]], density: float
                 with gc_held(), profile if profile and v == len(plan) - 1 else \
                         counters["sender"] if v == counted else contextlib.nullcontext():
                     t0 = time.perf_counter()
-                    patches = store.prepare_many(list(state.items()), full=kind != "delta")
+                    patches = [p for p in store.prepare_many(list(state.items()), full=kind != "delta",
+                                                             batched=kind == "delta") if p is not None]
                     sync()
                     t1 = time.perf_counter()
                     sending.append(t1)
