@@ -199,7 +199,7 @@ def _scan_words(words: torch.Tensor, word0: int, lanes: int, exp_mask: int, stri
 
 
 def _native_ok(words: torch.Tensor, dst: torch.Tensor | None) -> bool:
-    return native.supports_words(words) and (dst is None or (dst.device.type == "cpu" and dst.is_contiguous()))
+    return native.supports_words(words) and (dst is None or (dst.is_cpu and dst.is_contiguous()))
 
 
 def _row_weights(key: DigestKey, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

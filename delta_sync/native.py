@@ -294,11 +294,11 @@ def sparse_in_order(indices: torch.Tensor, counts: list[int], limits: list[int])
 
 def supports_words(t: torch.Tensor) -> bool:
     """Host tensor whose bytes the word kernels (digest) can read."""
-    return t.device.type == "cpu" and kernel() is not None
+    return t.is_cpu and kernel() is not None  # (is_cpu: no device object per call)
 
 
 def supports(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and t.element_size() * 8 in _VALUE_DTYPE and kernel() is not None
+    return t.is_cpu and t.element_size() * 8 in _VALUE_DTYPE and kernel() is not None
 
 
 def _scan(fn, width: int, old64: torch.Tensor, new64: torch.Tensor, first: int, stop: int,
