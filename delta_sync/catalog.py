@@ -55,26 +55,27 @@ class Catalog:
 
 
 class CatalogBuilder:
-    """Tensors in the order they first appear in a bulk update's buckets: each bucket's JSON
-    entries are kept as they are (one list per bucket) and numbered only when :meth:`build` is
-    called, so a full-mode channel, which never sends a delta, never pays for a catalogue."""
+    """Tensors in the order they first appear in a bulk update's buckets: each bucket's entries
+    are noted as they come (a list per bucket) and numbered only when :meth:`build` is called, so
+    a full-mode channel, which never sends a delta, never hashes a catalogue."""
 
     def __init__(self):
-        self._buckets: list[list[dict]] = []
+        self._buckets: list[list[tuple]] = []
 
     def see_entries(self, entries: list[dict]) -> None:
-        """A checked bucket's entries (``name``, ``shape``, ``dtype``)."""
-        self._buckets.append(entries)
+        """A checked bucket's entries: their ``name``, ``shape``, ``dtype`` (not the entries, whose
+        private fields hold the bucket's digest key)."""
+        self._buckets.append([(e["name"], e["shape"], e["dtype"]) for e in entries])
 
     def build(self) -> Catalog:
         names, shapes, dtypes, seen = [], [], [], set()
         for entries in self._buckets:
-            for e in entries:
-                if e["name"] not in seen:
-                    seen.add(e["name"])
-                    names.append(e["name"])
-                    shapes.append(tuple(int(d) for d in e["shape"]))
-                    dtypes.append(e["dtype"])
+            for name, shape, dname in entries:
+                if name not in seen:
+                    seen.add(name)
+                    names.append(name)
+                    shapes.append(tuple(int(d) for d in shape))
+                    dtypes.append(dname)
         return Catalog(names, shapes, dtypes)
 
 

@@ -286,7 +286,7 @@ class Absorbed:
     members: list[int]
     counts: torch.Tensor
     indices: torch.Tensor
-    new: torch.Tensor
+    new: torch.Tensor | None  # (None in an undo record: the patches carry the new bits)
     old: torch.Tensor
 
     def restore(self, snapshots: list[torch.Tensor]) -> None:

@@ -14,7 +14,7 @@ patch's indices (memory O(changed)): :meth:`commit` then has nothing left to wri
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -123,19 +123,28 @@ class SnapshotStore:
                 self._staged[name] = _Staged(out[i].shape, copy)
             else:
                 diffs.append((i, new))
-        if not diffs:
-            return out
+        if diffs:
+            self._diff(items, diffs, batched, out)
+        return out
+
+    def _diff(self, items: list[tuple[str, torch.Tensor]], diffs: list[tuple[int, torch.Tensor]], batched: bool,
+              out: list) -> None:
+        """The diff of ``items[i]`` for each ``(i, new)`` of ``diffs``: snapshots advanced, their undo
+        kept, each one's patch (or its batch's) into ``out[i]``."""
         batches, single = self.differ.absorb_batched([(self._base[items[i][0]], new) for i, new in diffs])
+        # every snapshot advanced: each one's undo is kept before any patch is made (a failure
+        # making one, a copy out of memory, must leave a rollback that puts all of them back)
         for (i, new), got in zip(diffs, single):
             if got is not None:
-                name = items[i][0]
-                self._staged[name] = _Staged(tuple(new.shape), undo=(got[0], got[2]))
+                self._staged[items[i][0]] = _Staged(tuple(new.shape), undo=(got[0], got[2]))
+        for b in batches:  # the undo keeps the old bits, not the new ones the patches carry
+            self._undo.append((replace(b, new=None), [self._base[items[diffs[k][0]][0]] for k in b.members]))
+            for k in b.members:
+                self._staged[items[diffs[k][0]][0]] = _IN_BATCH
+        for (i, new), got in zip(diffs, single):
+            if got is not None:
                 out[i] = self._sparse_or_full(items[i], new, got[0], got[1])
         for b in batches:
-            at = [diffs[k][0] for k in b.members]
-            self._undo.append((b, [self._base[items[i][0]] for i in at]))
-            for i in at:
-                self._staged[items[i][0]] = _IN_BATCH
             if batched:
                 self._batch(items, diffs, b, out)
             else:
@@ -143,7 +152,6 @@ class SnapshotStore:
                 for k, idx, bits in zip(b.members, b.indices.split(sizes), b.new.split(sizes)):
                     i, new = diffs[k]
                     out[i] = self._sparse_or_full(items[i], new, idx, bits)
-        return out
 
     @staticmethod
     def _sparse_or_full(item: tuple[str, torch.Tensor], new: torch.Tensor, idx: torch.Tensor, bits: torch.Tensor

@@ -140,7 +140,13 @@ class BulkWrite:
             # digests them: one scan for the bucket, spread over the threads; checked in order after
             items = [(p.values, int(entry["start"]), None) for entry, p in placed]
             items += [(part, lo, dst) for _, _, hits in copies for dst, part, lo in hits]
-            scans = iter(scan_many(items, key=next((e["_key"] for e, _ in entries if "_key" in e), None)))
+            key = next((e["_key"] for e, _ in entries if "_key" in e), None)
+            try:
+                scans = iter(scan_many(items, key=key))
+            except Exception:
+                owners = [*placed, *((e, q) for e, q, hits in copies for _ in hits)]
+                entry, p = owners[failing(items, key)]  # the failure names its range, not the bucket's last
+                raise
             for entry, p in placed:
                 check_dense_entry(entry, *next(scans), p.values, "needs_seed")
             for entry, p, hits in copies:
@@ -233,3 +239,14 @@ class BulkWrite:
                 "would keep the values the engine loaded at start. A seed must carry every tensor the model "
                 "loads", kept="engine paused with partially written weights; needs_seed: the next update must be a "
                 "full seed")
+
+
+def failing(items: list[tuple[torch.Tensor, int, torch.Tensor | None]], key) -> int:
+    """Which of a bucket's scan items fails when scanned alone (after their scan together failed,
+    to name its range); the last one if none does."""
+    for k, item in enumerate(items):
+        try:
+            scan_range(*item, key=key)
+        except Exception:  # noqa: BLE001 - looking for the one that fails
+            return k
+    return len(items) - 1

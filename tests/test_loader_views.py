@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from delta_sync.digest import digest_tensor
+from delta_sync.digest import digest_tensor, scan_many
 from patches.loader_views import (UndoLog, apply_dense, apply_dense_range, apply_sparse, digest_view, probe_views,
                                   read_through)
 
@@ -427,3 +427,18 @@ def test_a_planned_apply_over_parameters_of_several_widths_writes_and_restores_e
     undo.restore()
     for name, p in m.named_parameters():
         assert torch.equal(p, before[name]), name
+
+
+def test_a_bucket_whose_scan_fails_names_the_range_that_fails():
+    """The engine copies and digests a bucket's ranges in one scan; when it fails, the range that
+    fails alone is the one the error names (not the bucket's last)."""
+    from patches.bulk_apply import failing
+
+    ok = [(torch.ones(8, dtype=torch.bfloat16), 0, torch.empty(8, dtype=torch.bfloat16)) for _ in range(4)]
+    bad = (torch.ones(8, dtype=torch.bfloat16), 0, torch.empty(7, dtype=torch.bfloat16))  # no room for it
+    for at in range(5):
+        items = ok[:at] + [bad] + ok[at:]
+        with pytest.raises(ValueError, match="copy_to holds 7"):
+            scan_many(items)
+        assert failing(items, None) == at
+    assert failing(ok, None) == len(ok) - 1  # none fails alone: the last

@@ -398,7 +398,11 @@ def test_a_batched_prepare_says_what_patches_would_and_rolls_back(monkeypatch, t
     monkeypatch.setattr(native, "MIN_WORDS_PER_THREAD", 2048)
     monkeypatch.setattr(native, "SCRATCH_ENTRIES", 64)
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
-    olds, news = _mixed_tensors(torch.Generator().manual_seed(7))
+    g = torch.Generator().manual_seed(7)
+    olds, news = _mixed_tensors(g)
+    olds.append(torch.randn(256, generator=g).half())  # a sparse fp16 tensor: in the bf16 kernel batch
+    news.append(olds[-1].clone())
+    news[-1][::16] += 1
     items = [(f"t{i}", n) for i, n in enumerate(news)]
     stores = []
     for batched in (False, True):
@@ -408,16 +412,19 @@ def test_a_batched_prepare_says_what_patches_would_and_rolls_back(monkeypatch, t
         stores.append((s, s.prepare_many(items, batched=batched)))
     (plain, want), (store, got) = stores
     batches = [p for p in got if isinstance(p, PatchBatch)]
-    # bf16 t0-t5, t9 and t11 (the large one, cut between threads), fp32 t6 (t9's new value is a
-    # clone: aligned); fp16 t8 is denser than a third
+    # bf16 t0-t5, t9 and t11 (the large one, cut between threads) and fp16 t13 share one kernel
+    # batch and come apart by dtype; fp32 t6 (t9's new value is a clone: aligned); fp16 t8 is denser
+    # than a third: its elements are left out of the fp16 batch's buffers
     assert [(b.dtype, b.names) for b in batches] == [
-        (torch.bfloat16, ["t0", "t1", "t2", "t3", "t4", "t5", "t9", "t11"]), (torch.float32, ["t6"])]
+        (torch.bfloat16, ["t0", "t1", "t2", "t3", "t4", "t5", "t9", "t11"]), (torch.float32, ["t6"]),
+        (torch.float16, ["t13"])]
     assert got[8].dense and got[7] is None and got[12] is None  # dense smaller; no elements; unchanged
     assert got[10].name == "t10" and not got[10].dense  # the kernel's leftover (a ragged tail), alone
     for b in batches:
         b.validate()
         assert got[int(b.names[0][1:])] is b and all(c > 0 for c in b.counts)
         assert all(got[int(n[1:])] is None for n in b.names[1:])
+    assert batches[2].counts == [16] and batches[2].indices.tolist() == list(range(0, 256, 16))
     expanded = {p.name: p for b in batches for p in b.patches()}
     expanded.update({p.name: p for p in got if isinstance(p, Patch)})
     for p in want:
@@ -431,6 +438,35 @@ def test_a_batched_prepare_says_what_patches_would_and_rolls_back(monkeypatch, t
     for i, o in enumerate(olds):
         assert torch.equal(int_view(store.snapshot_of(f"t{i}")), int_view(o)), i
     assert [p.count for p in store.prepare_many(items)] == [p.count for p in want]
+
+
+def test_a_diff_that_fails_after_the_scan_still_rolls_every_snapshot_back(monkeypatch):
+    """The kernel advanced every snapshot before the patches are made: when making one fails (a
+    tensor's full copy out of memory), the undo of every one, batched or not, is kept already and
+    a rollback puts them all back bit for bit."""
+    import delta_sync.snapshot as snapshot_module
+
+    g = torch.Generator().manual_seed(5)
+    olds = [torch.randn(64, generator=g).bfloat16() for _ in range(3)] + [torch.randn(65, generator=g).bfloat16()]
+    news = [o.clone() for o in olds]
+    for n in news[:3]:
+        n[::8] += 1  # sparse: batched
+    news[3] = torch.randn(66, generator=g).bfloat16()[1:]  # unaligned: diffed alone, every element changed
+    store = SnapshotStore()
+    store.prepare_many([(f"t{i}", o.clone()) for i, o in enumerate(olds)], full=True)
+    store.commit(0)
+    real = snapshot_module._own
+
+    def out_of_memory(new, given):
+        if new.numel() == 65:
+            raise MemoryError("injected")
+        return real(new, given)
+    monkeypatch.setattr(snapshot_module, "_own", out_of_memory)
+    with pytest.raises(MemoryError):
+        store.prepare_many([(f"t{i}", n) for i, n in enumerate(news)], batched=True)
+    store.rollback()
+    for i, o in enumerate(olds):
+        assert torch.equal(int_view(store.snapshot_of(f"t{i}")), int_view(o)), i
 
 
 def test_ownership_balanced_by_bytes_and_deterministic():
