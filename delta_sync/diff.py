@@ -110,7 +110,7 @@ class BitwiseDiff:
             for members in flat.values():
                 for lo, hi in native.capped_groups([pairs[i][0].numel() * pairs[i][0].element_size() // 8
                                                     for i in members], self.chunk_words):
-                    self._absorb_flat(pairs, members[lo:hi], out)
+                    batches.append(self._absorb_flat(pairs, members[lo:hi]))
             for width, members in batch.items():
                 counts, idx, bits, old_bits = native.changed_batch(
                     [pairs[i][0] for i in members], [pairs[i][1] for i in members], 8 // width, absorb=True)
@@ -139,14 +139,13 @@ class BitwiseDiff:
         return (snap.device == new.device and _whole_words(snap, new)
                 and snap.numel() * snap.element_size() // 8 <= self.chunk_words)
 
-    def _absorb_flat(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], members: list[int],
-                     out: list) -> None:
+    def _absorb_flat(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], members: list[int]) -> "Absorbed":
         """:meth:`absorb` of ``pairs[i]`` for ``i`` in ``members`` (same width and device, at most
         ``chunk_words`` words together) as one scan: on a device every ``nonzero`` and ``tolist``
         waits for the device, and a model's hundreds of tensors would each pay the three syncs of
         the chunked scan. Here the whole batch pays five (two levels of ``nonzero``, the changed
-        words per tensor, the changed lanes, the cut per tensor) and no launch of its own. Every
-        ``out[i]`` is set once the snapshots advanced (the caller's rollback reads it)."""
+        words per tensor, the changed lanes, the cut per tensor) and no launch of its own. Returns
+        the batch once the snapshots advanced (the caller's rollback restores it)."""
         old0 = pairs[members[0]][0]
         dev, width = old0.device, old0.element_size()
         lanes, lane_dtype = 8 // width, _INT_VIEW[width]
@@ -179,16 +178,14 @@ class BitwiseDiff:
         elem = (local.take(hit_word) * lanes + (hit & (lanes - 1))).to(torch.int32)
         new_v, old_v = new_w.view(lane_dtype).take(hit), old_w.view(lane_dtype).take(hit)
         ends = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int64, device=dev)
-        cuts = [0] + torch.searchsorted(hit_word, ends).tolist()
-        hits = [hi - lo for lo, hi in zip(cuts, cuts[1:])]
-        # each tensor's slices in one call per buffer (not a narrow per slice: Python per tensor)
-        parts = zip(elem.split(hits), new_v.split(hits), old_v.split(hits))
+        cuts = torch.searchsorted(hit_word, ends).cpu()  # (the counts cross to the host: one sync)
+        hits = torch.diff(cuts, prepend=cuts.new_zeros(1))
         changed = [k for k, c in enumerate(counts) if c]
         # the changed snapshots advance whole, in one multi-tensor copy (one launch for many on a
         # device, where an index_copy_ per tensor costs a launch and two views each)
         torch._foreach_copy_([o64[k] for k in changed], [n64[k] for k in changed])
-        for i, got in zip(members, parts):
-            out[i] = got
+        # the batch's changes stay in these buffers, a count per member (no split per tensor)
+        return Absorbed(members, hits, elem, new_v, old_v)
 
     @staticmethod
     def _check(name: str, old: torch.Tensor, new: torch.Tensor, absorb: bool) -> None:
@@ -280,7 +277,7 @@ class BitwiseDiff:
 @dataclass
 class Absorbed:
     """Pairs ``members`` (positions in the caller's list) of one element width, scanned together:
-    ``counts[k]`` (int64) changed elements of member ``k``, their int32 flat indices, new bits and
+    ``counts[k]`` (int64, on the host) changed elements of member ``k``, their int32 flat indices, new bits and
     old bits after those of the members before it in :attr:`indices`, :attr:`new`, :attr:`old`."""
 
     members: list[int]

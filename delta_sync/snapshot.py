@@ -185,7 +185,7 @@ class SnapshotStore:
                 continue
             idx, bits = b.indices, b.new
             if bool((sparse != (b.counts > 0)).any()):  # others share the buffers: this batch's elements alone
-                keep = torch.repeat_interleave(sparse, b.counts)
+                keep = torch.repeat_interleave(sparse, b.counts).to(idx.device)  # (counts live on the host)
                 idx, bits = idx[keep], bits[keep]
             out[diffs[b.members[ks[0]]][0]] = PatchBatch(
                 [items[diffs[b.members[k]][0]][0] for k in ks], [tuple(news[k].shape) for k in ks], dt,

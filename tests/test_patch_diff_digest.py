@@ -440,6 +440,33 @@ def test_a_batched_prepare_says_what_patches_would_and_rolls_back(monkeypatch, t
     assert [p.count for p in store.prepare_many(items)] == [p.count for p in want]
 
 
+def test_the_torch_path_batches_too():
+    """The torch-op scan (what device snapshots take) hands its batch on whole as well: one
+    PatchBatch per dtype, the reference diff's patches bit for bit, and a rollback puts every
+    snapshot back."""
+    g = torch.Generator().manual_seed(13)
+    olds = [torch.randn(256, generator=g).to(torch.bfloat16 if k % 3 else torch.float16) for k in range(12)]
+    news = [o.clone() for o in olds]
+    for k, n in enumerate(news):
+        n[k::7] += 1
+    news[4] = news[4] * 3 + 1  # denser than a third: a full patch, left out of the batch's buffers
+    store = SnapshotStore(differ=BitwiseDiff(use_native=False))
+    store.prepare_many([(f"t{i}", o.clone()) for i, o in enumerate(olds)], full=True)
+    store.commit(0)
+    got = store.prepare_many([(f"t{i}", n) for i, n in enumerate(news)], batched=True)
+    batches = [p for p in got if isinstance(p, PatchBatch)]
+    assert [(b.dtype, len(b.names)) for b in batches] == [(torch.float16, 4), (torch.bfloat16, 7)]
+    assert got[4].dense
+    ref = BitwiseDiff(use_native=False)
+    for p in (q for b in batches for q in b.patches()):
+        i = int(p.name[1:])
+        want = ref.diff(p.name, olds[i], news[i])
+        assert torch.equal(p.indices, want.indices) and torch.equal(int_view(p.values), int_view(want.values))
+    store.rollback()
+    for i, o in enumerate(olds):
+        assert torch.equal(int_view(store.snapshot_of(f"t{i}")), int_view(o)), i
+
+
 def test_a_diff_that_fails_after_the_scan_still_rolls_every_snapshot_back(monkeypatch):
     """The kernel advanced every snapshot before the patches are made: when making one fails (a
     tensor's full copy out of memory), the undo of every one, batched or not, is kept already and
