@@ -83,7 +83,7 @@ class BitwiseDiff:
         """:meth:`absorb` of ``(old, new)`` pairs: :meth:`absorb_batched`, each pair's result apart."""
         batches, out = self.absorb_batched(pairs)
         for b in batches:
-            for i, got in zip(b.members, zip(*(t.split(b.counts.tolist()) for t in (b.indices, b.new, b.old)))):
+            for i, got in zip(b.members, b.parts()):
                 out[i] = got
         return out
 
@@ -286,10 +286,16 @@ class Absorbed:
     new: torch.Tensor | None  # (None in an undo record: the patches carry the new bits)
     old: torch.Tensor
 
+    def parts(self) -> list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]:
+        """``(indices, new bits, old bits)`` of each member in turn (views; new None where the
+        batch holds none)."""
+        sizes = self.counts.tolist()
+        new = self.new.split(sizes) if self.new is not None else [None] * len(sizes)
+        return list(zip(self.indices.split(sizes), new, self.old.split(sizes)))
+
     def restore(self, snapshots: list[torch.Tensor]) -> None:
         """Put the members' snapshots (in member order) back as they were before the scan."""
-        sizes = self.counts.tolist()
-        for snap, idx, old in zip(snapshots, self.indices.split(sizes), self.old.split(sizes)):
+        for snap, (idx, _, old) in zip(snapshots, self.parts()):
             restore(snap, idx, old)
 
 

@@ -347,7 +347,7 @@ def scan_many(items: list[tuple[torch.Tensor, int, torch.Tensor | None]], lanes:
     sizes = [v.numel() * v.element_size() for v, _, _ in items]
     host = [_native_ok(v, dst) for v, _, dst in items]
     share = sum(n for n, ok in zip(sizes, host) if ok) // threads
-    pooled = [i for i, ok in enumerate(host) if ok and threads > 1 and sizes[i] <= share]
+    pooled = [i for i, ok in enumerate(host) if ok and sizes[i] <= share]  # (one thread: every host range)
     alone = sorted(set(i for i, ok in enumerate(host) if ok) - set(pooled))
     out: list[tuple[Digest, int] | None] = [None] * len(items)
 
@@ -360,9 +360,7 @@ def scan_many(items: list[tuple[torch.Tensor, int, torch.Tensor | None]], lanes:
             out[i] = got
 
     groups = [pooled[lo:hi] for lo, hi in native.contiguous_groups([sizes[i] for i in pooled], threads)]
-    if threads == 1:  # one thread: every host range in one call
-        groups, alone = [[i for i, ok in enumerate(host) if ok]], []
-    _, error = native.run_spread([functools.partial(run_group, g) for g in groups if g])  # every range finishes first
+    _, error = native.run_spread([functools.partial(run_group, g) for g in groups])  # every range finishes first
     try:
         run(alone, None)
         _scan_device(items, [i for i, ok in enumerate(host) if not ok], out, key)

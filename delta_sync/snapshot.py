@@ -148,8 +148,7 @@ class SnapshotStore:
             if batched:
                 self._batch(items, diffs, b, out)
             else:
-                sizes = b.counts.tolist()
-                for k, idx, bits in zip(b.members, b.indices.split(sizes), b.new.split(sizes)):
+                for k, (idx, bits, _) in zip(b.members, b.parts()):
                     i, new = diffs[k]
                     out[i] = self._sparse_or_full(items[i], new, idx, bits)
 
@@ -176,15 +175,17 @@ class SnapshotStore:
         for k in dense.nonzero().squeeze(1).tolist():
             i = diffs[b.members[k]][0]
             out[i] = Patch.full(items[i][0], _own(news[k], items[i][1]))
-        changed = (b.counts > 0) & ~dense
+        nonzero = b.counts > 0
+        changed = nonzero & ~dense
         dtypes = [t.dtype for t in news]
+        mixed = len(set(dtypes)) > 1
         for dt in dict.fromkeys(dtypes):
-            sparse = changed & torch.tensor([d == dt for d in dtypes]) if len(set(dtypes)) > 1 else changed
+            sparse = changed & torch.tensor([d == dt for d in dtypes]) if mixed else changed
             ks = sparse.nonzero().squeeze(1).tolist()
             if not ks:
                 continue
             idx, bits = b.indices, b.new
-            if bool((sparse != (b.counts > 0)).any()):  # others share the buffers: this batch's elements alone
+            if bool((sparse != nonzero).any()):  # others share the buffers: this batch's elements alone
                 keep = torch.repeat_interleave(sparse, b.counts).to(idx.device)  # (counts live on the host)
                 idx, bits = idx[keep], bits[keep]
             out[diffs[b.members[ks[0]]][0]] = PatchBatch(
