@@ -55,7 +55,7 @@ T1_BOUND = 1 << 12
 #: elements per step of :func:`element_sums`: bounds its temporaries to a few MiB.
 CHUNK = 1 << 18
 #: words per step of the device formula (each lane's products are int32 temporaries of this size)
-DEVICE_CHUNK_WORDS = 1 << 22
+DEVICE_CHUNK_WORDS = 1 << 24
 #: words per thread below which a range is digested on the calling thread.
 _MIN_WORDS_PER_THREAD = 1 << 20
 #: exponent bits that mark Inf/NaN in the word holding them, per element width.
@@ -78,7 +78,7 @@ class DigestKey:
         self.t2 = (t2 % (p - 1) + 1).to(torch.int16).contiguous()
         self.t3 = (t3 % (p - 1) + 1).to(torch.int16).contiguous()
         self.p = p.view(-1).contiguous()
-        self._on: dict[torch.device, tuple[torch.Tensor, ...]] = {}
+        self._on: dict = {}  # per device (and per device, the int8 columns)
 
     @classmethod
     def derive(cls, secret: bytes, nonce: str) -> "DigestKey":
@@ -109,6 +109,20 @@ class DigestKey:
                      for t, dt in ((self.t1, torch.int32), (self.t2, torch.int64), (self.t3, torch.int64))))
             if type(got[0]) is torch.Tensor:  # a fake tensor is not kept for real ones to find
                 self._on[device] = got
+        return got
+
+    def int8_columns(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``t1`` as the int8 right-hand side of :func:`_dots_int8`, (KEY_ROW, 2 * lanes) in column
+        order (the layout cuBLAS's int8 product takes): ``t1 >> 6`` per lane, then ``t1 & 63``;
+        and each lane's ``sum(t1)``, (lanes,) int64."""
+        got = self._on.get((device, "int8"))
+        if got is None:
+            t1 = self.t1.tolist()  # from lists, as :meth:`on`
+            cols = [[v >> 6 for v in lane] for lane in t1] + [[v & 63 for v in lane] for lane in t1]
+            got = (torch.tensor(cols, dtype=torch.int8, device=device).t(),  # (KEY_ROW, 2 * lanes)
+                   torch.tensor([sum(lane) for lane in t1], dtype=torch.int64, device=device))
+            if type(got[0]) is torch.Tensor:
+                self._on[(device, "int8")] = got
         return got
 
 
@@ -229,7 +243,7 @@ def lane_sums(words: torch.Tensor, word0: int, lanes: int = _LANES, exp_mask: in
         if lanes:
             lead = (word0 + e) % KEY_ROW
             rows = -(-(lead + n) // KEY_ROW)
-            x = part.to(torch.int32)
+            x = part
             if lead or (lead + n) % KEY_ROW:
                 x = torch.cat([x.new_zeros(lead), x, x.new_zeros(rows * KEY_ROW - lead - n)])
             first = (word0 + e) // KEY_ROW
@@ -244,17 +258,63 @@ def lane_sums(words: torch.Tensor, word0: int, lanes: int = _LANES, exp_mask: in
 
 def _fold_rows(key: DigestKey, x: torch.Tensor, rows: torch.Tensor, owner: torch.Tensor | None = None,
                items: int = 1) -> torch.Tensor:
-    """Lane residues, (lanes, items) int64, of int32 rows ``x`` (n, KEY_ROW) whose row indices
+    """Lane residues, (lanes, items) int64, of int16 rows ``x`` (n, KEY_ROW) whose row indices
     (position // KEY_ROW) are ``rows`` (int64, per row) and which belong to item ``owner`` (per
-    row; None: all to one). Per lane, the row's dot product with ``t1`` (int32 products below
-    ``2**29``, int64 sums), reduced, times the row's weight (below ``2**30``), summed."""
-    p, t1, _, _ = key.on(x.device)
-    dots = torch.stack([(x * row).sum(dim=1, dtype=torch.int64) for row in t1.unbind(0)])
+    row; None: all to one). Per lane, the row's dot product with ``t1`` (:func:`_row_dots`),
+    reduced, times the row's weight (below ``2**30``), summed."""
+    dots = _row_dots(key, x)
     p, weight = _row_weights(key, rows)
     terms = (dots % p) * weight  # (lanes, rows)
     if owner is None:
         return terms.sum(dim=1, keepdim=True) % p
     return torch.zeros(_LANES, items, dtype=torch.int64, device=x.device).index_add_(1, owner, terms) % p
+
+
+#: device types whose torch lacks an int8 matrix product (``torch._int_mm``): they take
+#: :func:`_dots_by_lane` (found at the first call; vLLM-Ascend's torch-npu, for one)
+_NO_INT_MM: set[str] = set()
+
+
+def _row_dots(key: DigestKey, x: torch.Tensor) -> torch.Tensor:
+    """(lanes, n) int64 dot products of int16 rows ``x`` (n, KEY_ROW) with each lane's ``t1``,
+    exact. One int8 matrix product where the device has one (:func:`_dots_int8`), else a multiply
+    and a sum per lane."""
+    if x.device.type not in _NO_INT_MM:
+        try:
+            return _dots_int8(key, x)
+        except torch.OutOfMemoryError:
+            raise
+        except (RuntimeError, NotImplementedError):  # no int8 kernel on this device type
+            _NO_INT_MM.add(x.device.type)
+    return _dots_by_lane(key, x)
+
+
+def _dots_by_lane(key: DigestKey, x: torch.Tensor) -> torch.Tensor:
+    """:func:`_row_dots` as int32 products (below ``2**27``) summed in int64, one lane at a time:
+    ~3 passes over an int32 copy of the words per lane."""
+    t1 = key.on(x.device)[1]
+    x = x.to(torch.int32)
+    return torch.stack([(x * row).sum(dim=1, dtype=torch.int64) for row in t1.unbind(0)])
+
+
+def _dots_int8(key: DigestKey, x: torch.Tensor) -> torch.Tensor:
+    """:func:`_row_dots` as one int8 x int8 -> int32 matrix product (memory-bound on a GPU: a
+    word is read as two bytes, once for all lanes). A word ``s = 256 h + l`` (``h = s >> 8``
+    signed, ``l = s & 255``) and a table entry ``t = 64 a + b`` (``t < 2**12``) split into int8
+    pieces; ``l - 128`` keeps the low byte signed, and ``128 * sum(t)`` puts it back:
+
+        s . t = 256 (64 h.a + h.b) + 64 l'.a + l'.b + 128 sum(t),   l' = l - 128
+
+    Each piece's dot is below ``128 * 63 * KEY_ROW < 2**23``: exact in the product's int32."""
+    n = x.shape[0]
+    cols, t1_sums = key.int8_columns(x.device)
+    pieces = torch.cat([(x >> 8).to(torch.int8), ((x & 0xFF) - 128).to(torch.int8)])
+    if pieces.shape[0] <= 16:  # CUDA's int8 product wants more than 16 rows: zero rows add nothing
+        pieces = torch.cat([pieces, pieces.new_zeros(17 - pieces.shape[0], KEY_ROW)])
+    d = torch._int_mm(pieces, cols).to(torch.int64)  # (rows, 2 * lanes): the a and the b columns
+    hi, lo = d.narrow(0, 0, n), d.narrow(0, n, n)
+    a, b = slice(0, _LANES), slice(_LANES, 2 * _LANES)
+    return (256 * (64 * hi[:, a] + hi[:, b]) + 64 * lo[:, a] + lo[:, b] + 128 * t1_sums).t()
 
 
 #: ranges of at most this many words are digested together on a device (:func:`_lane_sums_many`):
@@ -284,7 +344,7 @@ def _lane_sums_many(parts: list[tuple[torch.Tensor, int]], exp_mask: int, stride
         at += r
     rows, owner = meta.to(dev).unbind(0)
     words = buf.view(total, KEY_ROW)
-    sums = _fold_rows(key, words.to(torch.int32), rows, owner, len(parts))
+    sums = _fold_rows(key, words, rows, owner, len(parts))
     bad = torch.zeros(len(parts), dtype=torch.int64, device=dev)
     if exp_mask:  # padding words are zero: never counted
         high = words if stride == 1 else _phase_mask(words, parts, spans, stride)
