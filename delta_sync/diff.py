@@ -45,10 +45,16 @@ def int_view(t: torch.Tensor) -> torch.Tensor:
 class BitwiseDiff:
     """Reusable scanner: holds its bounded scratch mask across calls."""
 
-    def __init__(self, chunk_words: int = DEFAULT_CHUNK_WORDS, use_native: bool = True):
+    def __init__(self, chunk_words: int = DEFAULT_CHUNK_WORDS, use_native: bool = True,
+                 batch_words: int | None = None):
         if chunk_words <= 0 or chunk_words % 8:
             raise ValueError(f"chunk_words must be a positive multiple of 8, got {chunk_words}")
         self.chunk_words = chunk_words
+        #: words of the small device tensors scanned as one batch (:meth:`_absorb_flat`): its
+        #: temporaries are ~17 B per word (both sides copied, a flag byte), its launches and five
+        #: host syncs are paid per batch (~1 ms on an H200: at 30B-A3B's 3 MB experts a batch of
+        #: 64 MiB holds ~20 tensors, one of 256 MiB ~80)
+        self.batch_words = batch_words or 4 * chunk_words
         self.use_native = use_native
         self._mask: torch.Tensor | None = None
 
@@ -109,7 +115,7 @@ class BitwiseDiff:
                     out[i] = self.absorb(old, new)
             for members in flat.values():
                 for lo, hi in native.capped_groups([pairs[i][0].numel() * pairs[i][0].element_size() // 8
-                                                    for i in members], self.chunk_words):
+                                                    for i in members], self.batch_words):
                     batches.append(self._absorb_flat(pairs, members[lo:hi]))
             for width, members in batch.items():
                 counts, idx, bits, old_bits = native.changed_batch(
@@ -141,7 +147,7 @@ class BitwiseDiff:
 
     def _absorb_flat(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], members: list[int]) -> "Absorbed":
         """:meth:`absorb` of ``pairs[i]`` for ``i`` in ``members`` (same width and device, at most
-        ``chunk_words`` words together) as one scan: on a device every ``nonzero`` and ``tolist``
+        ``batch_words`` words together) as one scan: on a device every ``nonzero`` and ``tolist``
         waits for the device, and a model's hundreds of tensors would each pay the three syncs of
         the chunked scan. Here the whole batch pays five (two levels of ``nonzero``, the changed
         words per tensor, the changed lanes, the cut per tensor) and no launch of its own. Returns
@@ -150,15 +156,17 @@ class BitwiseDiff:
         dev, width = old0.device, old0.element_size()
         lanes, lane_dtype = 8 // width, _INT_VIEW[width]
         shift = lanes.bit_length() - 1
-        o64 = [int_view(pairs[i][0]).view(torch.int64) for i in members]
-        n64 = [int_view(pairs[i][1]).view(torch.int64) for i in members]
-        offs = [0]
-        for w in o64:
-            offs.append(offs[-1] + w.numel())
+        # one view per tensor and side (a view is a dispatched op too: ~19k tensors at 30B-A3B);
+        # a batch of one dtype concatenates as it is and is read as words after (dtypes of one
+        # width mixed, bf16 and fp16, are read as integers first: a cat would convert them)
+        mixed = any(pairs[i][0].dtype != old0.dtype for i in members)
+        olds = [pairs[i][0].view(-1).view(lane_dtype) if mixed else pairs[i][0].view(-1) for i in members]
+        news = [pairs[i][1].view(-1).view(lane_dtype) if mixed else pairs[i][1].view(-1) for i in members]
+        offs = [0, *itertools.accumulate(t.numel() // lanes for t in olds)]
         total = offs[-1]
         # both sides gathered into one buffer each: two copies of the batch cost less on a device
         # than a compare and two gathers per tensor (launches, not bytes, bound small tensors there)
-        old_all, new_all = torch.cat(o64), torch.cat(n64)
+        old_all, new_all = torch.cat(olds).view(torch.int64), torch.cat(news).view(torch.int64)
         mask = self._scratch(-(-total // 8) * 8, dev)
         if mask.numel() > total:
             mask.narrow(0, total, mask.numel() - total).zero_()
@@ -183,7 +191,7 @@ class BitwiseDiff:
         changed = [k for k, c in enumerate(counts) if c]
         # the changed snapshots advance whole, in one multi-tensor copy (one launch for many on a
         # device, where an index_copy_ per tensor costs a launch and two views each)
-        torch._foreach_copy_([o64[k] for k in changed], [n64[k] for k in changed])
+        torch._foreach_copy_([olds[k] for k in changed], [news[k] for k in changed])
         # the batch's changes stay in these buffers, a count per member (no split per tensor)
         return Absorbed(members, hits, elem, new_v, old_v)
 

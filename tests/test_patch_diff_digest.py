@@ -277,7 +277,7 @@ def test_device_path_diffs_many_tensors_in_one_scan():
     with _CountNonzero() as one_by_one:
         for i in alone:
             BitwiseDiff(use_native=False, chunk_words=4096).changed(before[i], news[i])
-    differ = BitwiseDiff(use_native=False, chunk_words=4096)
+    differ = BitwiseDiff(use_native=False, chunk_words=4096, batch_words=4096)
     with _CountNonzero() as batched:
         got = differ.advance_many([(f"t{i}", o, n) for i, (o, n) in enumerate(zip(olds, news))])
     # 16-bit tensors: 6 x 4096 + 64 + 40 x 256 elements = 8 720 words, in three scans of <= 4096
@@ -704,14 +704,19 @@ def test_host_kernel_order_and_bounds_check_agrees_with_the_rules():
     assert native.sparse_in_order(t, [2], [4]) is None  # the counts do not tile the buffer
 
 
+@pytest.mark.parametrize("dots", ["int8_mm", "by_lane"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_host_kernel_equals_the_device_formula(dtype, monkeypatch):
+def test_host_kernel_equals_the_device_formula(dtype, dots, monkeypatch):
     """The host kernel (per-row table products, AVX2 or scalar, threaded, optionally copying) gives the bits
     of the torch-op lane sums that devices run, with the same non-finite count, at any length,
-    offset and split; a copying scan leaves an exact copy."""
+    offset and split; a copying scan leaves an exact copy. Both device formulas: the int8 matrix
+    product (CUDA, and the host here) and the per-lane products (device types without one)."""
     import delta_sync.digest as dg
     if not native.supports_words(torch.zeros(2, dtype=torch.int16)):
         pytest.skip("no C compiler here: the host kernel is not built")
+    monkeypatch.setattr(dg, "_NO_INT_MM", set() if dots == "int8_mm" else {"cpu"})
+    monkeypatch.setattr(dg, "_dots_by_lane" if dots == "int8_mm" else "_dots_int8",
+                        lambda *a: pytest.fail(f"not the {dots} formula"))
     monkeypatch.setattr(dg, "_MIN_WORDS_PER_THREAD", 1 << 12)  # several threads on small inputs too
     g = torch.Generator().manual_seed(3)
     for n in (1, 15, 16, 255, 256, 257, 4097, 65537, 200_003):
