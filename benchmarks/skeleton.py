@@ -51,16 +51,17 @@ def main(argv: list[str]) -> dict:
     from launchers.device_check import bench_pipeline
 
     device = torch.device(args.device)
+    torch_ops = args.torch_path or device.type != "cpu"  # device tensors take the torch ops anyway
     rows = []
     for layers in [int(x) for x in args.layers.split(",") if x.strip()]:
         shapes = skeleton_shapes(layers)
         t0 = time.perf_counter()
         got = bench_pipeline(device, torch.Generator().manual_seed(layers), shapes, args.density,
-                             count_ops=args.torch_path)
+                             count_ops=torch_ops)
         row = {"layers": layers, "tensors": len(shapes), "model_bytes": got["model_bytes"],
                "wall_s": round(time.perf_counter() - t0, 1),
                **{f"{kind}_{k}": v for kind in ("seed", "delta") for k, v in got[kind].items()}}
-        if args.torch_path:
+        if torch_ops:
             for side, c in got["delta_ops"].items():
                 row[f"delta_{side}_ops"], row[f"delta_{side}_syncs"] = c["ops"], c["syncs"]
         rows.append(row)
@@ -75,6 +76,6 @@ def main(argv: list[str]) -> dict:
         scale = 1e6 if k.endswith("_s") else 1.0  # seconds: microseconds per tensor
         per_tensor[k[:-2] + "_us" if k.endswith("_s") else k] = round(b * scale, 3 if scale == 1 else 1)
         at_full[k] = round(a + b * FULL_TENSORS, 4)
-    return {"bench": "skeleton", "path": "torch ops" if args.torch_path else "host kernels",
+    return {"bench": "skeleton", "path": "torch ops" if torch_ops else "host kernels",
             "device": str(device), "density": args.density, "runs": rows, "per_tensor": per_tensor,
             f"at_{FULL_TENSORS}_tensors": at_full}

@@ -22,7 +22,7 @@ import json
 import os
 import sys
 import time
-from importlib.metadata import entry_points
+from importlib.metadata import EntryPoint, entry_points
 
 import torch
 
@@ -195,10 +195,18 @@ def _diff_batched_and_one_by_one(state: dict[str, torch.Tensor], step, reps: int
 BUILTIN = {"diff": bench_diff, "tensors": bench_tensors}
 
 
+#: the ``delta_sync.bench`` entry points that pyproject.toml declares, for a source tree run without
+#: installing it (a device machine given the checkout): taken where no installed one has the name
+IN_TREE = {"apply": "benchmarks.apply:main", "sync": "benchmarks.sync:main", "e2e": "benchmarks.e2e:main",
+           "skeleton": "benchmarks.skeleton:main"}
+
+
 def _commands() -> dict:
     cmds = dict(BUILTIN)
     for ep in entry_points(group="delta_sync.bench"):
         cmds.setdefault(ep.name, ep)
+    for name, target in IN_TREE.items():
+        cmds.setdefault(name, EntryPoint(name, target, "delta_sync.bench"))
     return cmds
 
 

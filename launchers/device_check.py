@@ -379,6 +379,7 @@ def bench_pipeline(device, g, shapes: dict[str, tuple[int, ...]], density: float
     plan = ["seed", "full", "full", "delta", "delta"] + (["delta"] if count_ops else [])
     counters = {"sender": OpCounter(), "receiver": OpCounter()}
     counted = len(plan) - 1 if count_ops else -1
+    profiled = len(plan) - 1 - count_ops  # the last timed delta
     done: list[dict] = []  # per version, the receiver's stage times
     sending: list[float] = []  # per version, when the sender began to send
     profile = cProfile.Profile() if profile_dir else None  # the sender's last delta (one profiler per process)
@@ -412,7 +413,7 @@ def bench_pipeline(device, g, shapes: dict[str, tuple[int, ...]], density: float
                     for t in state.values():
                         t.copy_(_perturb(t, density, g))
                 sync()
-                with gc_held(), profile if profile and v == len(plan) - 1 else \
+                with gc_held(), profile if profile and v == profiled else \
                         counters["sender"] if v == counted else contextlib.nullcontext():
                     t0 = time.perf_counter()
                     patches = [p for p in store.prepare_many(list(state.items()), full=kind != "delta",
@@ -500,6 +501,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--layers", type=int, help="the pipeline model's layer count (default: the model's own)")
     ap.add_argument("--skip-checks", action="store_true", help="benches only")
     ap.add_argument("--profile-dir", help="write cProfile listings of the pipeline's last delta here")
+    ap.add_argument("--count-ops", action="store_true",
+                    help="count one more delta's torch operations and host syncs on both ends")
     args = ap.parse_args(argv)
     from delta_sync import accelerator
     from delta_sync.channel import free_port
@@ -532,7 +535,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.pipeline != "none":
         try:
             out["pipeline"] = dict(bench_pipeline(device, g, PIPELINES[args.pipeline](args.layers),
-                                                  profile_dir=args.profile_dir),
+                                                  profile_dir=args.profile_dir, count_ops=args.count_ops),
                                    shapes=args.pipeline, layers=args.layers)
         except Exception as e:  # noqa: BLE001 - report every part, then fail
             ok = False

@@ -95,3 +95,19 @@ def test_skeleton_bench_fits_the_cost_per_tensor_and_counts_ops():
     assert result["bench"] == "skeleton" and result["path"] == "torch ops" and [r["tensors"] for r in runs] == [396, 789]
     assert runs[1]["delta_sender_ops"] > runs[0]["delta_sender_ops"] > 0 and runs[0]["delta_receiver_ops"] > 0
     assert result["per_tensor"]["delta_sender_ops"] > 0 and "delta_total_s" in result["at_18867_tensors"]
+
+
+def test_bench_commands_run_from_a_source_tree_not_installed(monkeypatch):
+    """A device machine is given the checkout, not an installed package: ``python -m delta_sync.bench
+    skeleton`` must find the in-tree benchmarks without entry points, the same ones pyproject declares."""
+    import tomllib
+    from pathlib import Path
+
+    from delta_sync import bench
+
+    declared = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert bench.IN_TREE == declared["project"]["entry-points"]["delta_sync.bench"]
+    monkeypatch.setattr(bench, "entry_points", lambda group: [])
+    cmds = bench._commands()
+    from benchmarks import skeleton
+    assert cmds["skeleton"].load() is skeleton.main and set(bench.IN_TREE) < set(cmds)

@@ -179,7 +179,7 @@ def test_device_check_script_runs_its_checks_on_the_host():
     import sys
 
     proc = subprocess.run([sys.executable, "-m", "launchers.device_check", "--device", "cpu", "--bench-gib", "0.125",
-                           "--pipeline", "tiny"],
+                           "--pipeline", "tiny", "--count-ops"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -189,3 +189,5 @@ def test_device_check_script_runs_its_checks_on_the_host():
     pipe = result["pipeline"]  # exact, or it would have failed; the embedding was received in place
     assert pipe["placed_ranges"] >= 3 and {"seed", "full", "delta", "digest_over_copy"} <= set(pipe)
     assert pipe["delta"]["prepare_s"] > 0 and pipe["seed"]["receive_s"] > 0
+    ops = pipe["delta_ops"]  # one more delta, counted on both ends
+    assert ops["sender"]["ops"] > 0 and ops["receiver"]["ops"] > 0
