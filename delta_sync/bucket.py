@@ -550,7 +550,12 @@ def check_table(table: TableSlice, kept: str | None = None) -> None:
     """Order, bounds and finiteness of a table's entries: one pass of the host kernel and one scan
     per value buffer; elsewhere, or to name what is wrong, :func:`check_sparse_entries` over its
     entries stated as JSON entries would be."""
-    ok = native.sparse_in_order(table.indices, table.counts.tolist(), table.catalog.numel[table.ids].tolist())
+    counts, limits = table.counts.tolist(), table.catalog.numel[table.ids].tolist()
+    ok = native.sparse_in_order(table.indices, counts, limits)
+    if ok is None:  # buffers off the host: the torch checks over the table's columns, no entry per tensor
+        names, ids = table.catalog.names, table.ids.tolist()
+        _check_order_bounds(counts, limits, table.indices, kept, lambda k: names[ids[k]])
+        ok = True
     if ok and not any(nonfinite_count(v) for v in table.values.values()):
         return
     check_sparse_entries(table.entries(), table.indices, table.values, kept)
@@ -693,14 +698,15 @@ def check_sparse_entries(entries: list[dict], indices: torch.Tensor, values: dic
     sparse = [e for e in entries if e["encoding"] == "sparse"]
     if not sparse:
         return
-    _check_order_bounds(sparse, indices, kept)
+    _check_order_bounds([int(e["count"]) for e in sparse], [math.prod(int(d) for d in e["shape"]) for e in sparse],
+                        indices, kept, lambda k: sparse[k]["name"])
     _check_finite(sparse, indices, values, kept)
 
 
-def _check_order_bounds(sparse: list[dict], indices: torch.Tensor, kept: str | None) -> None:
-    """Strict order and bounds of the ``sparse`` entries, which tile ``indices`` from its start."""
-    count_list = [int(e["count"]) for e in sparse]
-    limits = [math.prod(int(d) for d in e["shape"]) for e in sparse]
+def _check_order_bounds(count_list: list[int], limits: list[int], indices: torch.Tensor, kept: str | None,
+                        name_of) -> None:
+    """Strict order and bounds of sparse entries of ``count_list`` elements each, which tile
+    ``indices`` from its start, entry ``k`` within ``limits[k]`` elements and named ``name_of(k)``."""
     if native.sparse_in_order(indices, count_list, limits):  # one host-kernel pass: nothing to name
         return
     dev = indices.device
@@ -708,19 +714,19 @@ def _check_order_bounds(sparse: list[dict], indices: torch.Tensor, kept: str | N
     first = torch.cumsum(counts, 0) - counts  # each entry's first position in the index buffer
     idx = indices  # int32 throughout: compared, never subtracted (a difference could wrap)
 
-    def where(pos: int) -> tuple[dict, int]:
+    def where(pos: int) -> tuple[str, int]:
         k = int(torch.searchsorted(first, torch.tensor([pos], device=dev), right=True)) - 1
-        return sparse[k], pos - int(first[k])
+        return name_of(k), pos - int(first[k])
 
     if idx.numel() > 1:
         ok = idx[1:] > idx[:-1]
         ok[(first - 1)[(first > 0) & (counts > 0)]] = True  # entries do not continue each other
         if not bool(ok.all()):
             pos = first_true(~ok) + 1
-            e, at = where(pos)
+            name, at = where(pos)
             a, b = int(idx[pos - 1]), int(idx[pos])
             why = f"duplicate index {b}" if a == b else f"indices not increasing: {a} then {b}"
-            raise PatchValidationError(e["name"], why, index=at, kept=kept)
+            raise PatchValidationError(name, why, index=at, kept=kept)
     if idx.numel():
         # strictly increasing within each entry (above): its first and last index bound all of it
         nonempty = counts > 0
@@ -730,14 +736,14 @@ def _check_order_bounds(sparse: list[dict], indices: torch.Tensor, kept: str | N
         bad = (lo < 0) | (hi >= numel)
         if bool(bad.any()):
             k = first_true(bad)
-            e = [e for e, n in zip(sparse, nonempty.tolist()) if n][k]
+            entry = [j for j, n in enumerate(nonempty.tolist()) if n][k]
             start = int(heads[k])
             if int(lo[k]) < 0:  # increasing: the entry's first index is its first negative one
                 at, why = 0, "is negative"
             else:  # and its out-of-bounds ones are its last: name the first of them
-                at = first_true(idx[start:start + int(e["count"])] >= int(numel[k]))
-                why = f"out of bounds for {math.prod(e['shape'])} elements"
-            raise PatchValidationError(e["name"], f"index {int(idx[start + at])} {why}", index=at, kept=kept)
+                at = first_true(idx[start:start + count_list[entry]] >= limits[entry])
+                why = f"out of bounds for {limits[entry]} elements"
+            raise PatchValidationError(name_of(entry), f"index {int(idx[start + at])} {why}", index=at, kept=kept)
 
 
 def _check_finite(sparse: list[dict], indices: torch.Tensor, values: dict[str, torch.Tensor],

@@ -112,15 +112,27 @@ def _sparse(name: str, idx: list[int], value: float = 1.0) -> Patch:
                  torch.full((len(idx),), value, dtype=torch.bfloat16))
 
 
-def test_a_table_checks_its_entries_and_names_the_tensor():
+@pytest.mark.parametrize("checks", ["host kernel", "torch ops"])
+def test_a_table_checks_its_entries_and_names_the_tensor(checks, monkeypatch):
     """A table's entries get the checks JSON entries get (order, bounds, finiteness), and a failure
     names the tensor; a stream out of the catalogue's order keeps the rest in JSON entries, and a
-    dense entry goes beside the table; a receiver with another catalogue refuses the bucket."""
+    dense entry goes beside the table; a receiver with another catalogue refuses the bucket. With
+    the torch ops (buffers off the host) a good table is checked over its columns, with no entry
+    per tensor made."""
+    if checks == "torch ops":
+        import delta_sync.bucket as bucket_mod
+        from delta_sync.catalog import TableSlice
+        monkeypatch.setattr(bucket_mod.native, "sparse_in_order", lambda *a: None)  # what device buffers get
+        made = []
+        entries = TableSlice.entries
+        monkeypatch.setattr(TableSlice, "entries", lambda self, which=None: made.append(1) or entries(self, which))
     cat = _catalog(["a", "b", "c"])
     good = [_sparse("a", [1, 5]), Patch.full("b", torch.ones(4, 4, dtype=torch.bfloat16)), _sparse("c", [0])]
     (bucket,) = _packed(cat, good)
     assert [e["name"] for e in bucket.header["entries"]] == ["b"] and "table" in bucket.header
     out = entry_patches(bucket, catalog=cat)
+    if checks == "torch ops":
+        assert not made, "a good table was checked entry by entry"
     assert [p.name for _, p in bucket.table.patches()] == ["a", "c"] and [p.name for _, p in out] == ["b"]
     (shuffled,) = _packed(cat, [_sparse("c", [2]), _sparse("a", [3])])  # "a" after "c": a JSON entry
     assert [e["name"] for e in shuffled.header["entries"]] == ["a"]
