@@ -110,7 +110,8 @@ class TableSlice:
         self.codes = catalog.codes[ids] if codes is None else codes
         self.index_starts = torch.cumsum(counts, 0) - counts
         self.value_starts = torch.empty_like(counts)
-        for code in self.codes.unique().tolist():
+        self.code_list = self.codes.unique().tolist()  # the element dtypes present, as catalogue codes
+        for code in self.code_list:
             mask = self.codes == code
             c = counts[mask]
             self.value_starts[mask] = torch.cumsum(c, 0) - c

@@ -461,58 +461,81 @@ _INT32_POS = torch.empty(0, dtype=torch.int32)
 
 
 class TableRoutes:
-    """Where each tensor of a catalogue (:mod:`delta_sync.catalog`) is written on this worker, as
-    the columns of the host kernel's row table: per id, ``how`` is 1 (one whole run of a parameter the
-    kernel writes: ``cols`` = parameter address, offset, size, element kinds), -1 (held nowhere
-    here: an expert of another worker) or 0 (anything else: its patch takes the general path).
-    Built once per catalogue and parameter layout; a delta's table is then routed by id, with no
-    Python object per tensor (:func:`plan_tables`)."""
+    """Where each tensor of a catalogue (:mod:`delta_sync.catalog`) is written on this worker, per
+    id: ``how`` is 1 (one whole run of a parameter the host kernel writes: ``cols`` = parameter
+    address, offset, size, element kinds), 2 (one whole run of a parameter that torch ops write, on
+    a device or on a host without the kernel: parameter ``param_of`` of :attr:`flats` at element
+    ``offset_of``), -1 (held nowhere here: an expert of another worker) or 0 (anything else: its
+    patch takes the general path). Built once per catalogue and parameter layout; a delta's table is
+    then routed by id, with no Python object per tensor (:func:`plan_tables`)."""
 
     def __init__(self, catalog, views: dict[str, LoaderView], params: dict[str, torch.Tensor]):
         from delta_sync.patch import DTYPES
 
         self.catalog = catalog
-        how, cols = [], []
-        flats: dict[str, torch.Tensor | None] = {}  # per parameter: its flat storage, None where the kernel cannot write it
+        how, cols, where = [], [], []
+        flats: dict[str, torch.Tensor] = {}  # per parameter: its flat storage
+        kernel: dict[str, bool] = {}  # per parameter: does the host kernel write it
+        number: dict[str, int] = {}  # the parameters torch ops write, numbered
         for name, dname in zip(catalog.names, catalog.dtypes):
-            view, h, c = views.get(name), 0, (0, 0, 0, 0)
+            view, h, c, w = views.get(name), 0, (0, 0, 0, 0), (-1, 0)
             if view is not None and not view.segments:
                 h = -1
             elif view is not None and (seg := whole_run(view)) is not None:
                 if seg.param not in flats:
-                    flat = flat_param(params[seg.param])
-                    flats[seg.param] = flat if native.can_move(flat, _INT32_POS) else None
+                    flats[seg.param] = flat = flat_param(params[seg.param])
+                    kernel[seg.param] = native.can_move(flat, _INT32_POS)
                 flat = flats[seg.param]
-                if flat is not None and flat.dtype == DTYPES[dname]:
+                if flat.dtype != DTYPES[dname]:
+                    pass
+                elif kernel[seg.param]:
                     h, c = 1, (flat.data_ptr(), seg.dst_offset, flat.numel(), flat.element_size() | 4 << 8)
+                else:
+                    h, w = 2, (number.setdefault(seg.param, len(number)), seg.dst_offset)
             how.append(h)
             cols.append(c)
+            where.append(w)
         self.how = torch.tensor(how, dtype=torch.int8)
         self.cols = torch.tensor(cols, dtype=torch.int64).reshape(-1, 4)
-        self._flats = flats  # the addresses in cols stay theirs
+        self.param_of, self.offset_of = torch.tensor(where, dtype=torch.int64).reshape(-1, 2).unbind(1)
+        #: the parameters of ``how == 2``, by number (and they keep the addresses in ``cols`` theirs)
+        self.flats = [flats[p] for p in number]
+        self._flats = flats
+        self.kinds = set(how)  # which ways any id is routed
+        self.devices = {f.device for f in self.flats}
 
 
 def plan_tables(routes: TableRoutes, tables: list, keep_old: bool = True) -> tuple["SparsePlan | None", list]:
-    """A delta's tables as one host-kernel plan: each routed entry one row of the kernel's table,
-    built with a handful of vectorized operations per bucket (addresses from ``routes``, the
-    entry's indices and values where they lie in the received buffers), every position checked,
-    rows ordered by parameter for the threads; entries held nowhere here are left out untouched.
-    Returns the plan (None when nothing is routed) and ``(entry, patch)`` of the entries that take
-    the general path (:func:`plan_sparse`): tensors ``routes`` does not route, buffers off the host."""
+    """A delta's tables as one plan, with no Python object per entry: entries the host kernel writes
+    become rows of its table, built with a handful of vectorized operations per bucket (addresses
+    from ``routes``, the entry's indices and values where they lie in the received buffers), every
+    position checked, rows ordered by parameter for the threads; entries that torch ops write (a
+    device's parameters, :func:`_table_positions`) become one (positions, values) pair per
+    parameter and table; entries held nowhere here are left out untouched. Returns the plan (None
+    when nothing is routed) and ``(entry, patch)`` of the entries that take the general path
+    (:func:`plan_sparse`): tensors ``routes`` does not route, buffers the routes' writers cannot
+    read (host rows from device buffers, a parameter on another device than the buffers)."""
     from delta_sync.catalog import CODES
     from delta_sync.patch import DTYPES
 
     esize = torch.tensor([DTYPES[k].itemsize for k in CODES], dtype=torch.int64)
-    parts, general = [], []
+    parts, general, joined = [], [], []
     for t in tables:
         how = routes.how[t.ids]
-        if t.indices.device.type != "cpu" or not native.supports_words(t.indices):
-            how = torch.zeros_like(how)
-        go = how == 1
-        if not bool(go.all()):
+        if 1 in routes.kinds and (t.indices.device.type != "cpu" or not native.supports_words(t.indices)):
+            how[how == 1] = 0  # the kernel's rows read host buffers
+        if 2 in routes.kinds and not routes.devices <= {t.indices.device}:
+            nums = routes.param_of[t.ids]  # parameters on another device than the buffers: the general path
+            away = [p for p in nums[how == 2].unique().tolist() if routes.flats[p].device != t.indices.device]
+            how[(how == 2) & torch.isin(nums, torch.tensor(away, dtype=torch.int64))] = 0
+        kinds = set(how.unique().tolist())
+        if 2 in kinds:
+            joined += _table_positions(routes, t, how == 2 if len(kinds) > 1 else None)
+        if 0 in kinds:
             general += t.patches((how == 0).nonzero().flatten())
-        if not bool(go.any()):
+        if 1 not in kinds:
             continue
+        go = how == 1
         ids, codes = t.ids[go], t.codes[go]
         base = torch.zeros(len(CODES), dtype=torch.int64)
         for k, v in t.values.items():
@@ -521,20 +544,63 @@ def plan_tables(routes: TableRoutes, tables: list, keep_old: bool = True) -> tup
         parts.append(torch.stack([c[:, 0], t.indices.data_ptr() + 4 * t.index_starts[go], t.counts[go], c[:, 1],
                                   c[:, 2], base[codes] + esize[codes] * t.value_starts[go], torch.zeros_like(ids),
                                   c[:, 3]], 1))
-    if not parts:
+    if not parts and not joined:
         return None, general
-    table = torch.cat(parts)
-    table = table[torch.argsort(table[:, 0], stable=True)]  # each parameter's rows together
-    native.check_rows(None, table)
-    _, per_param = torch.unique_consecutive(table[:, 0], return_counts=True)
-    ends = torch.cumsum(per_param, 0)
-    upto = torch.cumsum(table[:, 2], 0)[ends - 1]
-    sizes = torch.diff(upto, prepend=upto.new_zeros(1)).tolist()
-    plan = SparsePlan({}, {}, [], sizes=sizes, table=table, rows=tables,
-                      spans=_row_spans(per_param.tolist(), sizes, torch.device("cpu")))
-    if keep_old:
-        plan.undo = RowsUndo.room_for(table, tables)
+    plan = SparsePlan({}, {}, [], rows=tables, joined=joined,
+                      device=joined[0][0].device if joined else None)
+    if parts:
+        table = torch.cat(parts)
+        table = table[torch.argsort(table[:, 0], stable=True)]  # each parameter's rows together
+        native.check_rows(None, table)
+        _, per_param = torch.unique_consecutive(table[:, 0], return_counts=True)
+        ends = torch.cumsum(per_param, 0)
+        upto = torch.cumsum(table[:, 2], 0)[ends - 1]
+        plan.sizes = torch.diff(upto, prepend=upto.new_zeros(1)).tolist()
+        plan.table = table
+        plan.spans = _row_spans(per_param.tolist(), plan.sizes, torch.device("cpu"))
+        if keep_old:
+            plan.undo = RowsUndo.room_for(table, tables)
     return plan, general
+
+
+def _table_positions(routes: TableRoutes, t, go: torch.Tensor | None) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """``(flat, int64 positions, values)`` per parameter of the entries ``go`` (None: all) of table ``t`` that
+    torch ops write (``routes.how == 2``), on the buffers' device, in a fixed number of ops per
+    element dtype of the table: the entries ordered by parameter on the host (a stable sort of
+    their columns), each element's entry by ``repeat_interleave``, its index and value gathered
+    from the received buffers in that order and moved to its parameter's offset, a split per
+    parameter. The run then takes one gather (undo) and one ``index_copy_`` per pair. The receiver
+    checked every index against its tensor's size (:func:`delta_sync.bucket.check_table`), and a
+    whole-run route holds the tensor inside its parameter. Temporaries: ~28 B per element of one
+    dtype of the table, freed before the next; kept: its 8 B position and its value."""
+    from delta_sync.catalog import CODES
+
+    dev = t.indices.device
+    # per entry, host: index start, value start, count, dtype code, parameter offset, parameter
+    cols = torch.stack([t.index_starts, t.value_starts, t.counts, t.codes, routes.offset_of[t.ids],
+                        routes.param_of[t.ids]], 1)
+    if go is not None:
+        cols = cols[go]
+    cols = cols[torch.argsort(cols[:, 5], stable=True)]  # each parameter's entries together
+    codes = t.code_list if go is None else cols[:, 3].unique().tolist()
+    out = []
+    for code in codes:
+        e = cols if len(codes) == 1 else cols[cols[:, 3] == code]
+        c = e[:, 2]
+        n = int(c.sum())
+        before = torch.cumsum(c, 0) - c  # each entry's first element among these n
+        starts = (e[:, :2] - before.unsqueeze(1)).t().to(dev)  # (2, entries): index, value buffer starts
+        entry = torch.repeat_interleave(torch.arange(c.numel(), device=dev), c.to(dev), output_size=n)
+        at = torch.arange(n, device=dev)
+        pos = t.indices.index_select(0, starts[0].index_select(0, entry) + at).to(torch.int64)
+        vals = t.values[CODES[code]].index_select(0, starts[1].index_select(0, entry) + at)
+        del at
+        pos += e[:, 4].to(dev).index_select(0, entry)
+        params, per = torch.unique_consecutive(e[:, 5], return_counts=True)
+        upto = [0, *torch.cumsum(c, 0)[torch.cumsum(per, 0) - 1].tolist()]  # elements up to each parameter's end
+        sizes = [b - a for a, b in zip(upto, upto[1:])]
+        out += [(routes.flats[p], dst, v) for p, dst, v in zip(params.tolist(), pos.split(sizes), vals.split(sizes))]
+    return out
 
 
 @dataclass
@@ -567,14 +633,16 @@ class SparsePlan:
             native.run_rows(self.table, self.spans)
             if undo is not None:
                 undo.entries.append(self.undo)
-            return written + sum(self.sizes)
+            written += sum(self.sizes)
+        if self.joined:
+            def run(lo: int, hi: int) -> None:  # pairs lo:hi (one thread's share; disjoint positions)
+                for flat, dst, vals in self.joined[lo:hi]:
+                    write_positions(flat, dst, vals, undo)
 
-        def run(lo: int, hi: int) -> None:  # parameters lo:hi (one thread's share; disjoint storages)
-            for flat, dst, vals in self.joined[lo:hi]:
-                write_positions(flat, dst, vals, undo)
-
-        run_threaded(self.sizes, run, device=self.device)
-        return written + sum(self.sizes)
+            sizes = [dst.numel() for _, dst, _ in self.joined]
+            run_threaded(sizes, run, device=self.device)
+            written += sum(sizes)
+        return written
 
 
 def write_positions(flat: torch.Tensor, dst: torch.Tensor, values: torch.Tensor, undo: UndoLog | None,

@@ -442,3 +442,130 @@ def test_a_bucket_whose_scan_fails_names_the_range_that_fails():
             scan_many(items)
         assert failing(items, None) == at
     assert failing(ok, None) == len(ok) - 1  # none fails alone: the last
+
+
+class _Experts(torch.nn.Module):
+    """A MoE layer's experts fused as vLLM fuses them: every expert's gate and up rows in one
+    ``w13`` parameter, every down in one ``w2`` (each checkpoint tensor one whole run of its
+    parameter; the checkpoint's order interleaves the two); and a float32 norm (a table of two
+    element dtypes)."""
+
+    D, F = 4, 6
+
+    def __init__(self, experts: int):
+        super().__init__()
+        self.norm = torch.nn.Parameter(torch.zeros(self.D), requires_grad=False)
+        self.w13 = torch.nn.Parameter(torch.zeros(experts, 2 * self.F, self.D, dtype=torch.bfloat16),
+                                      requires_grad=False)
+        self.w2 = torch.nn.Parameter(torch.zeros(experts, self.D, self.F, dtype=torch.bfloat16),
+                                     requires_grad=False)
+
+    def load_weights(self, items):
+        for name, w in items:
+            if name == "norm.weight":
+                self.norm.data.copy_(w)
+                continue
+            _, e, kind = name.split(".")
+            e = int(e)
+            if kind == "down_proj":
+                self.w2.data[e].copy_(w)
+            elif kind == "gate_proj":
+                self.w13.data[e, :self.F].copy_(w)
+            else:
+                self.w13.data[e, self.F:].copy_(w)
+
+    @classmethod
+    def specs(cls, experts: int, held: int) -> list[tuple[str, tuple[int, ...]]]:
+        """Checkpoint names and shapes of ``experts`` experts, of which this worker holds ``held``."""
+        shape = {"down_proj": (cls.D, cls.F), "gate_proj": (cls.F, cls.D), "up_proj": (cls.F, cls.D)}
+        return [("norm.weight", (cls.D,)), *((f"experts.{e}.{k}", s) for e in range(experts) for k, s in shape.items())]
+
+
+def _routed_experts(experts: int, held: int, g: torch.Generator, bucket_bytes: int, norm: bool = True):
+    """Two identical :class:`_Experts` workers holding the first ``held`` of ``experts`` experts, a
+    delta of every expert (and of the float32 norm, with ``norm``) packed into catalogue tables,
+    and the routes of the first worker."""
+    from delta_sync.bucket import BucketPacker, entry_patches
+    from delta_sync.catalog import Catalog
+    from delta_sync.patch import Patch
+    from patches.loader_views import LoaderView, TableRoutes
+
+    specs = _Experts.specs(experts, held)[0 if norm else 1:]
+    dtype = {n: torch.float32 if n == "norm.weight" else torch.bfloat16 for n, _ in specs}
+    models = [_Experts(held), _Experts(held)]
+    mine = [(n, s) for n, s in specs if n == "norm.weight" or int(n.split(".")[1]) < held]
+    views, _ = probe_views(models[0], [(n, s, dtype[n]) for n, s in mine])
+    views.update({n: LoaderView(n, s, torch.bfloat16) for n, s in specs if n not in views})  # another worker's
+    for m in models:
+        m.load_weights([(n, torch.randn(s, generator=g).to(dtype[n])) for n, s in mine])
+    models[1].load_state_dict(models[0].state_dict())
+    catalog = Catalog([n for n, _ in specs], [s for _, s in specs], [str(dtype[n]).split(".")[1] for n, _ in specs])
+    patches = []
+    for n, s in specs:
+        numel = torch.Size(s).numel()
+        idx = torch.randperm(numel, generator=g)[:1 + numel // 4].sort().values.to(torch.int32)
+        patches.append(Patch(n, s, dtype[n], idx, torch.randn(idx.numel(), generator=g).to(dtype[n])))
+    packer = BucketPacker(1, "delta", bucket_bytes)
+    packer.catalog = catalog
+    tables = []
+    for b in packer.pack(patches):
+        assert entry_patches(b, catalog=catalog) == []  # every entry in the table
+        tables.append(b.table)
+    params = [dict(m.named_parameters()) for m in models]
+    return models, views, params, patches, tables, TableRoutes(catalog, views, params[0])
+
+
+@pytest.mark.parametrize("host_kernel", [True, False], ids=["kernel", "torch-ops"])
+def test_tables_route_by_id_into_fused_experts_and_restore(monkeypatch, host_kernel):
+    """A delta's tables, routed by tensor id straight into fused expert parameters (an expert's gate,
+    up and down interleaved across two parameters, a tensor continued from one bucket's table into
+    the next, another worker's experts skipped untouched), write what per-tensor ``apply_sparse``
+    writes, through the host kernel's rows and through torch ops (what a device's parameters
+    take: one (positions, values) pair per parameter and table, no patch per entry); the undo log
+    restores every weight."""
+    from delta_sync import native
+    from patches.loader_views import plan_tables
+
+    if not host_kernel:
+        monkeypatch.setattr(native, "kernel", lambda: None)
+    g = torch.Generator().manual_seed(12)
+    models, views, params, patches, tables, routes = _routed_experts(12, 8, g, bucket_bytes=700)
+    assert len(tables) > 1
+    held = torch.tensor([n == "norm.weight" or int(n.split(".")[1]) < 8 for n in routes.catalog.names])
+    assert bool((routes.how[held] == (1 if host_kernel else 2)).all()) and bool((routes.how[~held] == -1).all())
+    before = {n: p.clone() for n, p in params[0].items()}
+    plan, general = plan_tables(routes, tables)
+    assert not general and (plan.table is not None) == host_kernel
+    if not host_kernel:  # pairs per parameter and table: a handful, whatever the entry count
+        assert len(plan.joined) <= 3 * len(tables)
+    undo = UndoLog()
+    written = plan.run(undo)
+    want = sum(apply_sparse(views[p.name], params[1], p.indices, p.values, None) for p in patches)
+    assert written == want > 0
+    for name in params[0]:
+        assert torch.equal(params[0][name].view(torch.int16), params[1][name].view(torch.int16)), name
+    undo.restore()
+    for name, p in params[0].items():
+        assert torch.equal(p.view(torch.int16), before[name].view(torch.int16)), name
+
+
+def test_torch_op_table_routing_costs_the_same_ops_for_any_expert_count(monkeypatch):
+    """Planning and writing a table through torch ops (a device's path) is a fixed number of
+    dispatched operations per table and parameter: 8 experts or 64 (24 or 192 tensors) cost the
+    same, within the issue's bound of 4 per parameter and 50 per bucket (a table of one element
+    dtype, as a bf16 checkpoint's are; each further dtype in a table costs as much again)."""
+    from delta_sync import native
+    from launchers.device_check import OpCounter
+    from patches.loader_views import plan_tables
+
+    monkeypatch.setattr(native, "kernel", lambda: None)
+    counts = []
+    for experts in (8, 64):
+        _, _, params, _, tables, routes = _routed_experts(experts, experts, torch.Generator().manual_seed(3),
+                                                          bucket_bytes=1 << 20, norm=False)
+        assert len(tables) == 1
+        with OpCounter() as ops:
+            plan, _ = plan_tables(routes, tables)
+            plan.run(UndoLog())
+        counts.append(ops.ops)
+    assert counts[0] == counts[1] <= 4 * 2 + 50, counts
