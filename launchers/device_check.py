@@ -198,6 +198,32 @@ def _channel_pair(device, token: str):
         return tx, rx.result(timeout=60)
 
 
+def _engine_layout(state: dict[str, torch.Tensor]):
+    """Receiver tensors for ``state`` laid out as vLLM lays out a MoE's: a layer's every expert gate
+    and up in one parameter, every down in another (``w13`` / ``w2``), every other tensor a
+    parameter of its own. Returns ``(params, tensors, views)``: the flat parameters, each
+    checkpoint tensor as a view of its parameter, and the loader views an engine would probe."""
+    from patches.loader_views import LoaderView, Segment
+
+    members: dict[str, list[str]] = {}
+    for name in state:
+        head, _, rest = name.partition(".mlp.experts.")
+        kind = rest.split(".")[1] if rest else ""
+        members.setdefault(f"{head}.mlp.experts.{'w2' if kind == 'down_proj' else 'w13'}" if rest else name,
+                           []).append(name)
+    params, tensors, views = {}, {}, {}
+    for pname, names in members.items():
+        t0 = state[names[0]]
+        flat = params[pname] = torch.zeros(sum(state[n].numel() for n in names), dtype=t0.dtype, device=t0.device)
+        at = 0
+        for n in names:
+            t = state[n]
+            tensors[n] = flat.narrow(0, at, t.numel()).view(t.shape)
+            views[n] = LoaderView(n, tuple(t.shape), t.dtype, [Segment(pname, (t.numel(),), 0, (1,), at, (1,))])
+            at += t.numel()
+    return params, tensors, views
+
+
 def _in_place_receiver(tensors: dict[str, torch.Tensor]):
     """``(place, sink)`` for :func:`receive_update` into ``tensors``: ``seg`` ranges are received
     straight into their slices (what the engine's loader views do with a whole parameter), the
@@ -359,6 +385,8 @@ def bench_pipeline(device, g, shapes: dict[str, tuple[int, ...]], density: float
     link: ``*_over_copy`` is the library's own cost per byte, what a link would hide or not.
     seed/full: digest and send every tensor (large ones in place), the receiver checks each
     range's digest; delta: the snapshot store's diff, pack, send, assemble and apply of ``density``.
+    The receiver's weights are fused as an engine's (:func:`_engine_layout`) and a delta's tables
+    routed into them by id, the undo log kept (:func:`patches.loader_views.plan_tables`).
     Every stage's throughput feeds docs/benchmarks.md's scale table. ``count_ops``: one more delta, its
     torch operations counted on both ends (:class:`OpCounter`; not among the timed runs)."""
     from concurrent.futures import ThreadPoolExecutor
@@ -369,9 +397,12 @@ def bench_pipeline(device, g, shapes: dict[str, tuple[int, ...]], density: float
     from delta_sync.snapshot import SnapshotStore
     from delta_sync.transfer import receive_update, send_update
 
+    from patches.loader_views import TableRoutes, UndoLog, plan_tables
+
     sync = accelerator_sync(device)
     state = {n: _randn(math.prod(s), g, device).reshape(s) for n, s in shapes.items()}
-    got = {n: torch.zeros_like(t) for n, t in state.items()}
+    params, got, views = _engine_layout(state)  # the receiver's weights, fused as an engine's
+    routes: list = []  # the receiver's TableRoutes, made at the first delta (an engine's, per catalogue)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     place, sink, placed = _in_place_receiver(got)
     tx, rx = _channel_pair(device, "device-check-pipeline")
@@ -392,7 +423,14 @@ def bench_pipeline(device, g, shapes: dict[str, tuple[int, ...]], density: float
                     with gc_held(), counters["receiver"] if v == counted else contextlib.nullcontext():
                         upd = receive_update(rx, tables=True)  # tables as an engine takes them
                         t1 = time.perf_counter()
-                        for p in [*upd.patches, *(p for t in upd.tables for _, p in t.patches())]:
+                        general = []  # and routed as an engine routes them: by id, a write per parameter
+                        if upd.tables:
+                            if not routes:
+                                routes.append(TableRoutes(upd.tables[0].catalog, views, params))
+                            routed, general = plan_tables(routes[0], upd.tables)
+                            if routed is not None:
+                                routed.run(UndoLog())
+                        for p in [*upd.patches, *(p for _, p in general)]:
                             apply_patch(got[p.name], p)
                 else:
                     receive_update(rx, bulk_sink=sink, place=place)
@@ -433,8 +471,12 @@ def bench_pipeline(device, g, shapes: dict[str, tuple[int, ...]], density: float
                 runs.setdefault(kind, []).append({"total_s": done[v]["end"] - t0, "prepare_s": t1 - t0,
                                                   "send_s": t2 - t1,
                                                   **{k: x for k, x in done[v].items() if k != "end"}})
-        finally:
+        except Exception:
             tx.close()  # a failure here ends the receiver's wait at once
+            if fut.exception(timeout=60) is not None:  # the receiver's failure is the cause: raise it
+                fut.result()
+            raise
+        tx.close()
         fut.result(timeout=60)
     if profile:
         with open(f"{profile_dir}/pipeline_sender.txt", "w") as f:
