@@ -134,10 +134,9 @@ class BitwiseDiff:
         """A host tensor the kernel scans whole in 64-bit words: same shape and dtype, both
         contiguous, 8-byte aligned, a whole number of words (checked per tensor of a model's
         ~19k: the cheapest tests first, no view made)."""
-        return (self.use_native and new.is_cpu and snap.dtype == new.dtype and snap.shape == new.shape
-                and snap.data_ptr() % 8 == 0 and new.data_ptr() % 8 == 0
-                and snap.numel() * snap.element_size() % 8 == 0 and native.supports(snap)
-                and snap.is_contiguous() and new.is_contiguous())
+        return (self.use_native and new.is_cpu and snap.dtype is new.dtype and snap.shape == new.shape
+                and (snap.data_ptr() | new.data_ptr()) % 8 == 0 and snap.numel() * snap.element_size() % 8 == 0
+                and native.supports(snap) and snap.is_contiguous() and new.is_contiguous())
 
     def _flat(self, snap: torch.Tensor, new: torch.Tensor) -> bool:
         """A torch-path pair (device tensors) that :meth:`_absorb_flat` can scan with others: whole

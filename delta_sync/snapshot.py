@@ -99,6 +99,7 @@ class SnapshotStore:
         out: list[Patch | PatchBatch | None] = [None] * len(items)
         diffs: list[tuple[int, torch.Tensor]] = []  # (item, its tensor on the snapshot's device)
         names = set()
+        on_host = self.device.type == "cpu"
         for i, (name, tensor) in enumerate(items):
             self._unstaged(name, names)
             names.add(name)
@@ -106,7 +107,7 @@ class SnapshotStore:
             dtype_name(tensor.dtype, tensor=name)
             base = self._base.get(name)
             new = tensor.detach() if tensor.requires_grad else tensor  # (the bits are read, never a graph)
-            if new.device != self.device:
+            if not (new.is_cpu and on_host) and new.device != self.device:  # (is_cpu: no device object made)
                 new = new.to(self.device, non_blocking=False)
             if base is not None and (base.shape != new.shape or base.dtype != new.dtype):
                 raise PatchValidationError(
