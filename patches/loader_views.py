@@ -402,6 +402,31 @@ def whole_run(view: LoaderView) -> Segment | None:
     return seg if seg.contiguous and seg.src_offset == 0 and seg.numel == math.prod(view.shape) else None
 
 
+def strided_run(view: LoaderView) -> tuple[Segment, int, int, int] | None:
+    """``(segment, C, row stride, column stride)`` when the view's one segment holds the whole
+    checkpoint tensor, read row-major, at most two of its dimensions longer than 1, written with any
+    strides (a transposed expert on vLLM-Ascend: ``w13 [E, H, 2I]``); else None. Then checkpoint
+    index ``i`` is parameter element ``dst_offset + (i // C) * row + (i % C) * column``; a
+    contiguous run is the case ``C = row``, ``column = 1``."""
+    if (seg := whole_run(view)) is not None:
+        return seg, seg.numel, seg.numel, 1
+    if len(view.segments) != 1:
+        return None
+    seg = view.segments[0]
+    # the segment's dimensions in the order the checkpoint tensor is read, outer first (a probe
+    # records the copy in the parameter's orientation: a transposed source has permuted strides)
+    dims = sorted((d for d, n in enumerate(seg.shape) if n > 1), key=lambda d: -seg.src_stride[d])
+    if seg.src_offset or seg.numel != math.prod(view.shape) or len(dims) > 2:
+        return None
+    if not dims:
+        return seg, 1, 1, 1
+    inner = dims[-1]
+    if seg.src_stride[inner] != 1 or (len(dims) == 2 and seg.src_stride[dims[0]] != seg.shape[inner]):
+        return None
+    return (seg, seg.shape[inner], seg.dst_stride[dims[0]] if len(dims) == 2 else seg.shape[inner],
+            seg.dst_stride[inner])
+
+
 def apply_sparse_many(views: dict[str, LoaderView], params: dict[str, torch.Tensor],
                       patches: list[tuple[str, torch.Tensor, torch.Tensor]], undo: UndoLog | None) -> int:
     """:func:`apply_sparse` for ``(name, indices, values)`` of many tensors: :func:`plan_sparse`,
@@ -463,10 +488,11 @@ _INT32_POS = torch.empty(0, dtype=torch.int32)
 class TableRoutes:
     """Where each tensor of a catalogue (:mod:`delta_sync.catalog`) is written on this worker, per
     id: ``how`` is 1 (one whole run of a parameter the host kernel writes: ``cols`` = parameter
-    address, offset, size, element kinds), 2 (one whole run of a parameter that torch ops write, on
-    a device or on a host without the kernel: parameter ``param_of`` of :attr:`flats` at element
-    ``offset_of``), -1 (held nowhere here: an expert of another worker) or 0 (anything else: its
-    patch takes the general path). Built once per catalogue and parameter layout; a delta's table is
+    address, offset, size, element kinds), 2 (the whole tensor in one parameter that torch ops
+    write, contiguous or strided (:func:`strided_run`), on a device, on a host without the kernel,
+    or transposed: ``where`` = parameter number in :attr:`flats`, offset, C, row and column
+    strides), -1 (held nowhere here: an expert of another worker) or 0 (anything else: its patch
+    takes the general path). Built once per catalogue and parameter layout; a delta's table is
     then routed by id, with no Python object per tensor (:func:`plan_tables`)."""
 
     def __init__(self, catalog, views: dict[str, LoaderView], params: dict[str, torch.Tensor]):
@@ -478,26 +504,32 @@ class TableRoutes:
         kernel: dict[str, bool] = {}  # per parameter: does the host kernel write it
         number: dict[str, int] = {}  # the parameters torch ops write, numbered
         for name, dname in zip(catalog.names, catalog.dtypes):
-            view, h, c, w = views.get(name), 0, (0, 0, 0, 0), (-1, 0)
+            view, h, c, w = views.get(name), 0, (0, 0, 0, 0), (-1, 0, 1, 1, 1)
             if view is not None and not view.segments:
                 h = -1
-            elif view is not None and (seg := whole_run(view)) is not None:
+            elif view is not None and (run := strided_run(view)) is not None:
+                seg = run[0]
                 if seg.param not in flats:
                     flats[seg.param] = flat = flat_param(params[seg.param])
                     kernel[seg.param] = native.can_move(flat, _INT32_POS)
                 flat = flats[seg.param]
                 if flat.dtype != DTYPES[dname]:
                     pass
-                elif kernel[seg.param]:
+                elif kernel[seg.param] and whole_run(view) is not None:
                     h, c = 1, (flat.data_ptr(), seg.dst_offset, flat.numel(), flat.element_size() | 4 << 8)
                 else:
-                    h, w = 2, (number.setdefault(seg.param, len(number)), seg.dst_offset)
+                    h, w = 2, (number.setdefault(seg.param, len(number)), seg.dst_offset, *run[1:])
             how.append(h)
             cols.append(c)
             where.append(w)
         self.how = torch.tensor(how, dtype=torch.int8)
         self.cols = torch.tensor(cols, dtype=torch.int64).reshape(-1, 4)
-        self.param_of, self.offset_of = torch.tensor(where, dtype=torch.int64).reshape(-1, 2).unbind(1)
+        #: per id, for ``how == 2``: parameter number, offset, C, row and column strides
+        self.where = torch.tensor(where, dtype=torch.int64).reshape(-1, 5)
+        self.param_of = self.where[:, 0]
+        #: per id: written with strides other than one row-major run
+        self.strided = (self.where[:, 4] != 1) | (self.where[:, 3] != self.where[:, 2])
+        self.any_strided = bool(self.strided.any())
         #: the parameters of ``how == 2``, by number (and they keep the addresses in ``cols`` theirs)
         self.flats = [flats[p] for p in number]
         self._flats = flats
@@ -564,24 +596,24 @@ def plan_tables(routes: TableRoutes, tables: list, keep_old: bool = True) -> tup
 
 
 def _table_positions(routes: TableRoutes, t, go: torch.Tensor | None) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """``(flat, int64 positions, values)`` per parameter of the entries ``go`` (None: all) of table ``t`` that
-    torch ops write (``routes.how == 2``), on the buffers' device, in a fixed number of ops per
-    element dtype of the table: the entries ordered by parameter on the host (a stable sort of
-    their columns), each element's entry by ``repeat_interleave``, its index and value gathered
-    from the received buffers in that order and moved to its parameter's offset, a split per
-    parameter. The run then takes one gather (undo) and one ``index_copy_`` per pair. The receiver
-    checked every index against its tensor's size (:func:`delta_sync.bucket.check_table`), and a
-    whole-run route holds the tensor inside its parameter. Temporaries: ~28 B per element of one
-    dtype of the table, freed before the next; kept: its 8 B position and its value."""
+    """``(flat, int64 positions, values)`` per parameter of the entries ``go`` (None: all) of table
+    ``t`` that torch ops write (``routes.how == 2``), on the buffers' device, in a fixed number of
+    ops per element dtype of the table: the entries ordered by parameter on the host (a stable sort
+    of their columns), each element's entry by ``repeat_interleave``, its index and value gathered
+    from the received buffers in that order and mapped into its parameter (its offset, and for
+    strided entries its row and column strides), a split per parameter. The run then takes one
+    gather (undo) and one ``index_copy_`` per pair. The receiver checked every index against its
+    tensor's size (:func:`delta_sync.bucket.check_table`), and the route holds the whole tensor
+    inside its parameter. Temporaries: ~28 B per element of one dtype of the table (~44 B where
+    entries are strided), freed before the next; kept: its 8 B position and its value."""
     from delta_sync.catalog import CODES
 
     dev = t.indices.device
-    # per entry, host: index start, value start, count, dtype code, parameter offset, parameter
-    cols = torch.stack([t.index_starts, t.value_starts, t.counts, t.codes, routes.offset_of[t.ids],
-                        routes.param_of[t.ids]], 1)
+    # per entry, host: index start, value start, count, dtype code, then its route (routes.where)
+    cols = torch.cat([torch.stack([t.index_starts, t.value_starts, t.counts, t.codes], 1), routes.where[t.ids]], 1)
     if go is not None:
         cols = cols[go]
-    cols = cols[torch.argsort(cols[:, 5], stable=True)]  # each parameter's entries together
+    cols = cols[torch.argsort(cols[:, 4], stable=True)]  # each parameter's entries together
     codes = t.code_list if go is None else cols[:, 3].unique().tolist()
     out = []
     for code in codes:
@@ -595,8 +627,13 @@ def _table_positions(routes: TableRoutes, t, go: torch.Tensor | None) -> list[tu
         pos = t.indices.index_select(0, starts[0].index_select(0, entry) + at).to(torch.int64)
         vals = t.values[CODES[code]].index_select(0, starts[1].index_select(0, entry) + at)
         del at
-        pos += e[:, 4].to(dev).index_select(0, entry)
-        params, per = torch.unique_consecutive(e[:, 5], return_counts=True)
+        route = e[:, 5:].t().to(dev)  # (4, entries): offset, C, row stride, column stride
+        if routes.any_strided:  # (i // C) * row + (i % C) * column, exact for row-major runs too
+            width, row, column = route[1:].index_select(1, entry).unbind(0)
+            pos = torch.div(pos, width, rounding_mode="floor") * row + torch.remainder(pos, width) * column
+            del width, row, column
+        pos += route[0].index_select(0, entry)
+        params, per = torch.unique_consecutive(e[:, 4], return_counts=True)
         upto = [0, *torch.cumsum(c, 0)[torch.cumsum(per, 0) - 1].tolist()]  # elements up to each parameter's end
         sizes = [b - a for a, b in zip(upto, upto[1:])]
         out += [(routes.flats[p], dst, v) for p, dst, v in zip(params.tolist(), pos.split(sizes), vals.split(sizes))]

@@ -452,13 +452,15 @@ class _Experts(torch.nn.Module):
 
     D, F = 4, 6
 
-    def __init__(self, experts: int):
+    def __init__(self, experts: int, transposed: bool = False):
         super().__init__()
+        self.transposed = transposed  # the layout vLLM-Ascend leaves after loading (a stand-in of it):
+        # w13 [E, D, 2F], w2 [E, F, D], every expert tensor written transposed
         self.norm = torch.nn.Parameter(torch.zeros(self.D), requires_grad=False)
-        self.w13 = torch.nn.Parameter(torch.zeros(experts, 2 * self.F, self.D, dtype=torch.bfloat16),
-                                      requires_grad=False)
-        self.w2 = torch.nn.Parameter(torch.zeros(experts, self.D, self.F, dtype=torch.bfloat16),
-                                     requires_grad=False)
+        w13, w2 = ((experts, self.D, 2 * self.F), (experts, self.F, self.D)) if transposed else \
+            ((experts, 2 * self.F, self.D), (experts, self.D, self.F))
+        self.w13 = torch.nn.Parameter(torch.zeros(w13, dtype=torch.bfloat16), requires_grad=False)
+        self.w2 = torch.nn.Parameter(torch.zeros(w2, dtype=torch.bfloat16), requires_grad=False)
 
     def load_weights(self, items):
         for name, w in items:
@@ -467,12 +469,14 @@ class _Experts(torch.nn.Module):
                 continue
             _, e, kind = name.split(".")
             e = int(e)
-            if kind == "down_proj":
-                self.w2.data[e].copy_(w)
-            elif kind == "gate_proj":
-                self.w13.data[e, :self.F].copy_(w)
+            if self.transposed:
+                w = w.t()
+                dst = self.w2.data[e] if kind == "down_proj" else \
+                    self.w13.data[e, :, :self.F] if kind == "gate_proj" else self.w13.data[e, :, self.F:]
             else:
-                self.w13.data[e, self.F:].copy_(w)
+                dst = self.w2.data[e] if kind == "down_proj" else \
+                    self.w13.data[e, :self.F] if kind == "gate_proj" else self.w13.data[e, self.F:]
+            dst.copy_(w)
 
     @classmethod
     def specs(cls, experts: int, held: int) -> list[tuple[str, tuple[int, ...]]]:
@@ -481,7 +485,8 @@ class _Experts(torch.nn.Module):
         return [("norm.weight", (cls.D,)), *((f"experts.{e}.{k}", s) for e in range(experts) for k, s in shape.items())]
 
 
-def _routed_experts(experts: int, held: int, g: torch.Generator, bucket_bytes: int, norm: bool = True):
+def _routed_experts(experts: int, held: int, g: torch.Generator, bucket_bytes: int, norm: bool = True,
+                    transposed: bool = False):
     """Two identical :class:`_Experts` workers holding the first ``held`` of ``experts`` experts, a
     delta of every expert (and of the float32 norm, with ``norm``) packed into catalogue tables,
     and the routes of the first worker."""
@@ -492,7 +497,7 @@ def _routed_experts(experts: int, held: int, g: torch.Generator, bucket_bytes: i
 
     specs = _Experts.specs(experts, held)[0 if norm else 1:]
     dtype = {n: torch.float32 if n == "norm.weight" else torch.bfloat16 for n, _ in specs}
-    models = [_Experts(held), _Experts(held)]
+    models = [_Experts(held, transposed), _Experts(held, transposed)]
     mine = [(n, s) for n, s in specs if n == "norm.weight" or int(n.split(".")[1]) < held]
     views, _ = probe_views(models[0], [(n, s, dtype[n]) for n, s in mine])
     views.update({n: LoaderView(n, s, torch.bfloat16) for n, s in specs if n not in views})  # another worker's
@@ -515,29 +520,34 @@ def _routed_experts(experts: int, held: int, g: torch.Generator, bucket_bytes: i
     return models, views, params, patches, tables, TableRoutes(catalog, views, params[0])
 
 
+@pytest.mark.parametrize("transposed", [False, True], ids=["contiguous", "transposed-standin"])
 @pytest.mark.parametrize("host_kernel", [True, False], ids=["kernel", "torch-ops"])
-def test_tables_route_by_id_into_fused_experts_and_restore(monkeypatch, host_kernel):
+def test_tables_route_by_id_into_fused_experts_and_restore(monkeypatch, host_kernel, transposed):
     """A delta's tables, routed by tensor id straight into fused expert parameters (an expert's gate,
     up and down interleaved across two parameters, a tensor continued from one bucket's table into
     the next, another worker's experts skipped untouched), write what per-tensor ``apply_sparse``
     writes, through the host kernel's rows and through torch ops (what a device's parameters
-    take: one (positions, values) pair per parameter and table, no patch per entry); the undo log
-    restores every weight."""
+    take, and transposed experts anywhere: one (positions, values) pair per parameter and table,
+    no patch per entry); the undo log restores every weight. ``transposed``: the layout
+    vLLM-Ascend leaves (a stand-in), each expert written with a row and a column stride."""
     from delta_sync import native
     from patches.loader_views import plan_tables
 
     if not host_kernel:
         monkeypatch.setattr(native, "kernel", lambda: None)
     g = torch.Generator().manual_seed(12)
-    models, views, params, patches, tables, routes = _routed_experts(12, 8, g, bucket_bytes=700)
+    models, views, params, patches, tables, routes = _routed_experts(12, 8, g, bucket_bytes=700, transposed=transposed)
     assert len(tables) > 1
     held = torch.tensor([n == "norm.weight" or int(n.split(".")[1]) < 8 for n in routes.catalog.names])
-    assert bool((routes.how[held] == (1 if host_kernel else 2)).all()) and bool((routes.how[~held] == -1).all())
+    expert = torch.tensor([n != "norm.weight" for n in routes.catalog.names])
+    kernel = host_kernel and not transposed
+    assert bool((routes.how[held & expert] == (1 if kernel else 2)).all()) and bool((routes.how[~held] == -1).all())
+    assert bool(routes.strided[held & expert].all()) == transposed and not bool(routes.strided[~expert].any())
     before = {n: p.clone() for n, p in params[0].items()}
     plan, general = plan_tables(routes, tables)
     assert not general and (plan.table is not None) == host_kernel
-    if not host_kernel:  # pairs per parameter and table: a handful, whatever the entry count
-        assert len(plan.joined) <= 3 * len(tables)
+    if not kernel:  # pairs per parameter and table: a handful, whatever the entry count
+        assert 0 < len(plan.joined) <= 3 * len(tables)
     undo = UndoLog()
     written = plan.run(undo)
     want = sum(apply_sparse(views[p.name], params[1], p.indices, p.values, None) for p in patches)
@@ -552,7 +562,7 @@ def test_tables_route_by_id_into_fused_experts_and_restore(monkeypatch, host_ker
 def test_torch_op_table_routing_costs_the_same_ops_for_any_expert_count(monkeypatch):
     """Planning and writing a table through torch ops (a device's path) is a fixed number of
     dispatched operations per table and parameter: 8 experts or 64 (24 or 192 tensors) cost the
-    same, within the issue's bound of 4 per parameter and 50 per bucket (a table of one element
+    same, contiguous or transposed (the Ascend stand-in), within the issue's bound of 4 per parameter and 50 per bucket (a table of one element
     dtype, as a bf16 checkpoint's are; each further dtype in a table costs as much again)."""
     from delta_sync import native
     from launchers.device_check import OpCounter
@@ -560,12 +570,14 @@ def test_torch_op_table_routing_costs_the_same_ops_for_any_expert_count(monkeypa
 
     monkeypatch.setattr(native, "kernel", lambda: None)
     counts = []
-    for experts in (8, 64):
-        _, _, params, _, tables, routes = _routed_experts(experts, experts, torch.Generator().manual_seed(3),
-                                                          bucket_bytes=1 << 20, norm=False)
-        assert len(tables) == 1
-        with OpCounter() as ops:
-            plan, _ = plan_tables(routes, tables)
-            plan.run(UndoLog())
-        counts.append(ops.ops)
-    assert counts[0] == counts[1] <= 4 * 2 + 50, counts
+    for transposed in (False, True):
+        counts = []
+        for experts in (8, 64):
+            _, _, params, _, tables, routes = _routed_experts(experts, experts, torch.Generator().manual_seed(3),
+                                                              bucket_bytes=1 << 20, norm=False, transposed=transposed)
+            assert len(tables) == 1
+            with OpCounter() as ops:
+                plan, _ = plan_tables(routes, tables)
+                plan.run(UndoLog())
+            counts.append(ops.ops)
+        assert counts[0] == counts[1] <= 4 * 2 + 50, (transposed, counts)
