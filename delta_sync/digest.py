@@ -332,17 +332,20 @@ def _lane_sums_many(parts: list[tuple[torch.Tensor, int]], exp_mask: int, stride
     copy."""
     dev = parts[0][0].device
     spans = [(word0 % KEY_ROW, -(-(word0 % KEY_ROW + w.numel()) // KEY_ROW)) for w, word0 in parts]
-    total = sum(r for _, r in spans)
-    buf = torch.zeros(total * KEY_ROW, dtype=torch.int16, device=dev)
-    meta = torch.empty(2, total, dtype=torch.int64)  # host: row index, owner
-    at = 0
-    for i, ((w, word0), (lead, r)) in enumerate(zip(parts, spans)):
+    zeros = torch.zeros(KEY_ROW, dtype=torch.int16, device=dev)  # the padding, as views of one row
+    pieces = []
+    for (w, word0), (lead, r) in zip(parts, spans):
         _check_span(word0, w.numel())
-        buf.narrow(0, at * KEY_ROW + lead, w.numel()).copy_(w)
-        meta[0, at:at + r] = torch.arange(r, dtype=torch.int64) + word0 // KEY_ROW
-        meta[1, at:at + r] = i
-        at += r
-    rows, owner = meta.to(dev).unbind(0)
+        tail = r * KEY_ROW - lead - w.numel()
+        pieces += [zeros.narrow(0, 0, lead), w, zeros.narrow(0, 0, tail)] if lead or tail else [w]
+    buf = torch.cat(pieces)  # one copy of every range into whole rows (a launch or a few, not one per range)
+    # per row, host: its row index (position // KEY_ROW) and the range it belongs to
+    r = torch.tensor([r for _, r in spans], dtype=torch.int64)
+    total = int(r.sum())
+    first = torch.tensor([word0 // KEY_ROW for _, word0 in parts], dtype=torch.int64)
+    owner = torch.repeat_interleave(torch.arange(len(parts)), r, output_size=total)
+    rows = (first - (torch.cumsum(r, 0) - r)).index_select(0, owner) + torch.arange(total)
+    rows, owner = torch.stack([rows, owner]).to(dev).unbind(0)
     words = buf.view(total, KEY_ROW)
     sums = _fold_rows(key, words, rows, owner, len(parts))
     bad = torch.zeros(len(parts), dtype=torch.int64, device=dev)
