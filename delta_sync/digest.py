@@ -484,16 +484,20 @@ def _scan_device(items: list[tuple[torch.Tensor, int, torch.Tensor | None]], ind
     one by one, and every result crosses to the host in one copy per device."""
     sums: dict[int, torch.Tensor] = {}
     small: dict[tuple, list[tuple[int, torch.Tensor, int]]] = {}
+    copies: tuple[list, list] = ([], [])  # made together: one multi-tensor copy, not a launch per range
     for i in indices:
         values, start, copy_to = items[i]
         w, mask = _words_per_element(values), _EXP_MASK.get(values.dtype, 0)
         words, dst = _words(values), _copy_target(values, copy_to)
         if dst is not None:
-            dst.copy_(words)
+            copies[0].append(dst)
+            copies[1].append(words)
         if words.numel() <= DEVICE_SMALL_WORDS:
             small.setdefault((words.device, mask, w), []).append((i, words, start * w))
         else:
             sums[i] = lane_sums(words, start * w, _LANES, mask, w, key)
+    if copies[0]:
+        torch._foreach_copy_(*copies)
     for (_, mask, w), members in small.items():
         for lo, hi in native.capped_groups([m[1].numel() for m in members], DEVICE_CHUNK_WORDS):
             part = members[lo:hi]
