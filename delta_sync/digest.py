@@ -32,10 +32,12 @@ ops.
 
 from __future__ import annotations
 
+import array
 import ctypes
 import functools
 import hashlib
 import hmac
+import sys
 
 import torch
 
@@ -58,6 +60,8 @@ CHUNK = 1 << 18
 DEVICE_CHUNK_WORDS = 1 << 24
 #: words per thread below which a range is digested on the calling thread.
 _MIN_WORDS_PER_THREAD = 1 << 20
+#: digest pads drawn per SHAKE-256 call (:meth:`DigestKey._pad`)
+PAD_BLOCK = 256
 #: exponent bits that mark Inf/NaN in the word holding them, per element width.
 _EXP_MASK = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00, torch.float32: 0x7F80}
 
@@ -79,6 +83,7 @@ class DigestKey:
         self.t3 = (t3 % (p - 1) + 1).to(torch.int16).contiguous()
         self.p = p.view(-1).contiguous()
         self._on: dict = {}  # per device (and per device, the int8 columns)
+        self._pads: dict[int, list[tuple[int, ...]]] = {}  # pad blocks drawn so far
 
     @classmethod
     def derive(cls, secret: bytes, nonce: str) -> "DigestKey":
@@ -90,9 +95,20 @@ class DigestKey:
         """The mask of the ``i``-th digest a header carries under this key."""
         return Digest(*self._pad(i))
 
-    def _pad(self, i: int) -> list[int]:
-        raw = hashlib.shake_256(b"delta-sync/digest-pad\0" + self.seed + i.to_bytes(8, "little")).digest(2 * _LANES)
-        return [int.from_bytes(raw[2 * l:2 * l + 2], "little") for l in range(_LANES)]
+    def _pad(self, i: int) -> tuple[int, ...]:
+        """Pads come from SHAKE-256 in blocks of :data:`PAD_BLOCK` (one XOF call per block, not
+        per digest: a seed bucket's header carries thousands), block ``i // PAD_BLOCK`` keyed by
+        the seed and its number."""
+        b, at = divmod(i, PAD_BLOCK)
+        block = self._pads.get(b)
+        if block is None:
+            raw = hashlib.shake_256(b"delta-sync/digest-pads\0" + self.seed + b.to_bytes(8, "little")
+                                    ).digest(2 * _LANES * PAD_BLOCK)
+            words = array.array("H", raw)  # little-endian 16-bit words, on any host
+            if sys.byteorder == "big":
+                words.byteswap()
+            block = self._pads[b] = [tuple(words[k:k + _LANES]) for k in range(0, len(words), _LANES)]
+        return block[at]
 
     def masked(self, digest: "Digest", i: int) -> str:
         """``(digest + self.pad(i)).hex()``: what the ``i``-th digest of a header says, in one step
