@@ -190,7 +190,8 @@ class BitwiseDiff:
         changed = [k for k, c in enumerate(counts) if c]
         # the changed snapshots advance whole, in one multi-tensor copy (one launch for many on a
         # device, where an index_copy_ per tensor costs a launch and two views each)
-        torch._foreach_copy_([olds[k] for k in changed], [news[k] for k in changed])
+        # (as integers: the float copy of CUDA's multi-tensor kernel rewrites a NaN's payload bits)
+        torch._foreach_copy_([olds[k].view(lane_dtype) for k in changed], [news[k].view(lane_dtype) for k in changed])
         # the batch's changes stay in these buffers, a count per member (no split per tensor)
         return Absorbed(members, hits, elem, new_v, old_v)
 

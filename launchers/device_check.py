@@ -471,10 +471,14 @@ def bench_pipeline(device, g, shapes: dict[str, tuple[int, ...]], density: float
                 runs.setdefault(kind, []).append({"total_s": done[v]["end"] - t0, "prepare_s": t1 - t0,
                                                   "send_s": t2 - t1,
                                                   **{k: x for k, x in done[v].items() if k != "end"}})
-        except Exception:
+        except BaseException:
             tx.close()  # a failure here ends the receiver's wait at once
-            if fut.exception(timeout=60) is not None:  # the receiver's failure is the cause: raise it
-                fut.result()
+            try:
+                cause = fut.exception(timeout=60)
+            except Exception:  # noqa: BLE001 - a receiver still stuck: the sender's error stands
+                cause = None
+            if cause is not None:  # the receiver failed first: its error is the one to see
+                raise cause
             raise
         tx.close()
         fut.result(timeout=60)

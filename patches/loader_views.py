@@ -526,7 +526,6 @@ class TableRoutes:
         self.cols = torch.tensor(cols, dtype=torch.int64).reshape(-1, 4)
         #: per id, for ``how == 2``: parameter number, offset, C, row and column strides
         self.where = torch.tensor(where, dtype=torch.int64).reshape(-1, 5)
-        self.param_of = self.where[:, 0]
         #: per id: written with strides other than one row-major run
         self.strided = (self.where[:, 4] != 1) | (self.where[:, 3] != self.where[:, 2])
         self.any_strided = bool(self.strided.any())
@@ -534,7 +533,6 @@ class TableRoutes:
         self.flats = [flats[p] for p in number]
         self._flats = flats
         self.kinds = set(how)  # which ways any id is routed
-        self.devices = {f.device for f in self.flats}
 
 
 def plan_tables(routes: TableRoutes, tables: list, keep_old: bool = True) -> tuple["SparsePlan | None", list]:
@@ -545,8 +543,8 @@ def plan_tables(routes: TableRoutes, tables: list, keep_old: bool = True) -> tup
     device's parameters, :func:`_table_positions`) become one (positions, values) pair per
     parameter and table; entries held nowhere here are left out untouched. Returns the plan (None
     when nothing is routed) and ``(entry, patch)`` of the entries that take the general path
-    (:func:`plan_sparse`): tensors ``routes`` does not route, buffers the routes' writers cannot
-    read (host rows from device buffers, a parameter on another device than the buffers)."""
+    (:func:`plan_sparse`): tensors ``routes`` does not route, and host-kernel rows whose buffers
+    are not on the host."""
     from delta_sync.catalog import CODES
     from delta_sync.patch import DTYPES
 
@@ -556,10 +554,6 @@ def plan_tables(routes: TableRoutes, tables: list, keep_old: bool = True) -> tup
         how = routes.how[t.ids]
         if 1 in routes.kinds and (t.indices.device.type != "cpu" or not native.supports_words(t.indices)):
             how[how == 1] = 0  # the kernel's rows read host buffers
-        if 2 in routes.kinds and not routes.devices <= {t.indices.device}:
-            nums = routes.param_of[t.ids]  # parameters on another device than the buffers: the general path
-            away = [p for p in nums[how == 2].unique().tolist() if routes.flats[p].device != t.indices.device]
-            how[(how == 2) & torch.isin(nums, torch.tensor(away, dtype=torch.int64))] = 0
         kinds = set(how.unique().tolist())
         if 2 in kinds:
             joined += _table_positions(routes, t, how == 2 if len(kinds) > 1 else None)
@@ -636,7 +630,9 @@ def _table_positions(routes: TableRoutes, t, go: torch.Tensor | None) -> list[tu
         params, per = torch.unique_consecutive(e[:, 4], return_counts=True)
         upto = [0, *torch.cumsum(c, 0)[torch.cumsum(per, 0) - 1].tolist()]  # elements up to each parameter's end
         sizes = [b - a for a, b in zip(upto, upto[1:])]
-        out += [(routes.flats[p], dst, v) for p, dst, v in zip(params.tolist(), pos.split(sizes), vals.split(sizes))]
+        for p, dst, v in zip(params.tolist(), pos.split(sizes), vals.split(sizes)):
+            flat = routes.flats[p]  # (a parameter on another device than the buffers: its pair moves there)
+            out.append((flat, dst.to(flat.device), v.to(flat.device)))
     return out
 
 
