@@ -56,7 +56,8 @@ MAX_WORDS = KEY_ROW * KEY_ROW * T3
 T1_BOUND = 1 << 12
 #: elements per step of :func:`element_sums`: bounds its temporaries to a few MiB.
 CHUNK = 1 << 18
-#: words per step of the device formula (each lane's products are int32 temporaries of this size)
+#: words per step of the device formula (its temporaries: two int8 pieces per word, or with the
+#: per-lane fallback an int32 copy and an int32 product per word)
 DEVICE_CHUNK_WORDS = 1 << 24
 #: words per thread below which a range is digested on the calling thread.
 _MIN_WORDS_PER_THREAD = 1 << 20
@@ -82,7 +83,8 @@ class DigestKey:
         self.t2 = (t2 % (p - 1) + 1).to(torch.int16).contiguous()
         self.t3 = (t3 % (p - 1) + 1).to(torch.int16).contiguous()
         self.p = p.view(-1).contiguous()
-        self._on: dict = {}  # per device (and per device, the int8 columns)
+        self._on: dict[torch.device, tuple[torch.Tensor, ...]] = {}
+        self._int8: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # :meth:`int8_columns`, per device
         self._pads: dict[int, list[tuple[int, ...]]] = {}  # pad blocks drawn so far
 
     @classmethod
@@ -131,14 +133,14 @@ class DigestKey:
         """``t1`` as the int8 right-hand side of :func:`_dots_int8`, (KEY_ROW, 2 * lanes) in column
         order (the layout cuBLAS's int8 product takes): ``t1 >> 6`` per lane, then ``t1 & 63``;
         and each lane's ``sum(t1)``, (lanes,) int64."""
-        got = self._on.get((device, "int8"))
+        got = self._int8.get(device)
         if got is None:
             t1 = self.t1.tolist()  # from lists, as :meth:`on`
             cols = [[v >> 6 for v in lane] for lane in t1] + [[v & 63 for v in lane] for lane in t1]
             got = (torch.tensor(cols, dtype=torch.int8, device=device).t(),  # (KEY_ROW, 2 * lanes)
                    torch.tensor([sum(lane) for lane in t1], dtype=torch.int64, device=device))
             if type(got[0]) is torch.Tensor:
-                self._on[(device, "int8")] = got
+                self._int8[device] = got
         return got
 
 

@@ -512,13 +512,12 @@ class TableRoutes:
                 if seg.param not in flats:
                     flats[seg.param] = flat = flat_param(params[seg.param])
                     kernel[seg.param] = native.can_move(flat, _INT32_POS)
-                flat = flats[seg.param]
-                if flat.dtype != DTYPES[dname]:
-                    pass
-                elif kernel[seg.param] and whole_run(view) is not None:
-                    h, c = 1, (flat.data_ptr(), seg.dst_offset, flat.numel(), flat.element_size() | 4 << 8)
-                else:
-                    h, w = 2, (number.setdefault(seg.param, len(number)), seg.dst_offset, *run[1:])
+                flat, (width, row, column) = flats[seg.param], run[1:]
+                if flat.dtype == DTYPES[dname]:
+                    if kernel[seg.param] and row == width and column == 1:  # one run: the kernel's rows
+                        h, c = 1, (flat.data_ptr(), seg.dst_offset, flat.numel(), flat.element_size() | 4 << 8)
+                    else:
+                        h, w = 2, (number.setdefault(seg.param, len(number)), seg.dst_offset, width, row, column)
             how.append(h)
             cols.append(c)
             where.append(w)
@@ -529,9 +528,9 @@ class TableRoutes:
         #: per id: written with strides other than one row-major run
         self.strided = (self.where[:, 4] != 1) | (self.where[:, 3] != self.where[:, 2])
         self.any_strided = bool(self.strided.any())
-        #: the parameters of ``how == 2``, by number (and they keep the addresses in ``cols`` theirs)
+        #: the parameters of ``how == 2``, by number
         self.flats = [flats[p] for p in number]
-        self._flats = flats
+        self._flats = flats  # the addresses in cols stay theirs
         self.kinds = set(how)  # which ways any id is routed
 
 
