@@ -3,17 +3,22 @@
 Protocol, per exchange, over the trainer's groups (:class:`~delta_sync.collectives.TrainerGroups`):
 
 1. **status + sizes** (host group, one ``all_gather`` of 3 int64 per rank): ``[failed,
-   payload_bytes, meta_bytes]``. A rank whose local work raised reports ``failed=1``; then every
+   payload_bytes, tensors]``. A rank whose local work raised reports ``failed=1``; then every
    rank takes the same branch: the failure messages are exchanged with ``all_gather_object`` and
    every rank raises the same :class:`GatherError`. No rank ever waits in a collective another
    rank skipped.
-2. **payloads** (device group, point-to-point, exact lengths): each non-empty rank packs its
-   patches into one byte buffer on the trainer's device (JSON meta | int32 indices | values) and
-   sends it once; empty ranks send nothing. The destination receives into one reused buffer,
-   grown only when needed.
+2. **payloads** (device group, point-to-point, exact lengths): each non-empty rank sends its
+   patches once as one byte buffer on the trainer's device, a few sections rather than an object
+   per tensor (:class:`_Part`: a binary row per tensor, shapes, names, the int32 indices and the
+   values of each dtype one after another); empty ranks send nothing. The destination receives
+   every rank into one reused buffer, grown only when needed.
 
-The destination gets the patches in export order (``seq``); a tensor whose changes come from
-several ranks (shards of one tensor) is merged into one patch with increasing indices.
+The destination gets the patches in export order (``seq``): the rows of every rank are sorted
+together, and each run of sparse tensors of one dtype that one rank holds comes out as one
+:class:`~delta_sync.patch.PatchBatch` (two gathers over its elements, however the ranks
+interleave); a tensor whose changes come from several ranks (shards of one tensor) is merged into
+one patch with increasing indices. Ranks may hand in batches (a diff kernel's, with each tensor's
+``seq``) or patches.
 
 :meth:`PatchGather.gather` is one exchange of everything. :meth:`PatchGather.stream` cuts the
 export order into *rounds* of about ``bucket_bytes`` of payload over all ranks (every part of one
@@ -24,7 +29,8 @@ others', not the whole delta of every rank.
 
 from __future__ import annotations
 
-import json
+import bisect
+import itertools
 import traceback
 from collections import deque
 from dataclasses import dataclass
@@ -34,8 +40,8 @@ import torch
 
 from . import collectives
 from .collectives import TrainerGroups
-from .errors import GatherError, PatchValidationError
-from .patch import DTYPES, Patch, dtype_name
+from .errors import DeltaSyncError, GatherError, PatchValidationError
+from .patch import Patch, PatchBatch
 
 
 #: what a failed gather kept, unless its caller knows more
@@ -50,42 +56,232 @@ class Ordered:
     patch: Patch
 
 
-def _pack(items: list[Ordered], device: torch.device) -> tuple[torch.Tensor, int]:
-    meta, chunks, off = [], [], 0
+#: value sections of a rank's buffer, widest first (each section stays aligned for its dtype)
+_SECTIONS = (torch.float32, torch.bfloat16, torch.float16)
+_CODE = {dt: c for c, dt in enumerate(_SECTIONS)}
+_ROW = 4  # int64 per tensor: seq, count, dtype code | dense << 8, ndim
+_SEP = "\0"
+
+
+@dataclass
+class _Part:
+    """One rank's patches of an exchange as a few buffers, not an object per tensor: a row per
+    tensor (``seq``, changed count, dtype code and dense flag, ndim), the shapes, the names, the
+    sparse tensors' int32 indices one after another, and the values of each dtype one after
+    another, all in row order. On the wire: ``rows | dims | indices | float32 | bfloat16 | float16
+    values | names`` in one byte buffer."""
+
+    rows: torch.Tensor  # int64 (n, _ROW), on the host
+    names: list[str]
+    shapes: list[tuple[int, ...]]
+    indices: torch.Tensor  # int32
+    values: dict[int, torch.Tensor]  # dtype code -> values of that dtype (every code)
+    #: its buffers are the patches' own memory (this rank's), not views of a receive buffer
+    owned: bool = True
+
+    @property
+    def n(self) -> int:
+        return len(self.names)
+
+    @classmethod
+    def of(cls, items: list[Ordered], device: torch.device) -> "_Part":
+        seqs, counts, codes, names, shapes = [], [], [], [], []
+        indices: list[torch.Tensor] = []
+        values: dict[int, list[torch.Tensor]] = {}
+        for it in items:
+            p = it.patch
+            code = _CODE.get(p.dtype)
+            if code is None:
+                raise PatchValidationError(_name_of(p), f"dtype {p.dtype} cannot be gathered "
+                                           f"(supported: {', '.join(map(str, _SECTIONS))})")
+            if isinstance(p, PatchBatch):
+                if p.seqs is None or len(p.seqs) != len(p.names):
+                    raise PatchValidationError(_name_of(p), "a batch gathered without each tensor's stream position")
+                seqs += p.seqs
+                counts += p.counts
+                codes += [code] * len(p.names)
+                names += p.names
+                shapes += p.shapes
+            else:
+                seqs.append(it.seq)
+                counts.append(p.count)
+                codes.append(code | (256 if p.dense else 0))
+                names.append(p.name)
+                shapes.append(tuple(p.shape))
+            if not p.dense:
+                indices.append(p.indices.reshape(-1).to(device))
+            values.setdefault(code, []).append(p.values.reshape(-1).to(device))
+        rows = torch.tensor([seqs, counts, codes, [len(s) for s in shapes]], dtype=torch.int64).t().contiguous() \
+            if names else torch.empty(0, _ROW, dtype=torch.int64)
+        return cls(rows.view(-1, _ROW), names, shapes, _cat(indices, torch.int32, device),
+                   {c: _cat(values.get(c, []), dt, device) for c, dt in enumerate(_SECTIONS)})
+
+    def to_bytes(self, device: torch.device) -> torch.Tensor:
+        """The part as one byte buffer on ``device`` (see the class doc)."""
+        if not self.n:
+            return torch.empty(0, dtype=torch.uint8, device=device)
+        dims = torch.tensor([d for s in self.shapes for d in s], dtype=torch.int64)
+        names = torch.frombuffer(bytearray(_SEP.join(self.names).encode()), dtype=torch.uint8)
+        pieces = [self.rows.view(-1), dims, self.indices] + [self.values[c] for c in range(len(_SECTIONS))] + [names]
+        return torch.cat([t.contiguous().view(torch.uint8).to(device) for t in pieces])
+
+    @classmethod
+    def from_bytes(cls, buf: torch.Tensor, n: int, rank: int) -> "_Part":
+        """The part a rank sent (``n`` tensors): views of ``buf``, row data read to the host."""
+        def bad(why: str) -> DeltaSyncError:  # (not a GatherError: only dst sees it, the next round tells the rest)
+            return DeltaSyncError(f"the patches rank {rank} sent do not decode: {why}")
+
+        off = n * _ROW * 8
+        if off > buf.numel():
+            raise bad(f"{buf.numel()} bytes for {n} rows")
+        rows = buf[:off].view(torch.int64).view(n, _ROW).cpu()
+        ndims = rows[:, 3]
+        counts, codes, dense = rows[:, 1], rows[:, 2] & 255, rows[:, 2] >> 8
+        if bool((counts < 0).any() or (codes >= len(_SECTIONS)).any() or (ndims < 0).any()):
+            raise bad("a negative count or ndim, or an unknown dtype code")
+        nd = int(ndims.sum())
+        dims = buf[off:off + nd * 8].view(torch.int64).tolist()
+        off += nd * 8
+        it = iter(dims)
+        shapes = [tuple(itertools.islice(it, k)) for k in ndims.tolist()]
+        n_idx = int(counts[dense == 0].sum())
+        indices = buf[off:off + n_idx * 4].view(torch.int32)
+        off += n_idx * 4
+        values = {}
+        for c, dt in enumerate(_SECTIONS):
+            size = int(counts[codes == c].sum()) * dt.itemsize
+            values[c] = buf[off:off + size].view(dt)
+            off += size
+        if off > buf.numel():
+            raise bad(f"{buf.numel()} bytes for rows that need {off} before the names")
+        names = bytes(buf[off:].cpu().numpy()).decode().split(_SEP)
+        if len(names) != n or len(shapes) != n:
+            raise bad(f"{len(names)} names for {n} rows")
+        return cls(rows, names, shapes, indices, values, owned=False)
+
+
+def _pack(part: _Part, device: torch.device) -> torch.Tensor:
+    """A rank's part as the bytes it sends (a seam for tests that fail it)."""
+    return part.to_bytes(device)
+
+
+def _sizes(items: list[Ordered]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stream positions and payload bytes of every tensor of ``items`` (int64, a batch's at once)."""
+    seqs, nbytes = [], []
     for it in items:
         p = it.patch
-        entry = {"seq": it.seq, "name": p.name, "shape": list(p.shape), "dtype": dtype_name(p.dtype, tensor=p.name),
-                 "count": p.count, "dense": p.dense}
-        if not p.dense:
-            b = p.indices.contiguous().view(torch.uint8)
-            chunks.append(b)
-            off += b.numel()
-        v = p.values.contiguous().view(torch.uint8)
-        chunks.append(v)
-        off += v.numel()
-        meta.append(entry)
-    meta_b = torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8)
-    buf = torch.cat([meta_b.to(device)] + [c.reshape(-1).to(device) for c in chunks]) if items else \
-        torch.empty(0, dtype=torch.uint8, device=device)
-    return buf, meta_b.numel()
+        if isinstance(p, PatchBatch):
+            seqs += p.seqs
+            width = 4 + p.values.element_size()
+            nbytes += [c * width for c in p.counts]
+        else:
+            seqs.append(it.seq)
+            nbytes.append(p.nbytes)
+    return torch.tensor(seqs, dtype=torch.int64), torch.tensor(nbytes, dtype=torch.int64)
 
 
-def _unpack(buf: torch.Tensor, meta_bytes: int) -> list[Ordered]:
-    meta = json.loads(bytes(buf[:meta_bytes].cpu().numpy()))
-    out, off = [], meta_bytes
-    for e in meta:
-        dtype = DTYPES[e["dtype"]]
-        esize = torch.empty(0, dtype=dtype).element_size()
-        idx = None
-        if not e["dense"]:
-            n = e["count"] * 4
-            idx = buf[off:off + n].clone().view(torch.int32)
-            off += n
-        n = e["count"] * esize
-        vals = buf[off:off + n].clone().view(dtype)
-        off += n
-        out.append(Ordered(e["seq"], Patch(e["name"], tuple(e["shape"]), dtype, idx, vals)))
+def _name_of(p: Patch | PatchBatch) -> str:
+    return p.names[0] if isinstance(p, PatchBatch) else p.name
+
+
+def _cat(ts: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if not ts:
+        return torch.empty(0, dtype=dtype, device=device)
+    return ts[0] if len(ts) == 1 else torch.cat(ts)
+
+
+def _exclusive(x: torch.Tensor) -> torch.Tensor:
+    return torch.cumsum(x, 0) - x
+
+
+def _section(held: list[tuple[torch.Tensor, bool]]) -> torch.Tensor:
+    """One section over the parts (``(tensor, owned)`` each), in memory of its own: a receive
+    buffer is reused by the next exchange."""
+    if len(held) == 1:
+        t, owned = held[0]
+        return t.contiguous() if owned else t.clone(memory_format=torch.contiguous_format)
+    return torch.cat([t for t, _ in held])
+
+
+def _segments(src: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``src``'s segments ``[starts[k], starts[k] + counts[k])`` one after another (one gather; a
+    view where they lie back to back already)."""
+    total = int(counts.sum())
+    first = int(starts[0])
+    if bool((starts == first + _exclusive(counts)).all()):
+        return src.narrow(0, first, total)
+    pos = torch.repeat_interleave(starts - _exclusive(counts), counts) + torch.arange(total)
+    return src[pos.to(src.device)]
+
+
+def _merge(parts: list[_Part]) -> list[Patch | PatchBatch]:
+    """The patches of every rank's part in stream order: runs of sparse tensors of one dtype held
+    by one rank each as one :class:`PatchBatch` (two gathers over their elements, whichever rank
+    sent them), a dense tensor as a patch, the parts of a tensor several ranks hold merged into one
+    patch. Copies out of the parts' buffers (they are reused)."""
+    parts = [p for p in parts if p.n]
+    if not parts:
+        return []
+    rows = torch.cat([p.rows for p in parts])
+    names = [n for p in parts for n in p.names]
+    shapes = [s for p in parts for s in p.shapes]
+    seq, count, code, dense = rows[:, 0], rows[:, 1], rows[:, 2] & 255, (rows[:, 2] >> 8).bool()
+    # every section is its parts' sections one after another, each in row order: a row's start
+    # in a section is the exclusive sum of the counts of the section's rows before it
+    indices = _section([(p.indices, p.owned) for p in parts])
+    idx_start = _exclusive(torch.where(dense, 0, count))
+    values, val_start = {}, torch.zeros_like(count)
+    for c in range(len(_SECTIONS)):
+        values[c] = _section([(p.values[c], p.owned) for p in parts])
+        mine = code == c
+        val_start[mine] = _exclusive(count[mine])
+    order = torch.argsort(seq, stable=True)
+    s = seq[order]
+    shared = torch.zeros(len(order), dtype=torch.bool)  # a tensor in more than one part
+    if len(order) > 1:
+        same = s[1:] == s[:-1]
+        shared[1:] |= same
+        shared[:-1] |= same
+    alone = ~(shared | dense[order] | (count[order] == 0))  # (a batch holds changed tensors only)
+    cut = torch.ones(len(order), dtype=torch.bool)
+    if len(order) > 1:  # a batch runs while its tensors are sparse, held by one rank, of one dtype
+        cut[1:] = ~(alone[1:] & alone[:-1] & (code[order][1:] == code[order][:-1]))
+    bounds = cut.nonzero().squeeze(1).tolist() + [len(order)]
+    order_l, alone_l = order.tolist(), alone.tolist()
+    out: list[Patch | PatchBatch] = []
+    k = 0
+    while k < len(order_l):
+        end = bounds[bisect.bisect_right(bounds, k)]
+        ks = order[k:end]
+        first = order_l[k]
+        dt = _SECTIONS[int(code[first])]
+        if alone_l[k]:
+            counts = count[ks]
+            out.append(PatchBatch([names[i] for i in order_l[k:end]], [shapes[i] for i in order_l[k:end]], dt,
+                                  counts.tolist(), _segments(indices, idx_start[ks], counts),
+                                  _segments(values[int(code[first])], val_start[ks], counts),
+                                  s[k:end].tolist()))
+            k = end
+            continue
+        j = k + 1
+        while j < len(order_l) and int(s[j]) == int(s[k]):
+            j += 1  # every part of this tensor
+        got = [_patch_of(i, names, shapes, count, code, dense, indices, idx_start, values, val_start)
+               for i in order_l[k:j]]
+        for p in got[1:]:
+            if p.name != got[0].name:
+                raise PatchValidationError(got[0].name, f"stream position {int(s[k])} is {p.name!r} on another "
+                                           "rank: the ranks' streams disagree")
+        out.append(merge_shards(got))
+        k = j
     return out
+
+
+def _patch_of(i, names, shapes, count, code, dense, indices, idx_start, values, val_start) -> Patch:
+    n, c = int(count[i]), int(code[i])
+    v = values[c].narrow(0, int(val_start[i]), n)
+    idx = None if bool(dense[i]) else indices.narrow(0, int(idx_start[i]), n)
+    return Patch(names[i], shapes[i], _SECTIONS[c], idx, v)
 
 
 def merge_shards(parts: list[Patch]) -> Patch:
@@ -124,11 +320,14 @@ class PatchGather:
     def gather(self, produce: Callable[[], list[Ordered]] | list[Ordered]) -> list[Patch] | None:
         """Run ``produce`` (or take a ready list) and gather every rank's patches to ``dst``.
 
-        Returns the ordered, merged patches on ``dst`` and ``None`` elsewhere; raises
-        :class:`GatherError` on every rank if any rank failed.
+        Returns the ordered, merged patches on ``dst`` (one per tensor) and ``None`` elsewhere;
+        raises :class:`GatherError` on every rank if any rank failed.
         """
         items, failure = self._produce(produce)
-        return self._exchange(items, failure)
+        got = self._exchange(sorted(items, key=lambda it: it.seq), failure)
+        if got is None:
+            return None
+        return [q for p in got for q in (p.patches() if isinstance(p, PatchBatch) else [p])]
 
     def stream(self, produce: Callable[[], list[Ordered]] | list[Ordered], bucket_bytes: int) -> "GatherStream":
         """Run ``produce`` on every rank and plan the rounds that gather the patches to ``dst``,
@@ -136,13 +335,19 @@ class PatchGather:
         is a round of its own). Collective; raises :class:`GatherError` on every rank if any rank's
         ``produce`` failed. The rounds run as :class:`GatherStream` is read (``dst``) or finished."""
         items, failure = self._produce(produce)
-        rows = self._agree([sum(it.patch.nbytes for it in items), bucket_bytes], failure)
-        bucket_bytes = int(rows[self.dst, 2])  # the destination's, should the ranks' settings differ
         items.sort(key=lambda it: it.seq)
+        sizes = _sizes(items) if failure is None else (torch.empty(0, dtype=torch.int64),) * 2
+        ends = int(sizes[0].max()) + 1 if sizes[0].numel() else 0
+        rows = self._agree([int(sizes[1].sum()), bucket_bytes, ends], failure)
+        bucket_bytes = int(rows[self.dst, 2])  # the destination's, should the ranks' settings differ
         if self.groups.world == 1 or int(rows[:, 1].sum()) <= bucket_bytes:
             return GatherStream(self, items, [None])
-        sizes = collectives.all_gather_object([(it.seq, it.patch.nbytes) for it in items], self.groups.host_group)
-        return GatherStream(self, items, round_bounds([x for rank in sizes for x in rank], bucket_bytes))
+        # every tensor's bytes over all ranks, by stream position: one sum over the ranks
+        per_seq = torch.zeros(int(rows[:, 3].max()), dtype=torch.int64)
+        per_seq.index_add_(0, sizes[0], sizes[1])
+        collectives.all_reduce(per_seq, self.groups.host_group)
+        held = per_seq.nonzero().squeeze(1)
+        return GatherStream(self, items, round_bounds(list(zip(held.tolist(), per_seq[held].tolist())), bucket_bytes))
 
     @staticmethod
     def _produce(produce) -> tuple[list[Ordered], tuple[str, str] | None]:
@@ -175,40 +380,38 @@ class PatchGather:
         g = self.groups
         rank, world = g.rank, g.world
         buf = torch.empty(0, dtype=torch.uint8, device=g.device)
-        meta_bytes = 0
-        if failure is None and rank != self.dst and items:
+        part = None
+        if failure is None and items:
             try:
-                buf, meta_bytes = _pack(items, g.device)
+                part = _Part.of(items, g.device)
+                if rank != self.dst:
+                    buf = _pack(part, g.device)
             except Exception as e:  # noqa: BLE001 - becomes the same GatherError on every rank
                 failure = (f"{type(e).__name__}: {e}", traceback.format_exc(limit=4))
-        sizes = self._agree([buf.numel(), meta_bytes], failure, kept)
+        sizes = self._agree([buf.numel(), part.n if part is not None and rank != self.dst else 0], failure, kept)
         if rank != self.dst:
             if buf.numel():
                 collectives.send(buf, self.dst, g.device_group)
             return None
-        received = [Ordered(it.seq, it.patch.to(g.device)) for it in items]  # one device for the merge
+        parts = [part] if part is not None else []
         try:
+            # one receive buffer for the round, a slice per rank: every part is read before it is reused
+            # (each slice 8-byte aligned: a part's rows are int64)
+            rb, off = self._buffer(int(((sizes[:, 1] + 7) // 8 * 8).sum())), 0
             for r in range(world):
-                n, mb = int(sizes[r, 1]), int(sizes[r, 2])
+                n = int(sizes[r, 1])
                 if r == self.dst or n == 0:
                     continue
-                rb = self._buffer(n)
-                collectives.recv(rb, r, g.device_group)
-                received.extend(_unpack(rb, mb))  # copies out of the buffer
+                collectives.recv(rb[off:off + n], r, g.device_group)
+                parts.append(_Part.from_bytes(rb[off:off + n], int(sizes[r, 2]), r))
+                off += (n + 7) // 8 * 8
+            return _merge(parts)  # copies out of the buffer
         finally:
             self._release()
-        return order_and_merge(received)
 
     def _release(self) -> None:
         if self._recv is not None and self._recv.device.type != "cpu":
             self._recv = None
-
-
-def order_and_merge(items: list[Ordered]) -> list[Patch]:
-    by_seq: dict[int, list[Patch]] = {}
-    for it in items:
-        by_seq.setdefault(it.seq, []).append(it.patch)
-    return [merge_shards(by_seq[s]) for s in sorted(by_seq)]
 
 
 def round_bounds(sizes: list[tuple[int, int]], bucket_bytes: int) -> list[int | None]:
@@ -244,11 +447,20 @@ class GatherStream:
         #: most payload bytes one round brought to ``dst`` from the other ranks
         self.peak_round_bytes = 0
 
-    def _round(self, failure: tuple[str, str] | None = None) -> list[Patch] | None:
+    def _round(self, failure: tuple[str, str] | None = None) -> list[Patch | PatchBatch] | None:
         bound = self._bounds.popleft()
-        mine = []
+        mine, rest = [], []
         while self._items and (bound is None or self._items[0].seq < bound):
-            mine.append(self._items.popleft())  # sent (or merged) once: not held past its round
+            it = self._items.popleft()  # sent (or merged) once: not held past its round
+            p = it.patch
+            if bound is not None and isinstance(p, PatchBatch) and p.seqs[-1] >= bound:
+                k = bisect.bisect_left(p.seqs, bound)  # the batch's tensors past the round wait
+                mine.append(Ordered(it.seq, p.take(0, k)))
+                rest.append(Ordered(p.seqs[k], p.take(k, len(p.seqs))))
+            else:
+                mine.append(it)
+        if rest:
+            self._items = deque(sorted([*rest, *self._items], key=lambda o: o.seq))
         try:
             got = self._g._exchange(mine, failure, kept=None)  # the caller says what was kept
         except GatherError:
@@ -260,7 +472,7 @@ class GatherStream:
             self.peak_round_bytes = max(self.peak_round_bytes, others)
         return got
 
-    def __iter__(self) -> Iterator[Patch]:
+    def __iter__(self) -> Iterator[Patch | PatchBatch]:
         while self._bounds:
             yield from self._round() or []
 

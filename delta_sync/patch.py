@@ -146,12 +146,28 @@ class PatchBatch:
     indices: torch.Tensor  # int32, 1-D
     values: torch.Tensor  # 1-D, dtype == self.dtype
 
+    #: each tensor's position in the update's stream, where the batch travels between trainer
+    #: ranks (:mod:`delta_sync.gather` orders and splits batches by it)
+    seqs: list[int] | None = None
+
     #: a batch is sparse (the packer reads ``dense`` of whatever it is given)
     dense = False
 
     @property
     def count(self) -> int:
         return int(self.values.numel())
+
+    @property
+    def nbytes(self) -> int:
+        return self.indices.numel() * 4 + self.values.numel() * self.values.element_size()
+
+    def take(self, lo: int, hi: int) -> "PatchBatch":
+        """Tensors ``lo .. hi-1`` of the batch (views of its buffers)."""
+        start = sum(self.counts[:lo])
+        n = sum(self.counts[lo:hi])
+        return PatchBatch(self.names[lo:hi], self.shapes[lo:hi], self.dtype, self.counts[lo:hi],
+                          self.indices.narrow(0, start, n), self.values.narrow(0, start, n),
+                          None if self.seqs is None else self.seqs[lo:hi])
 
     def starts(self) -> list[int]:
         """Each tensor's first position in the buffers."""

@@ -348,6 +348,7 @@ class WeightSync:
         """Several ranks: each diffs its share, then rank 0 gathers the patches round by round (about
         a bucket of them over all ranks each) as its packer asks for them, so it never holds the
         other ranks' whole deltas; the engines stage every bucket, as with one rank."""
+        diff.batched = True  # each rank's kernel batches travel whole (binary rows, no object per tensor)
         try:
             t0 = time.perf_counter()
             try:

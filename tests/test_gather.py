@@ -5,9 +5,9 @@ import torch
 import torch.distributed as dist
 
 from delta_sync.diff import int_view
-from delta_sync.errors import GatherError
+from delta_sync.errors import DeltaSyncError, GatherError
 from delta_sync.gather import Ordered, PatchGather
-from delta_sync.patch import Patch
+from delta_sync.patch import Patch, PatchBatch
 
 from launchers.ranks import run_ranks
 
@@ -46,7 +46,27 @@ def _case_items(case: int, rank: int, world: int) -> list[Ordered]:
         idx = torch.arange(rank, numel, world, dtype=torch.int32)[: 50 + 10 * rank]
         vals = (idx.float() / 7).to(torch.bfloat16)
         items.append(Ordered(10_000, Patch(f"c{case}.split", (numel,), torch.bfloat16, idx, vals)))
+    if kind == 5:  # a diff kernel's batches: each dtype's changed tensors in one, ranks interleaved
+        return _as_batches(items)
     return items
+
+
+def _as_batches(items: list[Ordered]) -> list[Ordered]:
+    """The sparse patches of ``items`` as one PatchBatch per dtype (each tensor's seq kept), the
+    others as they are."""
+    out, groups = [], {}
+    for it in items:
+        p = it.patch
+        if p.dense or not p.count:
+            out.append(it)
+        else:
+            groups.setdefault(p.dtype, []).append(it)
+    for dtype, its in groups.items():
+        ps = [it.patch for it in its]
+        out.append(Ordered(its[0].seq, PatchBatch(
+            [p.name for p in ps], [p.shape for p in ps], dtype, [p.count for p in ps],
+            torch.cat([p.indices for p in ps]), torch.cat([p.values for p in ps]), [it.seq for it in its])))
+    return out
 
 
 def _expected(case: int, world: int) -> list[Patch]:
@@ -54,7 +74,11 @@ def _expected(case: int, world: int) -> list[Patch]:
     by_seq: dict[int, list[Patch]] = {}
     for r in range(world):
         for it in _case_items(case, r, world):
-            by_seq.setdefault(it.seq, []).append(it.patch)
+            if isinstance(it.patch, PatchBatch):
+                for seq, p in zip(it.patch.seqs, it.patch.patches()):
+                    by_seq.setdefault(seq, []).append(p)
+            else:
+                by_seq.setdefault(it.seq, []).append(it.patch)
     out = []
     for seq in sorted(by_seq):
         parts = by_seq[seq]
@@ -65,6 +89,11 @@ def _expected(case: int, world: int) -> list[Patch]:
         out.append(Patch(parts[0].name, parts[0].shape, parts[0].dtype,
                          torch.tensor([i for i, _ in pairs], dtype=torch.int32), torch.stack([v for _, v in pairs])))
     return out
+
+
+def _patches(got) -> list[Patch]:
+    """A stream's patches and batches as one patch per tensor."""
+    return [q for p in got for q in (p.patches() if isinstance(p, PatchBatch) else [p])]
 
 
 def _same(a: Patch, b: Patch) -> bool:
@@ -150,12 +179,15 @@ def _stream_cases(rank, world, port, bucket_bytes):
         if rank != 0:
             stream.finish()
             continue
-        got = list(stream)
+        batches = list(stream)
+        got = _patches(batches)
         stream.finish()  # nothing left: a no-op
         want = _expected(case, world)
         assert [p.name for p in got] == [p.name for p in want], case
         for a, b in zip(got, want):
             assert _same(a, b), (case, a.name)
+        if case % 6 == 5:  # each rank's batch spans every round: it was split at the rounds' bounds
+            assert stream.rounds > 1 and any(isinstance(p, PatchBatch) for p in batches), case
         largest = max((p.nbytes for p in want), default=0)
         assert stream.peak_round_bytes <= max(bucket_bytes, largest), (case, stream.peak_round_bytes)
         checked += 1
@@ -197,19 +229,30 @@ def _stream_failures(rank, world, port, bad_rank):
             raise MemoryError(f"no room for round 2 on rank {rank}")
         return real(items, device)
 
-    for attempt in ("pack fails", "dst fails", "whole"):
+    def corrupt_pack(part, device):  # a stray name: the destination cannot decode this rank's part
+        return torch.cat([real(part, device), torch.tensor(list(b"\0stray"), dtype=torch.uint8)])
+
+    for attempt in ("pack fails", "dst fails", "corrupt", "whole"):
         stream = g.stream(lambda: _case_items(4, rank, world), 2048)
         if attempt == "pack fails" and rank == bad_rank:
             gather_mod._pack = failing_pack
+        if attempt == "corrupt" and rank == bad_rank:
+            gather_mod._pack = corrupt_pack
         try:
             if rank == 0:
                 got = []
-                for p in stream:
-                    got.append(p)
-                    if attempt == "dst fails" and len(got) == 1:
-                        break
+                try:
+                    for p in stream:
+                        got.append(p)
+                        if attempt == "dst fails" and len(got) == 1:
+                            break
+                except GatherError:
+                    raise
+                except DeltaSyncError as e:  # what it could not decode ends the stream like its own failure
+                    assert attempt == "corrupt" and f"the patches rank {bad_rank} sent do not decode" in str(e), e
+                    stream.finish(e)
                 stream.finish(RuntimeError("engine refused the update") if attempt == "dst fails" else None)
-                out.append(("ok", len(got)))
+                out.append(("ok", len(_patches(got))))
             else:
                 stream.finish()
                 out.append(("ok", None))
@@ -226,6 +269,6 @@ def test_a_failure_in_a_round_ends_the_stream_on_every_rank():
     rounds = results[0][1]
     assert rounds > 2
     for out, _ in results:
-        assert out[0] == ("failed", [1]) and out[1] == ("failed", [0]), out
-        assert out[2][0] == "ok"
-    assert results[0][0][2][1] == len(_expected(4, 3))
+        assert out[0] == ("failed", [1]) and out[1] == ("failed", [0]) and out[2] == ("failed", [0]), out
+        assert out[3][0] == "ok"
+    assert results[0][0][3][1] == len(_expected(4, 3))
