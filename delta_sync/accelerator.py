@@ -147,6 +147,22 @@ def read_back(tensors: list[torch.Tensor]) -> list[list]:
     return out
 
 
+_PINNED = [True]  # until pinning host memory once failed in this process
+
+
+def host_buffer(shape, dtype: torch.dtype) -> torch.Tensor:
+    """Host memory for copies from and to a device: pinned (asynchronous copies, full link
+    speed) where the device's runtime can pin it, else pageable (copies then wait)."""
+    if _PINNED[0]:
+        try:
+            return torch.empty(shape, dtype=dtype, pin_memory=True)
+        except RuntimeError as e:  # no allocator for pinned memory (a runtime without one)
+            _PINNED[0] = False
+            log.warning("delta-sync: host memory cannot be pinned here (%s); copies to and from the device "
+                        "use pageable memory", e)
+    return torch.empty(shape, dtype=dtype)
+
+
 def memory_allocated(device: torch.device | str) -> int:
     device = torch.device(device)
     if device.type == "cpu":

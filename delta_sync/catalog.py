@@ -20,11 +20,13 @@ by id without a Python object per tensor (:class:`TableSlice`). A receiver whose
 from __future__ import annotations
 
 import base64
+import copy as _copy
 import hashlib
 import math
 
 import torch
 
+from . import accelerator
 from .errors import NeedsSeed, PatchValidationError
 from .patch import DTYPES, Patch
 
@@ -146,6 +148,23 @@ class TableSlice:
                                        f"{per_dtype} overrun the buffers", kept=kept)
         return cls(catalog, ids, counts, indices[indices.numel() - n_idx:],
                    {k: values[k][values[k].numel() - n:] for k, n in per_dtype.items()}, where, codes)
+
+    def staged(self, device: torch.device) -> "TableSlice":
+        """This table with its indices and values copied into ``device`` memory (pinned where
+        ``device`` is the host and they are not): where an engine keeps a delta it received on its
+        device until finish, so the device holds a bucket in flight, not the whole delta."""
+        device = torch.device(device)
+        if self.indices.device == device:
+            return self
+
+        def copy(t: torch.Tensor) -> torch.Tensor:
+            out = accelerator.host_buffer(t.shape, t.dtype) if device.type == "cpu" else \
+                torch.empty(t.shape, dtype=t.dtype, device=device)
+            return out.copy_(t)  # (blocking: the plan reads them on the host next)
+
+        out = _copy.copy(self)  # (its host columns as they are)
+        out.indices, out.values = copy(self.indices), {k: copy(v) for k, v in self.values.items()}
+        return out
 
     @property
     def value_counts(self) -> dict[str, int]:

@@ -353,7 +353,7 @@ def receive_update(channel: Channel, kept: str | None = None,
                    bulk_sink: Callable[[list[tuple[dict, Patch]]], None] | None = None,
                    sink_checks: bool = False,
                    place: Callable[[dict], dict[int, torch.Tensor]] | None = None,
-                   tables: bool = False) -> ReceivedUpdate:
+                   tables: bool = False, stage: torch.device | None = None) -> ReceivedUpdate:
     """Receive one version.
 
     A delta (or any version without ``bulk_sink``) is assembled into one patch per tensor: the
@@ -373,7 +373,10 @@ def receive_update(channel: Channel, kept: str | None = None,
 
     ``tables``: a delta's tables (:mod:`delta_sync.catalog`) are handed over as they are, in
     ``tables`` (checked to name no tensor twice), not as patches: for a receiver that routes them by
-    id."""
+    id.
+
+    ``stage``: where a delta's buckets are kept once checked (e.g. the host, for a receiver on a
+    device: the device then holds the two buckets in flight, not the whole delta)."""
     asm = TensorAssembler(kept)
     update: ReceivedUpdate | None = None
     sink_error: Exception | None = None
@@ -403,10 +406,10 @@ def receive_update(channel: Channel, kept: str | None = None,
                         _follows(update.tables, table, kept)
                     except Exception as err:  # noqa: BLE001 - keep draining: the channel stays in step
                         sink_error = err
-                update.tables.append(table)
+                update.tables.append(table if stage is None else table.staged(stage))
             elif table is not None:
                 asm.add_entries(table.patches())
-            asm.add_entries(entries)
+            asm.add_entries(entries if stage is None else [(e, p.to(stage)) for e, p in entries])
     if update is None:
         raise DeltaSyncError("the update ended before its first bucket", kept=kept)
     if sink_error is not None:

@@ -377,7 +377,7 @@ PIPELINES = {"qwen3-0.6b": lambda layers: qwen3_shapes(layers=layers or 28),
 
 
 def bench_pipeline(device, g, shapes: dict[str, tuple[int, ...]], density: float = 0.002,
-                   profile_dir: str | None = None, count_ops: bool = False) -> dict:
+                   profile_dir: str | None = None, count_ops: bool = False, stage: str = "host") -> dict:
     """The library's bulk and delta paths on one device, against a device copy of the same bytes.
 
     A sender thread and a receiver thread share an in-process channel on the device (one GPU
@@ -388,9 +388,12 @@ def bench_pipeline(device, g, shapes: dict[str, tuple[int, ...]], density: float
     The receiver's weights are fused as an engine's (:func:`_engine_layout`) and a delta's tables
     routed into them by id, the undo log kept (:func:`patches.loader_views.plan_tables`).
     Every stage's throughput feeds docs/benchmarks.md's scale table. ``count_ops``: one more delta, its
-    torch operations counted on both ends (:class:`OpCounter`; not among the timed runs)."""
+    torch operations counted on both ends (:class:`OpCounter`; not among the timed runs). ``stage``:
+    where the receiver keeps a delta until it applies it, as an engine's ``DELTA_SYNC_DELTA_STAGING``
+    (``staged_mb``: the device memory that held, from receipt to the apply)."""
     from concurrent.futures import ThreadPoolExecutor
 
+    from delta_sync import accelerator
     from delta_sync.digest import scan_many
     from delta_sync.gc_hold import gc_held  # as WeightSync and the engine hold it
     from delta_sync.patch import apply_patch
@@ -421,7 +424,10 @@ def bench_pipeline(device, g, shapes: dict[str, tuple[int, ...]], density: float
                 t0 = time.perf_counter()
                 if kind == "delta":
                     with gc_held(), counters["receiver"] if v == counted else contextlib.nullcontext():
-                        upd = receive_update(rx, tables=True)  # tables as an engine takes them
+                        held = accelerator.memory_allocated(device)
+                        upd = receive_update(rx, tables=True,  # tables as an engine takes them, staged as it stages
+                                             stage=torch.device("cpu") if stage == "host" else None)
+                        held = accelerator.memory_allocated(device) - held
                         t1 = time.perf_counter()
                         general = []  # and routed as an engine routes them: by id, a write per parameter
                         if upd.tables:
@@ -438,7 +444,8 @@ def bench_pipeline(device, g, shapes: dict[str, tuple[int, ...]], density: float
                 sync()
                 # from when the sender started sending (the receiver waited for it before)
                 done.append({"end": time.perf_counter(), "receive_s": t1 - max(t0, sending[v]),
-                             "apply_s": time.perf_counter() - t1})
+                             "apply_s": time.perf_counter() - t1,
+                             **({"staged_mb": held / 2**20} if kind == "delta" else {})})
         finally:
             rx.close()  # a failure here ends the sender's wait at once
 
@@ -549,6 +556,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--profile-dir", help="write cProfile listings of the pipeline's last delta here")
     ap.add_argument("--count-ops", action="store_true",
                     help="count one more delta's torch operations and host syncs on both ends")
+    ap.add_argument("--stage", choices=["host", "device"], default="host",
+                    help="where the pipeline's receiver keeps a delta until it applies it")
     args = ap.parse_args(argv)
     from delta_sync import accelerator
     from delta_sync.channel import free_port
@@ -581,8 +590,9 @@ def main(argv: list[str] | None = None) -> dict:
     if args.pipeline != "none":
         try:
             out["pipeline"] = dict(bench_pipeline(device, g, PIPELINES[args.pipeline](args.layers),
-                                                  profile_dir=args.profile_dir, count_ops=args.count_ops),
-                                   shapes=args.pipeline, layers=args.layers)
+                                                  profile_dir=args.profile_dir, count_ops=args.count_ops,
+                                                  stage=args.stage),
+                                   shapes=args.pipeline, layers=args.layers, stage=args.stage)
         except Exception as e:  # noqa: BLE001 - report every part, then fail
             ok = False
             out["pipeline"] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:500]}

@@ -132,7 +132,7 @@ def apply_delta(r: WorkerWeights, plan: DeltaPlan) -> dict[str, float]:
         r.last_error = f"apply of v{plan.version} failed: {type(e).__name__}: {e}"
         raise DeltaSyncError(r.last_error, kept=r.kept() + " (undo log restored)") from e
     return {"apply_s": time.perf_counter() - t0, "plan_s": plan.plan_s, "replanned": float(replanned),
-            "undo_bytes": float(undo.nbytes)}
+            "undo_bytes": float(undo.nbytes), "undo_device_bytes": float(undo.device_nbytes)}
 
 
 def _through_loader(r: WorkerWeights, patches: list[Patch], params, undo: UndoLog) -> None:

@@ -24,6 +24,11 @@ RPC_ALLOW_ENV = "DELTA_SYNC_RPC_ALLOW"
 SPIN_ENV = "DELTA_SYNC_VLLM_SPIN_S"
 #: ``1``: the CPU engine keeps its weights in checkpoint layout even outside a delta-sync config
 CPU_LAYOUT_ENV = "DELTA_SYNC_CPU_CHECKPOINT_LAYOUT"
+#: where a device engine keeps a received delta until finish: ``host`` (pinned host memory, the
+#: default: the device holds two buckets while receiving, one bucket's writes at a time in the
+#: pause) or ``device`` (all of it on the device: no copies, memory grows with the delta)
+STAGE_ENV = "DELTA_SYNC_DELTA_STAGING"
+STAGES = ("host", "device")
 
 DEFAULT_CLAIM_S = 60.0
 DEFAULT_LEASE_S = 60.0
@@ -53,6 +58,7 @@ class EngineOptions:
     rpc_allow: frozenset[str] = frozenset()  # DELTA_SYNC_RPC_ALLOW
     spin_s: float | None = None  # DELTA_SYNC_VLLM_SPIN_S (None: vLLM's own)
     cpu_layout: bool = False  # DELTA_SYNC_CPU_CHECKPOINT_LAYOUT
+    stage: str = "host"  # DELTA_SYNC_DELTA_STAGING
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "EngineOptions":
@@ -64,9 +70,13 @@ class EngineOptions:
         if bad:
             raise ValueError(f"{RPC_ALLOW_ENV} names {bad[0]!r}, which is no worker method name "
                              "(a comma-separated list of method names)")
+        stage = env.get(STAGE_ENV, "").strip().lower() or "host"
+        if stage not in STAGES:
+            raise ValueError(f"{STAGE_ENV}={env.get(STAGE_ENV)!r}: where a delta is staged is one of {', '.join(STAGES)}")
         return cls(enable=env.get(ENABLE_ENV, "").strip().lower() in _TRUE,
                    claim_s=_seconds(env, CLAIM_ENV, DEFAULT_CLAIM_S),
                    lease_s=_seconds(env, LEASE_ENV, DEFAULT_LEASE_S),
                    rpc_allow=allow,
                    spin_s=_seconds(env, SPIN_ENV, None),
-                   cpu_layout=env.get(CPU_LAYOUT_ENV, "").strip() == "1")
+                   cpu_layout=env.get(CPU_LAYOUT_ENV, "").strip() == "1",
+                   stage=stage)

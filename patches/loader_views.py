@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from delta_sync import native
+from delta_sync import accelerator, native
 from delta_sync.digest import PRIMES, Digest, digest_range, element_sums
 
 
@@ -306,6 +306,13 @@ class UndoLog:
                    e[3].numel() * e[3].element_size() + (0 if e[1] is None else e[1].numel() * e[1].element_size())
                    for e in self.entries)
 
+    @property
+    def device_nbytes(self) -> int:
+        """Of :attr:`nbytes`, what is held in a device's memory (a delta staged on the host keeps its
+        undo there too)."""
+        return sum(t.numel() * t.element_size() for e in self.entries if not isinstance(e, RowsUndo)
+                   for t in (e[1], e[3]) if t is not None and t.device.type != "cpu")
+
 
 #: elements below which host writes of an apply stay on the calling thread
 SPREAD_MIN_ELEMENTS = 1 << 16
@@ -345,12 +352,34 @@ def _positions(pos: torch.Tensor, offset: int) -> torch.Tensor:
     return pos.to(torch.int64) + offset if offset else pos.to(torch.int64)
 
 
+def write_staged(flat: torch.Tensor, dst: torch.Tensor, values: torch.Tensor, undo: UndoLog | None,
+                 offset: int = 0) -> int:
+    """:func:`write_positions` of a pair staged in host memory: positions and values copied to the
+    parameter's device now, the old values back into host memory (the undo entry keeps the host
+    positions), so the device holds one pair's positions, values and old values at a time,
+    whatever the delta's size."""
+    pos = _positions(dst.to(flat.device, non_blocking=True), offset)
+    if undo is not None:
+        undo.entries.append((flat, dst, offset, _to_host(flat.index_select(0, pos))))
+    flat.index_copy_(0, pos, values.to(device=flat.device, dtype=flat.dtype, non_blocking=True))
+    return dst.numel()
+
+
 def _put(target: torch.Tensor, pos: torch.Tensor | None, offset: int, values: torch.Tensor) -> None:
-    """``target[offset + pos] = values`` along dim 0, or all of ``target`` when ``pos`` is None."""
+    """``target[offset + pos] = values`` along dim 0, or all of ``target`` when ``pos`` is None
+    (positions and values kept in host memory for a device ``target`` are copied there)."""
     if pos is None:
         target.copy_(values)
     elif not native.move_at(target, pos, offset, values=values):
-        target.index_copy_(0, _positions(pos, offset), values)
+        target.index_copy_(0, _positions(pos.to(target.device), offset), values.to(target.device))
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A device tensor's copy in pinned host memory, queued behind the device's work (no wait: a
+    later copy back is ordered after it on the same stream)."""
+    if t.device.type == "cpu":
+        return t
+    return accelerator.host_buffer(t.shape, t.dtype).copy_(t, non_blocking=True)
 
 
 def _take(target: torch.Tensor, pos: torch.Tensor, offset: int) -> torch.Tensor:
@@ -630,8 +659,11 @@ def _table_positions(routes: TableRoutes, t, go: torch.Tensor | None) -> list[tu
         upto = [0, *torch.cumsum(c, 0)[torch.cumsum(per, 0) - 1].tolist()]  # elements up to each parameter's end
         sizes = [b - a for a, b in zip(upto, upto[1:])]
         for p, dst, v in zip(params.tolist(), pos.split(sizes), vals.split(sizes)):
-            flat = routes.flats[p]  # (a parameter on another device than the buffers: its pair moves there)
-            out.append((flat, dst.to(flat.device), v.to(flat.device)))
+            flat = routes.flats[p]
+            if dev.type == "cpu":  # staged in host memory: the write moves it, one pair at a time
+                out.append((flat, dst, v))
+            else:  # (a parameter on another device than the buffers: its pair moves there now)
+                out.append((flat, dst.to(flat.device), v.to(flat.device)))
     return out
 
 
@@ -679,7 +711,12 @@ class SparsePlan:
 
 def write_positions(flat: torch.Tensor, dst: torch.Tensor, values: torch.Tensor, undo: UndoLog | None,
                     offset: int = 0) -> int:
-    """``flat[offset + dst] = values`` (int32 or int64 positions), the old values kept in ``undo`` first."""
+    """``flat[offset + dst] = values`` (int32 or int64 positions), the old values kept in ``undo`` first.
+
+    Positions and values in host memory for a parameter on a device (a delta staged on the host)
+    take :func:`write_staged`."""
+    if dst.device != flat.device and flat.device.type != "cpu":
+        return write_staged(flat, dst, values, undo, offset)
     values = values.to(flat.dtype)
     if undo is None:
         _put(flat, dst, offset, values)

@@ -54,6 +54,7 @@ from delta_sync.transfer import BULK_KINDS, ReceivedUpdate, receive_update
 
 from .bulk_apply import BulkWrite, covered
 from .delta_apply import DeltaPlan, ParamTable, apply_delta, layout_of, plan_delta
+from .engine_options import EngineOptions
 from .loader_views import LoaderView, digest_view, probe_views
 from .receiver_guard import ReceiverGuard
 
@@ -181,6 +182,9 @@ class DeltaSyncReceiver:
         #: a seed/full update wrote some weights and did not complete: serving them would be wrong
         self.partial = False
         self.guard = ReceiverGuard(self.kept, verifier)
+        #: where a received delta waits for finish (DELTA_SYNC_DELTA_STAGING): on a device engine
+        #: the host, unless the operator keeps it on the device
+        self.stage = EngineOptions.from_env().stage
         #: loader probes run on the receive thread (for in-place receives) and on the applying one
         self._probe_lock = threading.Lock()
 
@@ -252,7 +256,9 @@ class DeltaSyncReceiver:
         self._bulk = BulkWrite(self)
         try:
             upd = receive_update(self.channel, kept=self.kept(), bulk_sink=self._bulk.apply_bucket, sink_checks=True,
-                                 place=self._bulk.place if self._in_place() else None, tables=True)
+                                 place=self._bulk.place if self._in_place() else None, tables=True,
+                                 stage=torch.device("cpu") if self.stage == "host" and self.channel.device.type != "cpu"
+                                 else None)
             if update_info.version is not None and upd.version != update_info.version:
                 raise DeltaSyncError(f"received version {upd.version}, the sender announced {update_info.version}",
                                      kept=self.kept())

@@ -191,3 +191,49 @@ def test_device_check_script_runs_its_checks_on_the_host():
     assert pipe["delta"]["prepare_s"] > 0 and pipe["seed"]["receive_s"] > 0
     ops = pipe["delta_ops"]  # one more delta, counted on both ends
     assert ops["sender"]["ops"] > 0 and ops["receiver"]["ops"] > 0
+
+
+def test_a_delta_staged_on_the_host_is_written_to_device_parameters_a_pair_at_a_time(monkeypatch):
+    """``DELTA_SYNC_DELTA_STAGING=host`` (a device engine's default): each received table is copied
+    to host memory once checked, the plan's (positions, values) pairs stay there, and each pair is
+    copied to its parameter's device as it is written, the old values going back to the host. On
+    fake "cuda" parameters (contiguous and the Ascend-transposed stand-in): every op finds its
+    operands on one device (a mix raises here), and neither the pairs nor the undo log hold device
+    memory. (The values are checked on the host: tests/test_loader_views.py.)"""
+    from delta_sync import native
+    from delta_sync.catalog import TableSlice
+    from patches.loader_views import TableRoutes, UndoLog, plan_tables
+    from tests.test_loader_views import _routed_experts
+
+    monkeypatch.setattr(native, "kernel", lambda: None)
+    for transposed in (False, True):
+        _, views, params, _, tables, routes = _routed_experts(12, 8, torch.Generator().manual_seed(12), 700,
+                                                             transposed=transposed)
+        with FakeTensorMode(allow_non_fake_inputs=True):  # (host metadata stays real: made outside the mode)
+            on_device = {n: torch.nn.Parameter(torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device="cuda"),
+                                               requires_grad=False) for n, p in params[0].items()}
+            received = [(fake_cuda(t.indices.numel(), dtype=torch.int32),
+                         {k: fake_cuda(v.numel(), dtype=v.dtype) for k, v in t.values.items()}) for t in tables]
+        routes = TableRoutes(routes.catalog, views, on_device)
+        assert set(routes.kinds) == {-1, 2}  # device parameters take torch ops (-1: another worker's experts)
+        received = [TableSlice(t.catalog, t.ids, t.counts, idx, vals, t.where) for t, (idx, vals) in zip(tables, received)]
+        with FakeTensorMode(allow_non_fake_inputs=True):  # (pinned host memory: fake here)
+            staged = [t.staged(torch.device("cpu")) for t in received]
+        assert all(t.indices.device.type == "cpu" and all(v.device.type == "cpu" for v in t.values.values())
+                   for t in staged)
+        plan, general = plan_tables(routes, staged)
+        assert not general and plan.joined
+        assert all(flat.device.type == "cuda" and dst.device.type == vals.device.type == "cpu"
+                   for flat, dst, vals in plan.joined)
+        undo = UndoLog()
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            assert plan.run(undo) == sum(dst.numel() for _, dst, _ in plan.joined) > 0
+            assert undo.nbytes > 0 and undo.device_nbytes == 0, (undo.nbytes, undo.device_nbytes)
+            undo.restore()
+
+
+def test_host_buffers_fall_back_to_pageable_memory_where_nothing_can_pin():
+    """A runtime without a pinned-memory allocator (this CPU build) still stages on the host."""
+    buf = accelerator.host_buffer((3, 4), torch.bfloat16)
+    assert buf.shape == (3, 4) and buf.dtype == torch.bfloat16 and buf.device.type == "cpu"
+    assert not accelerator._PINNED[0]  # tried once, then pageable without trying again

@@ -581,3 +581,26 @@ def test_torch_op_table_routing_costs_the_same_ops_for_any_expert_count(monkeypa
                 plan.run(UndoLog())
             counts.append(ops.ops)
         assert counts[0] == counts[1] <= 4 * 2 + 50, (transposed, counts)
+
+
+def test_a_pair_staged_in_host_memory_writes_and_restores_exactly():
+    """:func:`write_staged` (a delta staged on the host, written into a device parameter a pair at
+    a time; run here on the host, where its copies are no-ops): the same values as
+    ``write_positions``, at an offset too, and the undo log puts back every old bit, NaN payloads
+    included."""
+    from patches.loader_views import write_positions, write_staged
+
+    g = torch.Generator().manual_seed(5)
+    base = torch.randn(4096, generator=g).to(torch.bfloat16)
+    base.view(torch.int16)[7] = 0x7FC1  # a NaN with a payload
+    dst = torch.randperm(4000, generator=g)[:300].sort().values
+    vals = torch.randn(300, generator=g).to(torch.bfloat16)
+    for offset in (0, 64):
+        staged, plain = base.clone(), base.clone()
+        undo = UndoLog()
+        assert write_staged(staged, dst, vals, undo, offset) == 300
+        write_positions(plain, dst, vals, None, offset)
+        assert torch.equal(staged.view(torch.int16), plain.view(torch.int16))
+        assert not torch.equal(staged.view(torch.int16), base.view(torch.int16))
+        undo.restore()
+        assert torch.equal(staged.view(torch.int16), base.view(torch.int16))

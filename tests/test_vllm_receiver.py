@@ -911,7 +911,9 @@ def test_engine_settings_are_read_in_one_place_and_a_bad_one_is_named(monkeypatc
     o = EngineOptions.from_env({"DELTA_SYNC_ENGINE": "yes", "DELTA_SYNC_CLAIM_S": "5",
                                 "DELTA_SYNC_RPC_ALLOW": "sleep, wake_up"})
     assert (o.enable, o.claim_s, o.lease_s, o.rpc_allow, o.spin_s) == (True, 5.0, 60.0, {"sleep", "wake_up"}, None)
+    assert o.stage == "host" and EngineOptions.from_env({"DELTA_SYNC_DELTA_STAGING": "Device"}).stage == "device"
     for env, named in [({"DELTA_SYNC_PAUSE_LEASE_S": "soon"}, "DELTA_SYNC_PAUSE_LEASE_S='soon' is not a number"),
+                       ({"DELTA_SYNC_DELTA_STAGING": "disk"}, "DELTA_SYNC_DELTA_STAGING='disk': where a delta is staged"),
                        ({"DELTA_SYNC_CLAIM_S": "-1"}, "DELTA_SYNC_CLAIM_S='-1' must be >= 0"),
                        ({"DELTA_SYNC_RPC_ALLOW": "sleep;rm"}, "DELTA_SYNC_RPC_ALLOW names 'sleep;rm'")]:
         with pytest.raises(ValueError, match=named):
