@@ -1044,6 +1044,9 @@ def main(argv: list[str]) -> dict:
     ap.add_argument("--trainer-ranks", default="1,2", help="trainer passes, by world size (the first is the headline)")
     ap.add_argument("--skip", default="", help="comma list of: vllm_load, apply, diff, engine (the HTTP engine "
                                                "and the trainer passes)")
+    ap.add_argument("--engine-layout", choices=["contiguous", "transposed-standin"], default="contiguous",
+                    help="transposed-standin: the engine's (and vLLM's own load's) MoE experts transposed after "
+                         "loading, a CPU stand-in for vLLM-Ascend's layout (DELTA_SYNC_CPU_MOE_TRANSPOSED_STANDIN)")
     ap.add_argument("--diff-gib", type=float, default=0.5)
     ap.add_argument("--megatron", action=argparse.BooleanOptionalAction, default=True,
                     help="Megatron fast-path section (slow)")
@@ -1063,6 +1066,10 @@ def main(argv: list[str]) -> dict:
         worlds = []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.engine_layout == "transposed-standin":  # every engine process of the run inherits it
+        from patches.engine_options import CPU_MOE_TRANSPOSED_ENV
+
+        os.environ[CPU_MOE_TRANSPOSED_ENV] = "1"
 
     from benchmarks.apply import _checkpoint
 
@@ -1079,7 +1086,7 @@ def main(argv: list[str]) -> dict:
     _say(f"model {model_name}; bucket {bucket / MIB:.1f} MiB; densities {densities}; trainer passes {worlds}")
     result: dict = {"bench": "e2e", "model": model_name, "checkpoint": str(path), "model_bytes": size["bytes"],
                     "params": size["elements"], "tensors": size["tensors"], "bucket_bytes": bucket,
-                    "densities": densities, "lr": args.lr, "cpus": os.cpu_count()}
+                    "densities": densities, "lr": args.lr, "cpus": os.cpu_count(), "engine_layout": args.engine_layout}
     t_run = time.perf_counter()
     sampler = RssSampler()
     sampler.start()
@@ -1105,7 +1112,7 @@ def main(argv: list[str]) -> dict:
     result["vllm_load_over_wire"] = _ratio(result.get("vllm_load_s"), result["wire_s"])
     headline = {
         "bench": "e2e", "model": model_name, "model_bytes": size["bytes"], "bucket_bytes": bucket,
-        "wire_s": result["wire_s"], "wire_gbps": result["wire"]["gbps"], "vllm_load_s": result.get("vllm_load_s"),
+        "engine_layout": args.engine_layout, "wire_s": result["wire_s"], "wire_gbps": result["wire"]["gbps"], "vllm_load_s": result.get("vllm_load_s"),
         "seed_s": s.get("seed_s"), "first_seed_s": s.get("first_seed_s"), "full_s": s.get("full_s"),
         "reseed_s": s.get("reseed_s"), "reseed_pause_s": s.get("reseed_pause_s"), "delta_s": s.get("delta_s"),
         "delta_pause_s": s.get("delta_pause_s"),

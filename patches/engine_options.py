@@ -24,6 +24,10 @@ RPC_ALLOW_ENV = "DELTA_SYNC_RPC_ALLOW"
 SPIN_ENV = "DELTA_SYNC_VLLM_SPIN_S"
 #: ``1``: the CPU engine keeps its weights in checkpoint layout even outside a delta-sync config
 CPU_LAYOUT_ENV = "DELTA_SYNC_CPU_CHECKPOINT_LAYOUT"
+#: ``1``: a stand-in for vLLM-Ascend's MoE layout on a CPU engine (tests, benchmarks): in
+#: checkpoint-layout mode, ``w13``/``w2`` are transposed into new storage after loading, as
+#: vLLM-Ascend's post-load step leaves them, and the experts run on that layout
+CPU_MOE_TRANSPOSED_ENV = "DELTA_SYNC_CPU_MOE_TRANSPOSED_STANDIN"
 #: where a device engine keeps a received delta until finish: ``host`` (pinned host memory, the
 #: default: the device holds two buckets while receiving, one bucket's writes at a time in the
 #: pause) or ``device`` (all of it on the device: no copies, memory grows with the delta)
@@ -59,6 +63,7 @@ class EngineOptions:
     spin_s: float | None = None  # DELTA_SYNC_VLLM_SPIN_S (None: vLLM's own)
     cpu_layout: bool = False  # DELTA_SYNC_CPU_CHECKPOINT_LAYOUT
     stage: str = "host"  # DELTA_SYNC_DELTA_STAGING
+    cpu_moe_transposed: bool = False  # DELTA_SYNC_CPU_MOE_TRANSPOSED_STANDIN
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "EngineOptions":
@@ -79,4 +84,5 @@ class EngineOptions:
                    rpc_allow=allow,
                    spin_s=_seconds(env, SPIN_ENV, None),
                    cpu_layout=env.get(CPU_LAYOUT_ENV, "").strip() == "1",
-                   stage=stage)
+                   stage=stage,
+                   cpu_moe_transposed=env.get(CPU_MOE_TRANSPOSED_ENV, "").strip() == "1")

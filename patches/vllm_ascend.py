@@ -42,10 +42,23 @@ def check_ascend_layout(vllm_config, model: torch.nn.Module, format_of=npu_forma
             raise LayoutNotSupported(f"{name} is stored as FRACTAL_NZ; set weight_nz_mode=0 so weights stay ND")
 
 
+def moe_dims(module: torch.nn.Module) -> tuple[int | None, int | None]:
+    """A MoE layer's hidden size and expert width per partition: its own attributes (vLLM-Ascend's
+    layer sets them) or its ``moe_config`` (vLLM's FusedMoE keeps them there)."""
+    cfg = getattr(module, "moe_config", None)
+    hidden = getattr(module, "hidden_size", None) or getattr(cfg, "hidden_dim", None)
+    inter = getattr(module, "intermediate_size_per_partition", None) or \
+        getattr(cfg, "intermediate_size_per_partition", None)
+    return hidden, inter
+
+
 def _is_transposed(module: torch.nn.Module, suffix: str, p: torch.Tensor) -> bool:
-    """True when a MoE weight is in the post-load transposed layout (hidden size in dim 1)."""
-    hidden = getattr(module, "hidden_size", None)
-    inter = getattr(module, "intermediate_size_per_partition", None)
+    """True when a MoE weight is in the post-load transposed layout (hidden size in dim 1): as the
+    layer says where it says (the CPU stand-in marks its layers), else by shape."""
+    marked = getattr(module, "_delta_sync_transposed", None)
+    if marked is not None:
+        return bool(marked) and p.dim() == 3
+    hidden, inter = moe_dims(module)
     if hidden is None or inter is None or p.dim() != 3:
         return False
     if suffix == "w13_weight":

@@ -7,7 +7,12 @@ plain ``F.linear`` on the unpacked weight and MoE experts run an unpacked groupe
 ``w13 [E, 2I, H]`` / ``w2 [E, H, I]``.
 
 It is active for an engine with delta-sync switched on (:func:`patches.enabled`), or when
-``DELTA_SYNC_CPU_CHECKPOINT_LAYOUT=1`` (to load a reference engine in the same mode). Where the
+``DELTA_SYNC_CPU_CHECKPOINT_LAYOUT=1`` (to load a reference engine in the same mode).
+
+``DELTA_SYNC_CPU_MOE_TRANSPOSED_STANDIN=1`` adds a stand-in for vLLM-Ascend's MoE layout: after
+loading, ``w13``/``w2`` are transposed into new storage (``[E, H, 2I]`` / ``[E, I, H]``), as
+vLLM-Ascend's post-load step leaves them, and the experts run on that layout; the receiver then
+addresses them as it does on an NPU (:func:`patches.vllm_ascend.checkpoint_layout`). Where the
 MoE experts live differs by vLLM generation; :mod:`patches.vllm_compat` says which is present.
 """
 
@@ -34,11 +39,28 @@ def active() -> bool:
     return enabled(cfg)
 
 
+def transposed_standin() -> bool:
+    return EngineOptions.from_env().cpu_moe_transposed
+
+
+def transpose_experts(layer: torch.nn.Module) -> None:
+    """``w13``/``w2`` of ``layer`` into transposed new storage, as vLLM-Ascend's post-load step
+    leaves them (the stand-in; its loader attributes kept)."""
+    for name in ("w13_weight", "w2_weight"):
+        p = layer._parameters[name]
+        t = torch.nn.Parameter(p.data.transpose(1, 2).contiguous(), requires_grad=False)
+        for attr, value in vars(p).items():
+            setattr(t, attr, value)
+        layer._parameters[name] = t
+    layer._delta_sync_transposed = True
+
+
 def _unpacked_moe(output, hidden_states, w1, w2, topk_weights, topk_ids, expert_map=None,
-                  apply_router_weight_on_input=False):
-    """Reference grouped MoE on checkpoint-layout weights: silu(x W_gate^T) * (x W_up^T) W_down^T."""
+                  apply_router_weight_on_input=False, transposed=False):
+    """Reference grouped MoE on checkpoint-layout weights: silu(x W_gate^T) * (x W_up^T) W_down^T
+    (``transposed``: ``w1 [E, H, 2I]`` / ``w2 [E, I, H]``, the stand-in of vLLM-Ascend's layout)."""
     out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
-    inter = w1.shape[1] // 2
+    inter = w1.shape[2 if transposed else 1] // 2
     flat_ids = topk_ids.reshape(-1)
     flat_w = topk_weights.reshape(-1).to(torch.float32)
     token_of = torch.arange(topk_ids.shape[0], device=topk_ids.device).repeat_interleave(topk_ids.shape[1])
@@ -49,9 +71,9 @@ def _unpacked_moe(output, hidden_states, w1, w2, topk_weights, topk_ids, expert_
         sel = (flat_ids == e).nonzero().squeeze(1)
         tok = token_of.index_select(0, sel)
         x = hidden_states.index_select(0, tok)
-        gu = F.linear(x, w1[local])
+        gu = x @ w1[local] if transposed else F.linear(x, w1[local])
         h = F.silu(gu[:, :inter]) * gu[:, inter:]
-        y = F.linear(h, w2[local]).to(torch.float32)
+        y = (h @ w2[local] if transposed else F.linear(h, w2[local])).to(torch.float32)
         if not apply_router_weight_on_input:
             y = y * flat_w.index_select(0, sel).unsqueeze(1)
         out.index_add_(0, tok, y)
@@ -100,6 +122,9 @@ def _install_modular_experts(cls) -> None:
             return original_process(self, layer)
         self._use_zentorch = False
         self._delta_sync_unpacked = True
+        self._delta_sync_transposed = transposed_standin()
+        if self._delta_sync_transposed:
+            transpose_experts(layer)
 
     def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
               expert_map, *args, **kwargs):
@@ -108,7 +133,8 @@ def _install_modular_experts(cls) -> None:
                                   global_num_experts, expert_map, *args, **kwargs)
         _check_silu(activation)
         apply_on_input = kwargs.get("apply_router_weight_on_input", args[-1] if args else False)
-        _unpacked_moe(output, hidden_states, w1, w2, topk_weights, topk_ids, expert_map, apply_on_input)
+        _unpacked_moe(output, hidden_states, w1, w2, topk_weights, topk_ids, expert_map, apply_on_input,
+                      transposed=getattr(self, "_delta_sync_transposed", False))
 
     cls.process_weights_after_loading = process_weights_after_loading
     cls.apply = apply
@@ -126,6 +152,8 @@ def _install_fused_experts(cls, layer_utils) -> None:
         self.isa = "none"
         self._delta_sync_unpacked = True
         self.forward_method = _unpacked_forward
+        if transposed_standin():
+            transpose_experts(layer)
 
     def check_cpu_sgl_kernel(*args, **kwargs):
         return False if active() else original_sgl(*args, **kwargs)
@@ -141,5 +169,6 @@ def _unpacked_forward(layer, x, topk_weights, topk_ids, activation, global_num_e
         x = x * topk_weights.to(x.dtype)
     out = torch.empty_like(x)
     _unpacked_moe(out, x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
-                  getattr(layer, "expert_map", None), apply_router_weight_on_input)
+                  getattr(layer, "expert_map", None), apply_router_weight_on_input,
+                  transposed=getattr(layer, "_delta_sync_transposed", False))
     return out

@@ -184,7 +184,10 @@ class DeltaSyncReceiver:
         self.guard = ReceiverGuard(self.kept, verifier)
         #: where a received delta waits for finish (DELTA_SYNC_DELTA_STAGING): on a device engine
         #: the host, unless the operator keeps it on the device
-        self.stage = EngineOptions.from_env().stage
+        options = EngineOptions.from_env()
+        self.stage = options.stage
+        #: MoE weights transposed after loading: vLLM-Ascend's layout (or its CPU stand-in)
+        self._transposed_moe = self.device.type == "npu" or options.cpu_moe_transposed
         #: loader probes run on the receive thread (for in-place receives) and on the applying one
         self._probe_lock = threading.Lock()
 
@@ -305,7 +308,7 @@ class DeltaSyncReceiver:
         """Can large bulk ranges be received straight into the parameters? Where a worker holds
         whole tensors (TP=1) and the loader's layout is the parameters' own (not on Ascend, whose
         MoE weights are transposed around each loader call)."""
-        return self.holds_whole_tensors() and self.device.type != "npu"
+        return self.holds_whole_tensors() and not self._transposed_moe
 
     def probe(self, names_shapes: list[tuple[str, tuple[int, ...], torch.dtype]]) -> None:
         """Loader views of the names not seen before, found in one probe of vLLM's loader."""
@@ -358,7 +361,7 @@ class DeltaSyncReceiver:
 
     def loader_layout(self):
         """The parameter layout vLLM's loader expects: on Ascend, MoE weights transposed back."""
-        if self.device.type == "npu":
+        if self._transposed_moe:
             from .vllm_ascend import checkpoint_layout
 
             return checkpoint_layout(self.model)
