@@ -105,9 +105,10 @@ class BitwiseDiff:
         batches: list[Absorbed] = []
         batch: dict[int, list[int]] = {}  # element width -> pairs scanned together
         flat: dict[tuple, list[int]] = {}  # (width, device) -> torch-path pairs scanned together
+        native_ok = self.use_native and native.kernel() is not None  # (once, not per tensor)
         try:
             for i, (old, new) in enumerate(pairs):
-                if self._batchable(old, new):  # split over the threads by words, whatever the tensors' sizes
+                if native_ok and self._batchable(old, new):  # split over the threads by words, whatever the tensors' sizes
                     batch.setdefault(old.element_size(), []).append(i)
                 elif self._flat(old, new):
                     flat.setdefault((old.element_size(), old.device), []).append(i)
@@ -131,12 +132,12 @@ class BitwiseDiff:
         return batches, out
 
     def _batchable(self, snap: torch.Tensor, new: torch.Tensor) -> bool:
-        """A host tensor the kernel scans whole in 64-bit words: same shape and dtype, both
-        contiguous, 8-byte aligned, a whole number of words (checked per tensor of a model's
-        ~19k: the cheapest tests first, no view made)."""
-        return (self.use_native and new.is_cpu and snap.dtype is new.dtype and snap.shape == new.shape
+        """A host tensor the kernel (present: the caller asked) scans whole in 64-bit words: same
+        shape and dtype, both contiguous, 8-byte aligned, a whole number of words (checked per
+        tensor of a model's ~19k: the cheapest tests first, no view made)."""
+        return (new.is_cpu and snap.is_cpu and snap.dtype is new.dtype and snap.shape == new.shape
                 and (snap.data_ptr() | new.data_ptr()) % 8 == 0 and snap.numel() * snap.element_size() % 8 == 0
-                and native.supports(snap) and snap.is_contiguous() and new.is_contiguous())
+                and snap.element_size() in native.WORD_WIDTHS and snap.is_contiguous() and new.is_contiguous())
 
     def _flat(self, snap: torch.Tensor, new: torch.Tensor) -> bool:
         """A torch-path pair (device tensors) that :meth:`_absorb_flat` can scan with others: whole

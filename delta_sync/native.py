@@ -52,6 +52,8 @@ SCRATCH_ENTRIES = 1 << 20
 MIN_WORDS_PER_THREAD = 1 << 17
 
 _VALUE_DTYPE = {16: torch.int16, 32: torch.int32}
+#: element sizes in bytes the diff kernel scans
+WORD_WIDTHS = tuple(bits // 8 for bits in _VALUE_DTYPE)
 _MOVE_BYTES = (1, 2, 4, 8)
 _MOVE_POS = (torch.int32, torch.int64)
 #: int64 words per row of the move kernel's table (its MOVE_ROW)

@@ -34,8 +34,13 @@ DIFF_BATCH_TENSORS = 512
 DIFF_BATCH_BYTES = 256 << 20
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def _materialize(t: torch.Tensor) -> torch.Tensor:
     """Full tensor of a DTensor (FSDP2: a collective, one tensor at a time), else the tensor."""
+    if type(t) in _PLAIN:  # (a failed attribute lookup per tensor costs more than this test)
+        return t
     full = getattr(t, "full_tensor", None)
     return full() if callable(full) else t
 
@@ -82,8 +87,9 @@ class TensorStream:
         if name in self.seen:
             raise PatchValidationError(name, f"given twice in one update (the second time as {mname!r})",
                                        kept=self.kept)
-        self.elements += t.numel()
-        self.seen[name] = t.numel() * t.element_size()
+        n = t.numel()
+        self.elements += n
+        self.seen[name] = n * t.element_size()
         return t
 
 
@@ -141,7 +147,7 @@ class DeltaDiff:
             if name not in self.catalog:
                 raise PatchValidationError(name, "is not in the seed this delta builds on (a changed model "
                                            "needs a new seed)", kept=self.kept)
-            nbytes = t.numel() * t.element_size()
+            nbytes = self.tensors.seen[name]  # (counted by the stream)
             if self.store.owns(name, nbytes):
                 self.batch.append((seq, name, t))
                 self.held += nbytes

@@ -20,7 +20,7 @@ import torch
 
 from .diff import Absorbed, BitwiseDiff, restore, word_aligned
 from .errors import PatchValidationError
-from .patch import Patch, PatchBatch, check_indexable, dtype_name
+from .patch import DTYPE_NAMES, INT32_MAX, Patch, PatchBatch, check_indexable, dtype_name
 
 
 def dense_is_smaller(count: int, numel: int, element_size: int) -> bool:
@@ -75,7 +75,7 @@ class SnapshotStore:
         return self._owner[name]
 
     def owns(self, name: str, nbytes: int) -> bool:
-        return self.owner(name, nbytes) == self.rank
+        return self.world_size == 1 or self.owner(name, nbytes) == self.rank
 
     # ---- prepare / commit ------------------------------------------------------------------
     def prepare(self, name: str, tensor: torch.Tensor, *, full: bool = False) -> Patch:
@@ -100,11 +100,15 @@ class SnapshotStore:
         diffs: list[tuple[int, torch.Tensor]] = []  # (item, its tensor on the snapshot's device)
         names = set()
         on_host = self.device.type == "cpu"
+        staged = self._staged
         for i, (name, tensor) in enumerate(items):
-            self._unstaged(name, names)
+            # (per tensor of a model's ~19k: the checks' calls only where one fails)
+            if name in staged or name in names:
+                self._unstaged(name, names)
             names.add(name)
-            check_indexable(name, tensor.numel())
-            dtype_name(tensor.dtype, tensor=name)
+            if tensor.dtype not in DTYPE_NAMES or tensor.numel() > INT32_MAX:
+                check_indexable(name, tensor.numel())
+                dtype_name(tensor.dtype, tensor=name)
             base = self._base.get(name)
             new = tensor.detach() if tensor.requires_grad else tensor  # (the bits are read, never a graph)
             if not (new.is_cpu and on_host) and new.device != self.device:  # (is_cpu: no device object made)
