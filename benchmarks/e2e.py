@@ -633,7 +633,7 @@ def _trainer(world, files, url, bucket, densities, lr, timeout):
 # ---- Megatron fast path --------------------------------------------------------------------------
 
 
-def _megatron_rank(rank, world, port, path, ep, steps, lr, seq, bucket, timeout_s):
+def _megatron_rank(rank, world, port, path, ep, steps, lr, seq, bucket, timeout_s, tp=1, pp=1):
     import torch.distributed as dist
 
     _init_gloo(rank, world, port, timeout_s)
@@ -648,7 +648,7 @@ def _megatron_rank(rank, world, port, path, ep, steps, lr, seq, bucket, timeout_
         from update_weight.megatron_source import BridgeExportSource
 
         t0 = time.perf_counter()
-        trainer = MegatronTrainer.from_hf(path, ep=ep, lr=lr)
+        trainer = MegatronTrainer.from_hf(path, tp=tp, pp=pp, ep=ep, lr=lr)
         load_s = time.perf_counter() - t0
         rows = []
 
@@ -715,7 +715,7 @@ def _megatron_rank(rank, world, port, path, ep, steps, lr, seq, bucket, timeout_
         dist.destroy_process_group()
 
 
-def _megatron(kind, ranks, ep, steps, lr, seq, reps, timeout):
+def _megatron(kind, ranks, ep, steps, lr, seq, reps, timeout, tp=1, pp=1):
     from delta_sync.checkpoints import build
     from launchers.ranks import run_ranks
 
@@ -724,10 +724,10 @@ def _megatron(kind, ranks, ep, steps, lr, seq, reps, timeout):
     size = _checkpoint_size(files)
     bucket = _bucket_for(size["bytes"])
     _say(f"megatron: {kind} ({size['elements'] / 1e6:.0f}M params, {size['bytes'] / 1e9:.3f} GB), {ranks} ranks "
-         f"EP={ep}, bucket {bucket / MIB:.0f} MiB")
+         f"TP={tp} PP={pp} EP={ep}, bucket {bucket / MIB:.0f} MiB")
     wire = _wire(files, bucket, reps, timeout)
     _say(f"megatron wire: {wire['seconds']:.3f} s ({wire['gbps']} GB/s, {wire['chunks']} chunks)")
-    res = run_ranks(_megatron_rank, ranks, str(path), ep, steps, lr, seq, bucket, timeout, timeout=timeout,
+    res = run_ranks(_megatron_rank, ranks, str(path), ep, steps, lr, seq, bucket, timeout, tp, pp, timeout=timeout,
                     init_world=False)
     rows, bad, fast = res[0]["rows"], res[0]["mismatched"], [r["fast_path"] for r in res]
     if bad or not all(fast):
@@ -737,7 +737,7 @@ def _megatron(kind, ranks, ep, steps, lr, seq, reps, timeout):
     deltas = [r for r in rows if r["label"].startswith("step ")]
     export = next((r for r in rows if r["label"] == "export seed"), None)
     delta_s = statistics.median(r["total_s"] for r in deltas) if deltas else None
-    out = {"model": kind, "params": size["elements"], "bytes": size["bytes"], "ranks": ranks, "ep": ep,
+    out = {"model": kind, "params": size["elements"], "bytes": size["bytes"], "ranks": ranks, "tp": tp, "pp": pp, "ep": ep,
            "lr": lr, "steps": steps, "bucket_bytes": bucket, "wire": wire, "load_s": res[0]["load_s"],
            "rows": rows, "seed_s": seed["total_s"], "delta_s": delta_s,
            "export_seed_s": export and export["total_s"],
@@ -1024,7 +1024,8 @@ def _measure(args, result: dict, path: Path, files: list[Path], size: dict, buck
     # 5. Megatron fast path (after the engine stopped: its memory and cores are free)
     if args.megatron:
         result["megatron"] = _megatron(args.megatron_model, args.megatron_ranks, args.megatron_ep,
-                                       args.megatron_steps, 1e-6, args.megatron_seq, args.wire_reps, args.timeout)
+                                       args.megatron_steps, 1e-6, args.megatron_seq, args.wire_reps, args.timeout,
+                                       tp=args.megatron_tp, pp=args.megatron_pp)
 
 
 def _pass_key(world: int) -> str:
@@ -1060,6 +1061,8 @@ def main(argv: list[str]) -> dict:
     ap.add_argument("--megatron-model", default="moe-e2e", help="a MoE kind of delta_sync.checkpoints")
     ap.add_argument("--megatron-ranks", type=int, default=2)
     ap.add_argument("--megatron-ep", type=int, default=2)
+    ap.add_argument("--megatron-tp", type=int, default=1)
+    ap.add_argument("--megatron-pp", type=int, default=1)
     ap.add_argument("--megatron-steps", type=int, default=2)
     ap.add_argument("--megatron-seq", type=int, default=64)
     ap.add_argument("--timeout", type=float, default=1800, help="per phase, seconds")
