@@ -156,6 +156,8 @@ def host_buffer(shape, dtype: torch.dtype) -> torch.Tensor:
     if _PINNED[0]:
         try:
             return torch.empty(shape, dtype=dtype, pin_memory=True)
+        except torch.OutOfMemoryError:  # no pinned memory left now: this buffer is pageable
+            return torch.empty(shape, dtype=dtype)
         except RuntimeError as e:  # no allocator for pinned memory (a runtime without one)
             _PINNED[0] = False
             log.warning("delta-sync: host memory cannot be pinned here (%s); copies to and from the device "

@@ -336,7 +336,12 @@ class PatchGather:
         ``produce`` failed. The rounds run as :class:`GatherStream` is read (``dst``) or finished."""
         items, failure = self._produce(produce)
         items.sort(key=lambda it: it.seq)
-        sizes = _sizes(items) if failure is None else (torch.empty(0, dtype=torch.int64),) * 2
+        sizes = (torch.empty(0, dtype=torch.int64),) * 2
+        if failure is None:
+            try:
+                sizes = _sizes(items)
+            except Exception as e:  # noqa: BLE001 - becomes the same GatherError on every rank
+                items, failure = [], (f"{type(e).__name__}: {e}", traceback.format_exc(limit=4))
         ends = int(sizes[0].max()) + 1 if sizes[0].numel() else 0
         rows = self._agree([int(sizes[1].sum()), bucket_bytes, ends], failure)
         bucket_bytes = int(rows[self.dst, 2])  # the destination's, should the ranks' settings differ
@@ -375,8 +380,9 @@ class PatchGather:
         return rows
 
     def _exchange(self, items: list[Ordered], failure: tuple[str, str] | None = None,
-                  kept: str | None = _KEPT) -> list[Patch] | None:
-        """One exchange of ``items`` (this rank's) to ``dst``: the ordered, merged patches there."""
+                  kept: str | None = _KEPT) -> list[Patch | PatchBatch] | None:
+        """One exchange of ``items`` (this rank's) to ``dst``: the ordered, merged patches and
+        batches there."""
         g = self.groups
         rank, world = g.rank, g.world
         buf = torch.empty(0, dtype=torch.uint8, device=g.device)
@@ -398,13 +404,17 @@ class PatchGather:
             # one receive buffer for the round, a slice per rank: every part is read before it is reused
             # (each slice 8-byte aligned: a part's rows are int64)
             rb, off = self._buffer(int(((sizes[:, 1] + 7) // 8 * 8).sum())), 0
+            got = []
             for r in range(world):
                 n = int(sizes[r, 1])
                 if r == self.dst or n == 0:
                     continue
                 collectives.recv(rb[off:off + n], r, g.device_group)
-                parts.append(_Part.from_bytes(rb[off:off + n], int(sizes[r, 2]), r))
+                got.append((r, rb[off:off + n]))
                 off += (n + 7) // 8 * 8
+            # decoded once every rank's send was received: a part that does not decode leaves no
+            # rank's send unmatched (the next round tells the others)
+            parts += [_Part.from_bytes(b, int(sizes[r, 2]), r) for r, b in got]
             return _merge(parts)  # copies out of the buffer
         finally:
             self._release()
@@ -432,8 +442,8 @@ def round_bounds(sizes: list[tuple[int, int]], bucket_bytes: int) -> list[int | 
 
 
 class GatherStream:
-    """The rounds of :meth:`PatchGather.stream`. On ``dst``, iterating yields the merged patches in
-    export order, one exchange per round; every other rank calls :meth:`finish`, which runs its
+    """The rounds of :meth:`PatchGather.stream`. On ``dst``, iterating yields the merged patches and
+    batches in export order, one exchange per round; every other rank calls :meth:`finish`, which runs its
     sends. ``dst`` calls :meth:`finish` too once it stops reading (done, or its consumer failed):
     with ``failure`` the next round carries it, so every rank raises the same :class:`GatherError`
     there instead of sending the rest. A :class:`GatherError` ends the stream on every rank at once

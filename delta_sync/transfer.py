@@ -398,18 +398,11 @@ def receive_update(channel: Channel, kept: str | None = None,
                     bulk_sink(entries)
                 except Exception as err:  # noqa: BLE001 - keep draining: the channel stays in step with the sender
                     sink_error = err
-        else:
-            table = h["_table"]
-            if table is not None and tables:
-                if sink_error is None:
-                    try:
-                        _follows(update.tables, table, kept)
-                    except Exception as err:  # noqa: BLE001 - keep draining: the channel stays in step
-                        sink_error = err
-                update.tables.append(table if stage is None else table.staged(stage))
-            elif table is not None:
-                asm.add_entries(table.patches())
-            asm.add_entries(entries if stage is None else [(e, p.to(stage)) for e, p in entries])
+        elif sink_error is None:
+            try:
+                _keep(update, asm, h["_table"], entries, tables, stage, kept)
+            except Exception as err:  # noqa: BLE001 - keep draining: the channel stays in step with the sender
+                sink_error = err
     if update is None:
         raise DeltaSyncError("the update ended before its first bucket", kept=kept)
     if sink_error is not None:
@@ -418,6 +411,18 @@ def receive_update(channel: Channel, kept: str | None = None,
     if update.tables and update.patches:
         _apart(update.tables, update.patches, kept)
     return update
+
+
+def _keep(update: ReceivedUpdate, asm: TensorAssembler, table: TableSlice | None, entries: list, tables: bool,
+          stage: torch.device | None, kept: str | None) -> None:
+    """A checked bucket of a version assembled whole: its table kept as it is (``tables``) or as
+    patches, its JSON entries as patches; in ``stage`` memory where one is given."""
+    if table is not None and tables:
+        _follows(update.tables, table, kept)
+        update.tables.append(table if stage is None else table.staged(stage))
+    elif table is not None:
+        asm.add_entries(table.patches())
+    asm.add_entries(entries if stage is None else [(e, p.to(stage)) for e, p in entries])
 
 
 def _follows(before: list[TableSlice], table: TableSlice, kept: str | None) -> None:

@@ -264,7 +264,9 @@ class RowsUndo:
 @dataclass
 class UndoLog:
     """Old values at every position an apply wrote, restorable in reverse order: ``(target,
-    positions, offset, old values)`` entries, or a :class:`RowsUndo` for a kernel run's rows.
+    positions, offset, old values)`` entries, or a :class:`RowsUndo` for a kernel run's rows. For a
+    device target written from a delta staged on the host, positions and old values are host
+    memory (copied back to the device on restore).
 
     Positions are a 1-D target's element ``offset + pos[i]`` (``pos`` int32 or int64: a whole-run
     patch keeps its own int32 indices and the parameter offset of its tensor)."""
@@ -372,6 +374,11 @@ def _put(target: torch.Tensor, pos: torch.Tensor | None, offset: int, values: to
         target.copy_(values)
     elif not native.move_at(target, pos, offset, values=values):
         target.index_copy_(0, _positions(pos.to(target.device), offset), values.to(target.device))
+
+
+def _pinned(t: torch.Tensor) -> torch.Tensor:
+    """A host tensor's copy in memory the device copies from asynchronously."""
+    return accelerator.host_buffer(t.shape, t.dtype).copy_(t)
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
@@ -661,6 +668,8 @@ def _table_positions(routes: TableRoutes, t, go: torch.Tensor | None) -> list[tu
         for p, dst, v in zip(params.tolist(), pos.split(sizes), vals.split(sizes)):
             flat = routes.flats[p]
             if dev.type == "cpu":  # staged in host memory: the write moves it, one pair at a time
+                if flat.device.type != "cpu":  # (pinned: the pause's copies run at the link's speed)
+                    dst, v = _pinned(dst), _pinned(v)
                 out.append((flat, dst, v))
             else:  # (a parameter on another device than the buffers: its pair moves there now)
                 out.append((flat, dst.to(flat.device), v.to(flat.device)))

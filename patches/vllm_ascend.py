@@ -61,9 +61,14 @@ def _is_transposed(module: torch.nn.Module, suffix: str, p: torch.Tensor) -> boo
     hidden, inter = moe_dims(module)
     if hidden is None or inter is None or p.dim() != 3:
         return False
-    if suffix == "w13_weight":
-        return tuple(p.shape[1:]) == (hidden, 2 * inter) and hidden != 2 * inter
-    return tuple(p.shape[1:]) == (inter, hidden) and inter != hidden
+    rows = 2 * inter if suffix == "w13_weight" else hidden  # the checkpoint layout's dim 1
+    cols = hidden if suffix == "w13_weight" else inter
+    if rows == cols and tuple(p.shape[1:]) == (rows, cols):  # square experts read the same either way
+        raise LayoutNotSupported(
+            f"{type(module).__name__}.{suffix} {tuple(p.shape)}: its experts are square (hidden size {hidden}, "
+            f"expert width {inter}), so their shape does not say whether vLLM-Ascend transposed them after "
+            "loading; delta-sync cannot place writes into them")
+    return tuple(p.shape[1:]) == (cols, rows)
 
 
 @contextlib.contextmanager

@@ -45,7 +45,9 @@ def transposed_standin() -> bool:
 
 def transpose_experts(layer: torch.nn.Module) -> None:
     """``w13``/``w2`` of ``layer`` into transposed new storage, as vLLM-Ascend's post-load step
-    leaves them (the stand-in; its loader attributes kept)."""
+    leaves them (the stand-in; its loader attributes kept). Once: a layer transposed already stays."""
+    if getattr(layer, "_delta_sync_transposed", False):
+        return
     for name in ("w13_weight", "w2_weight"):
         p = layer._parameters[name]
         t = torch.nn.Parameter(p.data.transpose(1, 2).contiguous(), requires_grad=False)

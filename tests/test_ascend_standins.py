@@ -157,3 +157,22 @@ def test_worker_methods_reach_a_worker_class_that_is_not_vllms_gpu_worker():
     with pytest.raises(RuntimeError, match="delta-sync is not switched on for this engine"):
         w.delta_sync_call("{}")
     assert "_delta_sync_receiver" not in w.__dict__
+
+
+def test_square_experts_are_refused_rather_than_guessed():
+    """A layer whose hidden size is twice its expert width has a ``w13`` that reads the same
+    transposed or not (a CPU engine's stand-in says which; vLLM-Ascend's layers do not): guessing
+    would record views against the wrong layout and write every delta to the wrong elements while
+    digests agree, so the layout is refused with the reason. A layer that says so is taken at its
+    word."""
+    layer = torch.nn.Module()
+    layer.hidden_size, layer.intermediate_size_per_partition = 2 * I, I
+    layer.w13_weight = torch.nn.Parameter(torch.zeros(E, 2 * I, 2 * I), requires_grad=False)
+    model = torch.nn.Sequential(layer)
+    with pytest.raises(LayoutNotSupported, match="square .*does not say whether vLLM-Ascend transposed"):
+        with checkpoint_layout(model):
+            pass
+    layer._delta_sync_transposed = True
+    with checkpoint_layout(model) as swapped:
+        assert swapped == ["Module.w13_weight"] and model[0].w13_weight.stride() == (4 * I * I, 1, 2 * I)
+    assert model[0].w13_weight.stride() == (4 * I * I, 2 * I, 1)  # put back

@@ -675,3 +675,55 @@ def test_a_bucket_opens_with_one_small_broadcast(monkeypatch, preamble):
         assert seed.buckets > 4 and per_seed in (k * seed.buckets - 1, k * seed.buckets), (per_seed, seed.buckets)
     finally:
         sync.close()
+
+
+def test_a_delta_bucket_that_cannot_be_staged_fails_the_update_and_the_channel_stays_in_step(monkeypatch):
+    """Staging a delta's bucket (a device engine copies it to host memory) can fail, e.g. with no
+    host memory left: the receiver drains the rest of the version and raises that error at the
+    end, so the next version arrives whole on the same channel."""
+    import threading
+
+    from delta_sync.catalog import TableSlice
+    from delta_sync.snapshot import SnapshotStore
+    from delta_sync.transfer import receive_update, send_update
+    from launchers.device_check import _channel_pair
+
+    tx, rx = _channel_pair(torch.device("cpu"), "stage-fails")
+    g = torch.Generator().manual_seed(3)
+    state = {f"layers.{i}.w": torch.randn(2048, generator=g).to(torch.bfloat16) for i in range(12)}
+    store, got, calls = SnapshotStore(), [], [0]
+    real = TableSlice.staged
+
+    def staged(self, device):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise MemoryError("no host memory left to stage bucket 1")
+        return real(self, device)
+
+    monkeypatch.setattr(TableSlice, "staged", staged)
+
+    def receive(n):
+        for _ in range(n):
+            try:
+                got.append(receive_update(rx, tables=True, stage=torch.device("cpu")))
+            except Exception as e:  # noqa: BLE001 - what the test looks at
+                got.append(e)
+
+    th = threading.Thread(target=receive, args=(3,))
+    th.start()
+    try:
+        for v in range(3):
+            if v:
+                for t in state.values():
+                    t[torch.randint(0, t.numel(), (40,), generator=g)] += 1
+            patches = [p for p in store.prepare_many(list(state.items()), batched=v > 0) if p is not None]
+            send_update(tx, v, "seed" if v == 0 else "delta", patches, bucket_bytes=512)
+            store.commit(v)
+        th.join(60)
+    finally:
+        tx.close()
+        rx.close()
+    assert not th.is_alive()
+    assert isinstance(got[1], MemoryError) and "bucket 1" in str(got[1])
+    # deltas of several buckets: version 1's after its second were drained, and version 2 arrived whole
+    assert got[2].version == 2 and got[2].kind == "delta" and len(got[2].tables) > 2
