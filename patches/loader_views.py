@@ -49,13 +49,19 @@ class Segment:
     def contiguous(self) -> bool:
         """Both sides are one row-major run: checkpoint ``[src_offset, +numel)`` -> parameter
         ``[dst_offset, +numel)`` (every segment at TP=1, row-sliced ones at TP>1)."""
+        return self.src_run and all(self.dst_stride[i] == self.src_stride[i] for i, n in enumerate(self.shape)
+                                    if n > 1)
+
+    @functools.cached_property
+    def src_run(self) -> bool:
+        """The checkpoint side is one row-major run ``[src_offset, +numel)``, whatever the
+        parameter's strides (a whole expert of vLLM-Ascend's transposed layout)."""
         row_major, step = [], 1
         for n in reversed(self.shape):
             row_major.append(step)
             step *= n
         row_major = tuple(reversed(row_major))
-        relevant = [i for i, n in enumerate(self.shape) if n > 1]
-        return all(self.src_stride[i] == row_major[i] == self.dst_stride[i] for i in relevant)
+        return all(self.src_stride[i] == row_major[i] for i, n in enumerate(self.shape) if n > 1)
 
     def _dims_by_src_stride(self):
         return sorted((i for i in range(len(self.shape)) if self.shape[i] > 1),
@@ -846,6 +852,8 @@ def view_sums(view: LoaderView, params: dict[str, torch.Tensor]) -> tuple[torch.
             for row, start in zip(dst.reshape(-1, seg.shape[-1]), _row_starts(seg)):
                 part = part + digest_range(row, start)
             part = torch.tensor(part, dtype=torch.int64)
+        elif dst.device.type == "cpu" and seg.src_run:  # strided here, one run in the checkpoint: a copy
+            part = torch.tensor(digest_range(dst.contiguous().reshape(-1), seg.src_offset), dtype=torch.int64)
         else:
             idx, vals = read_through(LoaderView(view.name, view.shape, view.dtype, [seg]), params)
             part = element_sums(idx, vals)
