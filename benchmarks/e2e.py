@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import contextlib
 import json
 import math
 import os
@@ -417,13 +416,12 @@ def _vllm_load(path, reps, kv_bytes, max_len):
     model = llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
     state = _load_state(_safetensors(Path(path)))
     from patches.engine_options import EngineOptions
-    from patches.vllm_ascend import checkpoint_layout
+    from patches.vllm_ascend import loader_layout
 
     times = []
     # (the transposed stand-in's experts take vLLM's loader through checkpoint-layout views, as a
     # reload on vLLM-Ascend must)
-    with torch.no_grad(), checkpoint_layout(model) if EngineOptions.from_env().cpu_moe_transposed \
-            else contextlib.nullcontext():
+    with torch.no_grad(), loader_layout(model, EngineOptions.from_env().cpu_moe_transposed):
         for _ in range(reps):
             t0 = time.perf_counter()
             model.load_weights(state.items())

@@ -165,6 +165,12 @@ def host_buffer(shape, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype)
 
 
+def to_host(t: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    """``t``'s copy in :func:`host_buffer` memory (``non_blocking``: queued behind the device's
+    work, no wait; a later copy back on the same stream is ordered after it)."""
+    return host_buffer(t.shape, t.dtype).copy_(t, non_blocking=non_blocking)
+
+
 def memory_allocated(device: torch.device | str) -> int:
     device = torch.device(device)
     if device.type == "cpu":

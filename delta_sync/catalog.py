@@ -157,10 +157,8 @@ class TableSlice:
         if self.indices.device == device:
             return self
 
-        def copy(t: torch.Tensor) -> torch.Tensor:
-            out = accelerator.host_buffer(t.shape, t.dtype) if device.type == "cpu" else \
-                torch.empty(t.shape, dtype=t.dtype, device=device)
-            return out.copy_(t)  # (blocking: the plan reads them on the host next)
+        def copy(t: torch.Tensor) -> torch.Tensor:  # (blocking: the plan reads them on the host next)
+            return accelerator.to_host(t) if device.type == "cpu" else t.to(device)
 
         out = _copy.copy(self)  # (its host columns as they are)
         out.indices, out.values = copy(self.indices), {k: copy(v) for k, v in self.values.items()}

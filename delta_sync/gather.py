@@ -324,7 +324,7 @@ class PatchGather:
         raises :class:`GatherError` on every rank if any rank failed.
         """
         items, failure = self._produce(produce)
-        got = self._exchange(sorted(items, key=lambda it: it.seq), failure)
+        got = self._exchange(items, failure)  # (the merge orders every rank's rows)
         if got is None:
             return None
         return [q for p in got for q in (p.patches() if isinstance(p, PatchBatch) else [p])]

@@ -300,7 +300,7 @@ def supports_words(t: torch.Tensor) -> bool:
 
 
 def supports(t: torch.Tensor) -> bool:
-    return t.is_cpu and t.element_size() * 8 in _VALUE_DTYPE and kernel() is not None
+    return t.is_cpu and t.element_size() in WORD_WIDTHS and kernel() is not None
 
 
 def _scan(fn, width: int, old64: torch.Tensor, new64: torch.Tensor, first: int, stop: int,

@@ -368,7 +368,7 @@ def write_staged(flat: torch.Tensor, dst: torch.Tensor, values: torch.Tensor, un
     whatever the delta's size."""
     pos = _positions(dst.to(flat.device, non_blocking=True), offset)
     if undo is not None:
-        undo.entries.append((flat, dst, offset, _to_host(flat.index_select(0, pos))))
+        undo.entries.append((flat, dst, offset, accelerator.to_host(flat.index_select(0, pos), non_blocking=True)))
     flat.index_copy_(0, pos, values.to(device=flat.device, dtype=flat.dtype, non_blocking=True))
     return dst.numel()
 
@@ -382,17 +382,6 @@ def _put(target: torch.Tensor, pos: torch.Tensor | None, offset: int, values: to
         target.index_copy_(0, _positions(pos.to(target.device), offset), values.to(target.device))
 
 
-def _pinned(t: torch.Tensor) -> torch.Tensor:
-    """A host tensor's copy in memory the device copies from asynchronously."""
-    return accelerator.host_buffer(t.shape, t.dtype).copy_(t)
-
-
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    """A device tensor's copy in pinned host memory, queued behind the device's work (no wait: a
-    later copy back is ordered after it on the same stream)."""
-    if t.device.type == "cpu":
-        return t
-    return accelerator.host_buffer(t.shape, t.dtype).copy_(t, non_blocking=True)
 
 
 def _take(target: torch.Tensor, pos: torch.Tensor, offset: int) -> torch.Tensor:
@@ -675,7 +664,7 @@ def _table_positions(routes: TableRoutes, t, go: torch.Tensor | None) -> list[tu
             flat = routes.flats[p]
             if dev.type == "cpu":  # staged in host memory: the write moves it, one pair at a time
                 if flat.device.type != "cpu":  # (pinned: the pause's copies run at the link's speed)
-                    dst, v = _pinned(dst), _pinned(v)
+                    dst, v = accelerator.to_host(dst), accelerator.to_host(v)
                 out.append((flat, dst, v))
             else:  # (a parameter on another device than the buffers: its pair moves there now)
                 out.append((flat, dst.to(flat.device), v.to(flat.device)))

@@ -71,6 +71,12 @@ def _is_transposed(module: torch.nn.Module, suffix: str, p: torch.Tensor) -> boo
     return tuple(p.shape[1:]) == (cols, rows)
 
 
+def loader_layout(model: torch.nn.Module, transposed: bool):
+    """Where vLLM's loader writes ``model``: through :func:`checkpoint_layout` where its MoE weights
+    were transposed after loading (vLLM-Ascend, or the CPU stand-in), else the parameters as they are."""
+    return checkpoint_layout(model) if transposed else contextlib.nullcontext()
+
+
 @contextlib.contextmanager
 def checkpoint_layout(model: torch.nn.Module):
     """Within the block, transposed MoE weights are seen by the loader in checkpoint layout

@@ -35,7 +35,6 @@ shape). Names whose loader is not a plain strided copy go through vLLM's own loa
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -260,8 +259,7 @@ class DeltaSyncReceiver:
         try:
             upd = receive_update(self.channel, kept=self.kept(), bulk_sink=self._bulk.apply_bucket, sink_checks=True,
                                  place=self._bulk.place if self._in_place() else None, tables=True,
-                                 stage=torch.device("cpu") if self.stage == "host" and self.channel.device.type != "cpu"
-                                 else None)
+                                 stage=torch.device("cpu") if self.stage == "host" else None)  # (no copy on a host)
             if update_info.version is not None and upd.version != update_info.version:
                 raise DeltaSyncError(f"received version {upd.version}, the sender announced {update_info.version}",
                                      kept=self.kept())
@@ -361,11 +359,9 @@ class DeltaSyncReceiver:
 
     def loader_layout(self):
         """The parameter layout vLLM's loader expects: on Ascend, MoE weights transposed back."""
-        if self._transposed_moe:
-            from .vllm_ascend import checkpoint_layout
+        from .vllm_ascend import loader_layout
 
-            return checkpoint_layout(self.model)
-        return contextlib.nullcontext()
+        return loader_layout(self.model, self._transposed_moe)
 
     # ---- drift of what vLLM's loader wrote -----------------------------------------------------
     def _loader_param_digests(self) -> dict[str, str]:
