@@ -108,8 +108,9 @@ class DeltaDiff:
         self.failure: BaseException | None = None
         self.batch: list[tuple[int, str, torch.Tensor]] = []  # owned, not yet diffed
         self.held = 0  # bytes in the batch
-        #: the kernel's batches come whole (:class:`~delta_sync.patch.PatchBatch`, each tensor's
-        #: stream position in ``seqs``), for a packer or a gather; else one patch per tensor
+        #: the kernel's batches come whole (:class:`~delta_sync.patch.PatchBatch`; with several
+        #: ranks, each tensor's stream position in ``seqs``), for a packer or a gather; else one
+        #: patch per tensor
         self.batched = False
         timings["diff_s"] = 0.0
 
@@ -160,8 +161,8 @@ class DeltaDiff:
     def _diff_batch(self) -> list[Ordered]:
         patches = self.store.prepare_many([(name, t) for _, name, t in self.batch], batched=self.batched)
         out = [Ordered(seq, p) for (seq, _, _), p in zip(self.batch, patches) if p is not None]
-        if self.batched and any(isinstance(o.patch, PatchBatch) for o in out):
-            seq_of = {name: seq for seq, name, _ in self.batch}  # (a gather orders a batch's tensors by it)
+        if self.batched and self.store.world_size > 1 and any(isinstance(o.patch, PatchBatch) for o in out):
+            seq_of = {name: seq for seq, name, _ in self.batch}  # (the ranks' gather orders a batch's tensors by it)
             for o in out:
                 if isinstance(o.patch, PatchBatch):
                     o.patch.seqs = [seq_of[n] for n in o.patch.names]
