@@ -109,6 +109,9 @@ class TableSlice:
                  values: dict[str, torch.Tensor], where: str, codes: torch.Tensor | None = None):
         self.catalog, self.ids, self.counts, self.where = catalog, ids, counts, where
         self.indices, self.values = indices, values
+        #: what a receiver worked out from this table while it still lay where it arrived, kept with
+        #: it: ``(key, work)``, used where the key still holds (e.g. an engine's routed positions)
+        self.routed: tuple | None = None
         self.codes = catalog.codes[ids] if codes is None else codes
         self.index_starts = torch.cumsum(counts, 0) - counts
         self.value_starts = torch.empty_like(counts)

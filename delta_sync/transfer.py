@@ -353,7 +353,8 @@ def receive_update(channel: Channel, kept: str | None = None,
                    bulk_sink: Callable[[list[tuple[dict, Patch]]], None] | None = None,
                    sink_checks: bool = False,
                    place: Callable[[dict], dict[int, torch.Tensor]] | None = None,
-                   tables: bool = False, stage: torch.device | None = None) -> ReceivedUpdate:
+                   tables: bool = False, stage: torch.device | None = None,
+                   stage_table: Callable[[TableSlice], TableSlice] | None = None) -> ReceivedUpdate:
     """Receive one version.
 
     A delta (or any version without ``bulk_sink``) is assembled into one patch per tensor: the
@@ -376,7 +377,9 @@ def receive_update(channel: Channel, kept: str | None = None,
     id.
 
     ``stage``: where a delta's buckets are kept once checked (e.g. the host, for a receiver on a
-    device: the device then holds the two buckets in flight, not the whole delta)."""
+    device: the device then holds the two buckets in flight, not the whole delta); ``stage_table``:
+    how a checked table is staged there instead of :meth:`TableSlice.staged` (e.g. with what the
+    receiver works out from it on the device first, :func:`patches.loader_views.stage_routed`)."""
     asm = TensorAssembler(kept)
     update: ReceivedUpdate | None = None
     sink_error: Exception | None = None
@@ -400,7 +403,7 @@ def receive_update(channel: Channel, kept: str | None = None,
                     sink_error = err
         elif sink_error is None:
             try:
-                _keep(update, asm, h["_table"], entries, tables, stage, kept)
+                _keep(update, asm, h["_table"], entries, tables, stage, kept, stage_table)
             except Exception as err:  # noqa: BLE001 - keep draining: the channel stays in step with the sender
                 sink_error = err
     if update is None:
@@ -414,12 +417,14 @@ def receive_update(channel: Channel, kept: str | None = None,
 
 
 def _keep(update: ReceivedUpdate, asm: TensorAssembler, table: TableSlice | None, entries: list, tables: bool,
-          stage: torch.device | None, kept: str | None) -> None:
+          stage: torch.device | None, kept: str | None,
+          stage_table: Callable[[TableSlice], TableSlice] | None = None) -> None:
     """A checked bucket of a version assembled whole: its table kept as it is (``tables``) or as
     patches, its JSON entries as patches; in ``stage`` memory where one is given."""
     if table is not None and tables:
         _follows(update.tables, table, kept)
-        update.tables.append(table if stage is None else table.staged(stage))
+        update.tables.append(table if stage is None else
+                             stage_table(table) if stage_table is not None else table.staged(stage))
     elif table is not None:
         asm.add_entries(table.patches())
     asm.add_entries(entries if stage is None else [(e, p.to(stage)) for e, p in entries])

@@ -377,14 +377,16 @@ PIPELINES = {"qwen3-0.6b": lambda layers: qwen3_shapes(layers=layers or 28),
 
 
 def bench_pipeline(device, g, shapes: dict[str, tuple[int, ...]], density: float = 0.002,
-                   profile_dir: str | None = None, count_ops: bool = False, stage: str = "host") -> dict:
+                   profile_dir: str | None = None, count_ops: bool = False, stage: str = "host",
+                   profile_side: str = "sender") -> dict:
     """The library's bulk and delta paths on one device, against a device copy of the same bytes.
 
     A sender thread and a receiver thread share an in-process channel on the device (one GPU
     cannot hold two NCCL ranks), so the "wire" here is a device-to-device copy, far faster than any
     link: ``*_over_copy`` is the library's own cost per byte, what a link would hide or not.
     seed/full: digest and send every tensor (large ones in place), the receiver checks each
-    range's digest; delta: the snapshot store's diff, pack, send, assemble and apply of ``density``.
+    range's digest; delta: the snapshot store's diff, pack, send, assemble and apply of ``density``
+    (``plan_s``: the receiver's routing of the tables, before an engine pauses; ``apply_s``: the pause).
     The receiver's weights are fused as an engine's (:func:`_engine_layout`) and a delta's tables
     routed into them by id, the undo log kept (:func:`patches.loader_views.plan_tables`).
     Every stage's throughput feeds docs/benchmarks.md's scale table. ``count_ops``: one more delta, its
@@ -400,7 +402,7 @@ def bench_pipeline(device, g, shapes: dict[str, tuple[int, ...]], density: float
     from delta_sync.snapshot import SnapshotStore
     from delta_sync.transfer import receive_update, send_update
 
-    from patches.loader_views import TableRoutes, UndoLog, plan_tables
+    from patches.loader_views import TableRoutes, UndoLog, plan_tables, stage_routed
 
     sync = accelerator_sync(device)
     state = {n: _randn(math.prod(s), g, device).reshape(s) for n, s in shapes.items()}
@@ -416,7 +418,16 @@ def bench_pipeline(device, g, shapes: dict[str, tuple[int, ...]], density: float
     profiled = len(plan) - 1 - count_ops  # the last timed delta
     done: list[dict] = []  # per version, the receiver's stage times
     sending: list[float] = []  # per version, when the sender began to send
-    profile = cProfile.Profile() if profile_dir else None  # the sender's last delta (one profiler per process)
+    # the last timed delta of one side (``profile_side``: one profiler per process)
+    profile = cProfile.Profile() if profile_dir else None
+
+    def routes_of(catalog) -> TableRoutes:
+        if not routes:
+            routes.append(TableRoutes(catalog, views, params))
+        return routes[0]
+
+    def stage_table(t):  # as an engine stages on the host: positions worked out on the device first
+        return stage_routed(routes_of(t.catalog), t, torch.device("cpu"))
 
     def receiver():
         try:
@@ -426,26 +437,31 @@ def bench_pipeline(device, g, shapes: dict[str, tuple[int, ...]], density: float
                     with gc_held(), counters["receiver"] if v == counted else contextlib.nullcontext():
                         held = accelerator.memory_allocated(device)
                         upd = receive_update(rx, tables=True,  # tables as an engine takes them, staged as it stages
-                                             stage=torch.device("cpu") if stage == "host" else None)
+                                             stage=torch.device("cpu") if stage == "host" else None,
+                                             stage_table=stage_table if stage == "host" else None)
                         held = accelerator.memory_allocated(device) - held
                         t1 = time.perf_counter()
-                        general = []  # and routed as an engine routes them: by id, a write per parameter
-                        if upd.tables:
-                            if not routes:
-                                routes.append(TableRoutes(upd.tables[0].catalog, views, params))
-                            routed, general = plan_tables(routes[0], upd.tables)
-                            if routed is not None:
+                        general, routed = [], None  # routed as an engine routes them: by id, a write per parameter
+                        with profile if profile and profile_side == "receiver" and v == profiled \
+                                else contextlib.nullcontext():
+                            if upd.tables:  # planned before an engine's pause (while it serves)
+                                routed, general = plan_tables(routes_of(upd.tables[0].catalog), upd.tables)
+                            sync()
+                            t_plan = time.perf_counter()
+                            if routed is not None:  # the pause
                                 routed.run(UndoLog())
-                        for p in [*upd.patches, *(p for _, p in general)]:
-                            apply_patch(got[p.name], p)
+                            for p in [*upd.patches, *(p for _, p in general)]:
+                                apply_patch(got[p.name], p)
+                            sync()
                 else:
                     receive_update(rx, bulk_sink=sink, place=place)
-                    t1 = time.perf_counter()
+                    t1 = t_plan = time.perf_counter()
                 sync()
                 # from when the sender started sending (the receiver waited for it before)
                 done.append({"end": time.perf_counter(), "receive_s": t1 - max(t0, sending[v]),
-                             "apply_s": time.perf_counter() - t1,
-                             **({"staged_mb": held / 2**20} if kind == "delta" else {})})
+                             "apply_s": time.perf_counter() - t_plan,
+                             **({"plan_s": t_plan - t1, "staged_mb": held / 2**20} if kind == "delta" else {})})
+                upd = routed = general = None  # freed before the next version, as an engine frees them
         finally:
             rx.close()  # a failure here ends the sender's wait at once
 
@@ -458,7 +474,7 @@ def bench_pipeline(device, g, shapes: dict[str, tuple[int, ...]], density: float
                     for t in state.values():
                         t.copy_(_perturb(t, density, g))
                 sync()
-                with gc_held(), profile if profile and v == profiled else \
+                with gc_held(), profile if profile and profile_side == "sender" and v == profiled else \
                         counters["sender"] if v == counted else contextlib.nullcontext():
                     t0 = time.perf_counter()
                     patches = [p for p in store.prepare_many(list(state.items()), full=kind != "delta",
@@ -490,7 +506,7 @@ def bench_pipeline(device, g, shapes: dict[str, tuple[int, ...]], density: float
         tx.close()
         fut.result(timeout=60)
     if profile:
-        with open(f"{profile_dir}/pipeline_sender.txt", "w") as f:
+        with open(f"{profile_dir}/pipeline_{profile_side}.txt", "w") as f:
             pstats.Stats(profile, stream=f).sort_stats("cumulative").print_stats(40)
     exact = all(torch.equal(got[n].view(torch.int16), t.view(torch.int16)) for n, t in state.items())
     assert exact, "the receiver's tensors differ from the sender's"
@@ -553,11 +569,15 @@ def main(argv: list[str] | None = None) -> dict:
                     help="model shapes of the seed/full/delta pipeline bench")
     ap.add_argument("--layers", type=int, help="the pipeline model's layer count (default: the model's own)")
     ap.add_argument("--skip-checks", action="store_true", help="benches only")
-    ap.add_argument("--profile-dir", help="write cProfile listings of the pipeline's last delta here")
+    ap.add_argument("--profile-dir", help="write a cProfile listing of the pipeline's last delta here")
+    ap.add_argument("--profile-side", choices=["sender", "receiver"], default="sender",
+                    help="the sender's diff, pack and send, or the receiver's plan and apply")
     ap.add_argument("--count-ops", action="store_true",
                     help="count one more delta's torch operations and host syncs on both ends")
     ap.add_argument("--stage", choices=["host", "device"], default="host",
                     help="where the pipeline's receiver keeps a delta until it applies it")
+    ap.add_argument("--density", type=float, default=0.002,
+                    help="the pipeline's delta density (0.02: an Adam step's)")
     args = ap.parse_args(argv)
     from delta_sync import accelerator
     from delta_sync.channel import free_port
@@ -590,8 +610,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.pipeline != "none":
         try:
             out["pipeline"] = dict(bench_pipeline(device, g, PIPELINES[args.pipeline](args.layers),
-                                                  profile_dir=args.profile_dir, count_ops=args.count_ops,
-                                                  stage=args.stage),
+                                                  density=args.density, profile_dir=args.profile_dir, profile_side=args.profile_side,
+                                                  count_ops=args.count_ops, stage=args.stage),
                                    shapes=args.pipeline, layers=args.layers, stage=args.stage)
         except Exception as e:  # noqa: BLE001 - report every part, then fail
             ok = False

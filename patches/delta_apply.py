@@ -72,14 +72,20 @@ def _plan_tables(r: WorkerWeights, tables: list, params: dict[str, torch.Tensor]
     the parameters and the views stay; ``cache=False``: made for ``params`` and not kept)."""
     if not tables:
         return None, []
-    catalog = tables[0].catalog
+    return plan_tables(routes_for(r, tables[0].catalog, params, cache), tables)
+
+
+def routes_for(r: WorkerWeights, catalog, params: dict[str, torch.Tensor] | None = None,
+               cache: bool = True) -> TableRoutes:
+    """``r``'s :class:`TableRoutes` for ``catalog`` (kept while the catalogue, the parameters and
+    the views stay; ``cache=False``: made for ``params`` and not kept)."""
     key = (catalog.fingerprint, id(r.param_table), len(r.views), len(r.fallback))
     routes = r.routes if cache and r.routes is not None and r.routes_key == key else None
     if routes is None:
-        routes = TableRoutes(catalog, r.views, params)
+        routes = TableRoutes(catalog, r.views, r.param_table.params() if params is None else params)
         if cache:
             r.routes, r.routes_key = routes, key
-    return plan_tables(routes, tables)
+    return routes
 
 
 def layout_of(params: dict[str, torch.Tensor]) -> dict[str, tuple]:

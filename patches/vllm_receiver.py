@@ -52,9 +52,9 @@ from delta_sync.patch import DTYPES, Patch
 from delta_sync.transfer import BULK_KINDS, ReceivedUpdate, receive_update
 
 from .bulk_apply import BulkWrite, covered
-from .delta_apply import DeltaPlan, ParamTable, apply_delta, layout_of, plan_delta
+from .delta_apply import DeltaPlan, ParamTable, apply_delta, layout_of, plan_delta, routes_for
 from .engine_options import EngineOptions
-from .loader_views import LoaderView, digest_view, probe_views
+from .loader_views import LoaderView, digest_view, probe_views, stage_routed
 from .receiver_guard import ReceiverGuard
 
 log = logging.getLogger(__name__)
@@ -259,7 +259,8 @@ class DeltaSyncReceiver:
         try:
             upd = receive_update(self.channel, kept=self.kept(), bulk_sink=self._bulk.apply_bucket, sink_checks=True,
                                  place=self._bulk.place if self._in_place() else None, tables=True,
-                                 stage=torch.device("cpu") if self.stage == "host" else None)  # (no copy on a host)
+                                 stage=torch.device("cpu") if self.stage == "host" else None,  # (no copy on a host)
+                                 stage_table=self._stage_table if self.stage == "host" else None)
             if update_info.version is not None and upd.version != update_info.version:
                 raise DeltaSyncError(f"received version {upd.version}, the sender announced {update_info.version}",
                                      kept=self.kept())
@@ -280,6 +281,12 @@ class DeltaSyncReceiver:
             self._plan = plan
             self.last_timings["plan_s"] = plan.plan_s
         self._staged = upd
+
+    def _stage_table(self, table):
+        """A checked delta table kept in host memory until the pause, the positions of its entries
+        in this worker's parameters worked out on the device first (:func:`stage_routed`)."""
+        with torch.no_grad():
+            return stage_routed(routes_for(self, table.catalog), table, torch.device("cpu"))
 
     def _check_delta(self, upd: ReceivedUpdate) -> None:
         """A received delta follows this worker's version and names only seeded tensors as seeded."""

@@ -194,15 +194,17 @@ def test_device_check_script_runs_its_checks_on_the_host():
 
 
 def test_a_delta_staged_on_the_host_is_written_to_device_parameters_a_pair_at_a_time(monkeypatch):
-    """``DELTA_SYNC_DELTA_STAGING=host`` (a device engine's default): each received table is copied
-    to host memory once checked, the plan's (positions, values) pairs stay there, and each pair is
+    """``DELTA_SYNC_DELTA_STAGING=host`` (a device engine's default): each received table's
+    (positions, values) pairs are worked out on the device once it is checked and copied with the
+    table to host memory (:func:`stage_routed`), the plan takes them as they are, and each pair is
     copied to its parameter's device as it is written, the old values going back to the host. On
     fake "cuda" parameters (contiguous and the Ascend-transposed stand-in): every op finds its
     operands on one device (a mix raises here), and neither the pairs nor the undo log hold device
-    memory. (The values are checked on the host: tests/test_loader_views.py.)"""
+    memory. (The values are checked on the host: tests/test_loader_views.py; the pairs worked out
+    on a real device by launchers/device_check.py's pipeline, exact.)"""
     from delta_sync import native
     from delta_sync.catalog import TableSlice
-    from patches.loader_views import TableRoutes, UndoLog, plan_tables
+    from patches.loader_views import TableRoutes, UndoLog, plan_tables, routed_pairs
     from tests.test_loader_views import _routed_experts
 
     monkeypatch.setattr(native, "kernel", lambda: None)
@@ -221,15 +223,23 @@ def test_a_delta_staged_on_the_host_is_written_to_device_parameters_a_pair_at_a_
             staged = [t.staged(torch.device("cpu")) for t in received]
         assert all(t.indices.device.type == "cpu" and all(v.device.type == "cpu" for v in t.values.values())
                    for t in staged)
-        plan, general = plan_tables(routes, staged)
-        assert not general and plan.joined
-        assert all(flat.device.type == "cuda" and dst.device.type == vals.device.type == "cpu"
-                   for flat, dst, vals in plan.joined)
-        undo = UndoLog()
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            assert plan.run(undo) == sum(dst.numel() for _, dst, _ in plan.joined) > 0
-            assert undo.nbytes > 0 and undo.device_nbytes == 0, (undo.nbytes, undo.device_nbytes)
-            undo.restore()
+        for pre in (False, True):
+            # pre: the pairs worked out at receipt (stage_routed; here from the real host copies of the
+            # tables, as the device's ops cannot run fake with their host columns real); else the
+            # host works them out in the plan (a plan made again after the parameters moved)
+            for t, real in zip(staged, tables):
+                t.routed = (routes, routed_pairs(routes, real)) if pre else None
+            plan, general = plan_tables(routes, staged)
+            assert not general and plan.joined
+            if pre:
+                assert [id(d) for _, d, _ in plan.joined] == [id(d) for t in staged for _, d, _ in t.routed[1]]
+            assert all(flat.device.type == "cuda" and dst.device.type == vals.device.type == "cpu"
+                       and (dst.dtype == torch.int32) == pre for flat, dst, vals in plan.joined)
+            undo = UndoLog()
+            with FakeTensorMode(allow_non_fake_inputs=True):
+                assert plan.run(undo) == sum(dst.numel() for _, dst, _ in plan.joined) > 0
+                assert undo.nbytes > 0 and undo.device_nbytes == 0, (undo.nbytes, undo.device_nbytes)
+                undo.restore()
 
 
 def test_host_buffers_fall_back_to_pageable_memory_where_nothing_can_pin():

@@ -521,7 +521,7 @@ def _routed_experts(experts: int, held: int, g: torch.Generator, bucket_bytes: i
 
 
 @pytest.mark.parametrize("transposed", [False, True], ids=["contiguous", "transposed-standin"])
-@pytest.mark.parametrize("host_kernel", [True, False], ids=["kernel", "torch-ops"])
+@pytest.mark.parametrize("host_kernel", [True, False, "staged"], ids=["kernel", "torch-ops", "staged-pairs"])
 def test_tables_route_by_id_into_fused_experts_and_restore(monkeypatch, host_kernel, transposed):
     """A delta's tables, routed by tensor id straight into fused expert parameters (an expert's gate,
     up and down interleaved across two parameters, a tensor continued from one bucket's table into
@@ -529,15 +529,28 @@ def test_tables_route_by_id_into_fused_experts_and_restore(monkeypatch, host_ker
     writes, through the host kernel's rows and through torch ops (what a device's parameters
     take, and transposed experts anywhere: one (positions, values) pair per parameter and table,
     no patch per entry); the undo log restores every weight. ``transposed``: the layout
-    vLLM-Ascend leaves (a stand-in), each expert written with a row and a column stride."""
+    vLLM-Ascend leaves (a stand-in), each expert written with a row and a column stride.
+    ``staged-pairs``: the pairs worked out at receipt as a device engine staging on the host does
+    (:func:`routed_pairs`, int32 positions, in chunks of a few entries) and taken by the plan as
+    they are."""
     from delta_sync import native
-    from patches.loader_views import plan_tables
+    from patches import loader_views
+    from patches.loader_views import plan_tables, routed_pairs
 
+    staged = host_kernel == "staged"
+    if staged:
+        host_kernel = False
+        monkeypatch.setattr(loader_views, "STAGE_CHUNK_ELEMENTS", 40)  # several chunks per table
     if not host_kernel:
         monkeypatch.setattr(native, "kernel", lambda: None)
     g = torch.Generator().manual_seed(12)
     models, views, params, patches, tables, routes = _routed_experts(12, 8, g, bucket_bytes=700, transposed=transposed)
     assert len(tables) > 1
+    if staged:
+        for t in tables:  # (a table of another worker's experts only has none)
+            t.routed = (routes, routed_pairs(routes, t))
+        pairs = [d for t in tables for _, d, _ in t.routed[1]]
+        assert len(pairs) > len(tables) and all(d.dtype == torch.int32 for d in pairs)
     held = torch.tensor([n == "norm.weight" or int(n.split(".")[1]) < 8 for n in routes.catalog.names])
     expert = torch.tensor([n != "norm.weight" for n in routes.catalog.names])
     kernel = host_kernel and not transposed
@@ -546,7 +559,9 @@ def test_tables_route_by_id_into_fused_experts_and_restore(monkeypatch, host_ker
     before = {n: p.clone() for n, p in params[0].items()}
     plan, general = plan_tables(routes, tables)
     assert not general and (plan.table is not None) == host_kernel
-    if not kernel:  # pairs per parameter and table: a handful, whatever the entry count
+    if staged:  # the plan took the pairs as they were
+        assert [id(d) for _, d, _ in plan.joined] == [id(d) for t in tables for _, d, _ in t.routed[1]]
+    elif not kernel:  # pairs per parameter and table: a handful, whatever the entry count
         assert 0 < len(plan.joined) <= 3 * len(tables)
     undo = UndoLog()
     written = plan.run(undo)
