@@ -395,6 +395,18 @@ class PatchGather:
             except Exception as e:  # noqa: BLE001 - becomes the same GatherError on every rank
                 failure = (f"{type(e).__name__}: {e}", traceback.format_exc(limit=4))
         sizes = self._agree([buf.numel(), part.n if part is not None and rank != self.dst else 0], failure, kept)
+        if bool((sizes[:, 1] > 0).any()):
+            # the destination's receive buffer before anyone sends: a destination without room
+            # (a device out of memory) ends the round on every rank, not with senders blocked
+            # until the group's timeout
+            room = None
+            if rank == self.dst:
+                try:
+                    self._buffer(int(((sizes[:, 1] + 7) // 8 * 8).sum()))
+                except Exception as e:  # noqa: BLE001 - becomes the same GatherError on every rank
+                    room = (f"no room to receive the round's {int(sizes[:, 1].sum())} bytes: "
+                            f"{type(e).__name__}: {e}", traceback.format_exc(limit=4))
+            self._agree([], room, kept)
         if rank != self.dst:
             if buf.numel():
                 collectives.send(buf, self.dst, g.device_group)

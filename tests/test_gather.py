@@ -214,8 +214,9 @@ def test_round_bounds_keep_a_tensors_parts_together():
 
 def _stream_failures(rank, world, port, bad_rank):
     """A rank's pack fails in the second round; then the destination ends a stream with its own
-    failure after one round: each time every rank raises the same GatherError, nobody hangs, and
-    the next stream is whole."""
+    failure after one round; a part does not decode; the destination has no room for a round's
+    receive buffer: each time every rank raises the same GatherError, nobody hangs, and the next
+    stream is whole."""
     from delta_sync import gather as gather_mod
 
     g = PatchGather()
@@ -232,12 +233,19 @@ def _stream_failures(rank, world, port, bad_rank):
     def corrupt_pack(part, device):  # a stray name: the destination cannot decode this rank's part
         return torch.cat([real(part, device), torch.tensor(list(b"\0stray"), dtype=torch.uint8)])
 
-    for attempt in ("pack fails", "dst fails", "corrupt", "whole"):
+    def no_room(n):  # the destination's device has no room for a round's receive buffer
+        if n:
+            raise torch.OutOfMemoryError(f"cannot allocate {n} bytes")
+        return torch.empty(0, dtype=torch.uint8)
+
+    for attempt in ("pack fails", "dst fails", "corrupt", "dst no room", "whole"):
         stream = g.stream(lambda: _case_items(4, rank, world), 2048)
         if attempt == "pack fails" and rank == bad_rank:
             gather_mod._pack = failing_pack
         if attempt == "corrupt" and rank == bad_rank:
             gather_mod._pack = corrupt_pack
+        if attempt == "dst no room" and rank == 0:
+            g._recv, g._buffer = None, no_room
         try:
             if rank == 0:
                 got = []
@@ -260,6 +268,7 @@ def _stream_failures(rank, world, port, bad_rank):
             out.append(("failed", sorted(e.failures)))
         finally:
             gather_mod._pack = real
+            g.__dict__.pop("_buffer", None)
         dist.barrier()  # nobody is stuck in a collective
     return out, stream.rounds
 
@@ -270,5 +279,6 @@ def test_a_failure_in_a_round_ends_the_stream_on_every_rank():
     assert rounds > 2
     for out, _ in results:
         assert out[0] == ("failed", [1]) and out[1] == ("failed", [0]) and out[2] == ("failed", [0]), out
-        assert out[3][0] == "ok"
-    assert results[0][0][3][1] == len(_expected(4, 3))
+        assert out[3] == ("failed", [0]), out  # the destination without room: every rank told, none blocked
+        assert out[4][0] == "ok"
+    assert results[0][0][4][1] == len(_expected(4, 3))
