@@ -579,7 +579,7 @@ def plan_tables(routes: TableRoutes, tables: list, keep_old: bool = True) -> tup
     from delta_sync.patch import DTYPES
 
     esize = torch.tensor([DTYPES[k].itemsize for k in CODES], dtype=torch.int64)
-    parts, general, joined = [], [], []
+    parts, general, joined, staged = [], [], [], []
     for t in tables:
         how = routes.how[t.ids]
         if 1 in routes.kinds and (t.indices.device.type != "cpu" or not native.supports_words(t.indices)):
@@ -587,8 +587,10 @@ def plan_tables(routes: TableRoutes, tables: list, keep_old: bool = True) -> tup
         kinds = set(how.unique().tolist())
         if 2 in kinds:
             pre = t.routed  # worked out on the device at receipt (:func:`stage_routed`) under these routes
-            joined += pre[1] if pre is not None and pre[0] is routes else \
-                _table_positions(routes, t, how == 2 if len(kinds) > 1 else None)
+            if pre is not None and pre[0] is routes:
+                staged += [pre[1]] if pre[1] is not None else []
+            else:
+                joined += _table_positions(routes, t, how == 2 if len(kinds) > 1 else None)
         if 0 in kinds:
             general += t.patches((how == 0).nonzero().flatten())
         if 1 not in kinds:
@@ -602,9 +604,9 @@ def plan_tables(routes: TableRoutes, tables: list, keep_old: bool = True) -> tup
         parts.append(torch.stack([c[:, 0], t.indices.data_ptr() + 4 * t.index_starts[go], t.counts[go], c[:, 1],
                                   c[:, 2], base[codes] + esize[codes] * t.value_starts[go], torch.zeros_like(ids),
                                   c[:, 3]], 1))
-    if not parts and not joined:
+    if not parts and not joined and not staged:
         return None, general
-    plan = SparsePlan({}, {}, [], rows=tables, joined=joined,
+    plan = SparsePlan({}, {}, [], rows=tables, joined=joined, staged=staged,
                       device=joined[0][0].device if joined else None)
     if parts:
         table = torch.cat(parts)
@@ -641,35 +643,97 @@ def stage_routed(routes: TableRoutes, t, host: torch.device):
     return staged
 
 
-def routed_pairs(routes: TableRoutes, t) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def routed_pairs(routes: TableRoutes, t) -> "StagedPairs | None":
     """:func:`stage_routed`'s pairs: ``(flat, positions, values)`` of table ``t``'s entries that
-    torch ops write, worked out where ``t`` lies, held in host memory (pinned where it can be)."""
+    torch ops write, worked out where ``t`` lies, held in host memory (pinned where it can be) in
+    one positions buffer and one values buffer per dtype (None: no such entry)."""
     go = routes.how[t.ids] == 2
     if not bool(go.any()):
-        return []
+        return None
     counts = torch.where(go, t.counts, 0)
     part = (torch.cumsum(counts, 0) - counts) // STAGE_CHUNK_ELEMENTS  # each entry's chunk, by its first element
     pairs = []
     for k in part[go].unique().tolist():
         pairs += _table_positions(routes, t, go & (part == k))
     wide = any(flat.numel() >= 1 << 31 for flat, _, _ in pairs)
-    pos_dtype = torch.int64 if wide else torch.int32
-    pos_room = accelerator.host_buffer((sum(d.numel() for _, d, _ in pairs),), pos_dtype)
-    val_room = {}
+    pos = accelerator.host_buffer((sum(d.numel() for _, d, _ in pairs),), torch.int64 if wide else torch.int32)
+    room: dict[torch.dtype, int] = {}
     for _, _, v in pairs:
-        val_room[v.dtype] = val_room.get(v.dtype, 0) + v.numel()
-    val_room = {dt: accelerator.host_buffer((n,), dt) for dt, n in val_room.items()}
-    out, at, vat = [], 0, dict.fromkeys(val_room, 0)
+        room[v.dtype] = room.get(v.dtype, 0) + v.numel()
+    values = {dt: accelerator.host_buffer((n,), dt) for dt, n in room.items()}
+    out, at, vat = [], 0, dict.fromkeys(values, 0)
     for flat, dst, v in pairs:
-        n = dst.numel()
-        hd = pos_room[at:at + n]
+        n, dt = dst.numel(), v.dtype
+        hd, hv = pos[at:at + n], values[dt][vat[dt]:vat[dt] + n]
         hd.copy_(dst if wide else dst.to(torch.int32), non_blocking=True)
-        hv = val_room[v.dtype][vat[v.dtype]:vat[v.dtype] + n]
         hv.copy_(v, non_blocking=True)
-        at, vat[v.dtype] = at + n, vat[v.dtype] + n
+        at, vat[dt] = at + n, vat[dt] + n
         out.append((flat, hd, hv))
     accelerator.synchronize(t.indices.device)  # the copies landed before the host hands them on
-    return out
+    return StagedPairs(pos, values, out)
+
+
+@dataclass
+class StagedPairs:
+    """One table's routed writes in host memory (:func:`routed_pairs`): every pair's positions in
+    :attr:`pos`, its values in :attr:`values` of their dtype, pair ``k`` = ``(flat, its positions,
+    its values)`` as views of them, in that order. :meth:`write` moves the table to the device in
+    a copy per buffer, not per pair."""
+
+    pos: torch.Tensor
+    values: dict[torch.dtype, torch.Tensor]
+    pairs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+    @property
+    def nbytes(self) -> int:
+        return self.pos.numel() * self.pos.element_size() + sum(v.numel() * v.element_size()
+                                                                for v in self.values.values())
+
+    def write(self, undo: UndoLog | None) -> int:
+        """Write every pair into its parameter, the old values into ``undo`` (host memory, the
+        positions the pairs' own): the table's positions and values copied to the parameters'
+        device at once (int64 there), one gather of the old values and one ``index_copy_`` per
+        pair, the old values copied back at once. Device memory: this table's pairs and their
+        old values (~16 B per element: at most about a bucket), freed when it returns. If a write
+        fails, the pairs written so far are in ``undo`` (old values on the device) when it raises."""
+        dev = self.pairs[0][0].device
+        if any(flat.device != dev for flat, _, _ in self.pairs):  # (an engine worker's are on one device)
+            return sum(write_staged(flat, dst, vals, undo) for flat, dst, vals in self.pairs)
+        sizes = [d.numel() for _, d, _ in self.pairs]
+        dts = [v.dtype for _, _, v in self.pairs]
+        pos = self.pos.to(dev, non_blocking=True).to(torch.int64).split(sizes)
+        vals = {dt: v.to(dev, non_blocking=True).split([n for n, d in zip(sizes, dts) if d == dt])
+                for dt, v in self.values.items()}
+        olds = {dt: torch.empty(v.numel(), dtype=dt, device=dev) for dt, v in self.values.items()} \
+            if undo is not None else {}
+        old_parts = {dt: o.split([n for n, d in zip(sizes, dts) if d == dt]) for dt, o in olds.items()}
+        at = dict.fromkeys(self.values, 0)
+        taken = []  # (pair, its old values) read before its write
+        try:
+            for k, (flat, _, _) in enumerate(self.pairs):
+                dt = dts[k]
+                j = at[dt]
+                at[dt] += 1
+                if undo is not None:
+                    torch.index_select(flat, 0, pos[k], out=old_parts[dt][j])
+                    taken.append((k, old_parts[dt][j]))
+                _write_pair(flat, pos[k], vals[dt][j])
+        except BaseException:
+            if undo is not None:  # what was read back is restorable, written or not
+                undo.entries += [(self.pairs[k][0], pos[k], 0, old) for k, old in taken]
+            raise
+        if undo is not None:
+            host = {dt: accelerator.to_host(o, non_blocking=True) for dt, o in olds.items()}
+            host_parts = {dt: h.split([n for n, d in zip(sizes, dts) if d == dt]) for dt, h in host.items()}
+            at = dict.fromkeys(self.values, 0)
+            for k, (flat, dst, _) in enumerate(self.pairs):
+                undo.entries.append((flat, dst, 0, host_parts[dts[k]][at[dts[k]]]))
+                at[dts[k]] += 1
+        return sum(sizes)
+
+
+def _write_pair(flat: torch.Tensor, pos: torch.Tensor, values: torch.Tensor) -> None:
+    flat.index_copy_(0, pos, values)
 
 
 def _table_positions(routes: TableRoutes, t, go: torch.Tensor | None) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -743,6 +807,8 @@ class SparsePlan:
     undo: "RowsUndo | None" = None
     #: elsewhere: per parameter ``(flat, int64 positions, values)``
     joined: list = field(default_factory=list)
+    #: per table staged in host memory: its pairs, written a table at a time (:class:`StagedPairs`)
+    staged: list = field(default_factory=list)
     device: torch.device | None = None
 
     def run(self, undo: UndoLog | None) -> int:
@@ -763,6 +829,8 @@ class SparsePlan:
             sizes = [dst.numel() for _, dst, _ in self.joined]
             run_threaded(sizes, run, device=self.device)
             written += sum(sizes)
+        for pairs in self.staged:
+            written += pairs.write(undo)
         return written
 
 

@@ -549,7 +549,7 @@ def test_tables_route_by_id_into_fused_experts_and_restore(monkeypatch, host_ker
     if staged:
         for t in tables:  # (a table of another worker's experts only has none)
             t.routed = (routes, routed_pairs(routes, t))
-        pairs = [d for t in tables for _, d, _ in t.routed[1]]
+        pairs = [d for t in tables if t.routed[1] for _, d, _ in t.routed[1].pairs]
         assert len(pairs) > len(tables) and all(d.dtype == torch.int32 for d in pairs)
     held = torch.tensor([n == "norm.weight" or int(n.split(".")[1]) < 8 for n in routes.catalog.names])
     expert = torch.tensor([n != "norm.weight" for n in routes.catalog.names])
@@ -560,7 +560,7 @@ def test_tables_route_by_id_into_fused_experts_and_restore(monkeypatch, host_ker
     plan, general = plan_tables(routes, tables)
     assert not general and (plan.table is not None) == host_kernel
     if staged:  # the plan took the pairs as they were
-        assert [id(d) for _, d, _ in plan.joined] == [id(d) for t in tables for _, d, _ in t.routed[1]]
+        assert not plan.joined and plan.staged == [t.routed[1] for t in tables if t.routed[1]]
     elif not kernel:  # pairs per parameter and table: a handful, whatever the entry count
         assert 0 < len(plan.joined) <= 3 * len(tables)
     undo = UndoLog()
@@ -581,21 +581,56 @@ def test_torch_op_table_routing_costs_the_same_ops_for_any_expert_count(monkeypa
     dtype, as a bf16 checkpoint's are; each further dtype in a table costs as much again)."""
     from delta_sync import native
     from launchers.device_check import OpCounter
-    from patches.loader_views import plan_tables
+    from patches.loader_views import plan_tables, routed_pairs
 
     monkeypatch.setattr(native, "kernel", lambda: None)
     counts = []
-    for transposed in (False, True):
+    for transposed, staged in ((False, False), (True, False), (False, True), (True, True)):
         counts = []
         for experts in (8, 64):
             _, _, params, _, tables, routes = _routed_experts(experts, experts, torch.Generator().manual_seed(3),
                                                               bucket_bytes=1 << 20, norm=False, transposed=transposed)
             assert len(tables) == 1
+            if staged:  # the pairs worked out at receipt (stage_routed), not counted: the pause's writes are
+                tables[0].routed = (routes, routed_pairs(routes, tables[0]))
             with OpCounter() as ops:
                 plan, _ = plan_tables(routes, tables)
                 plan.run(UndoLog())
             counts.append(ops.ops)
-        assert counts[0] == counts[1] <= 4 * 2 + 50, (transposed, counts)
+        assert counts[0] == counts[1] <= 4 * 2 + 50, (transposed, staged, counts)
+
+
+def test_a_staged_table_that_fails_midway_leaves_what_it_wrote_restorable(monkeypatch):
+    """:meth:`StagedPairs.write` reads every pair's old values before writing it; if a write
+    raises, the pairs read so far are in the undo log, and restoring it puts back every bit."""
+    from delta_sync import native
+    from patches import loader_views
+    from patches.loader_views import plan_tables, routed_pairs
+
+    monkeypatch.setattr(native, "kernel", lambda: None)
+    _, _, params, _, tables, routes = _routed_experts(8, 8, torch.Generator().manual_seed(4), bucket_bytes=1 << 20,
+                                                      transposed=True)
+    tables[0].routed = (routes, routed_pairs(routes, tables[0]))
+    assert len(tables[0].routed[1].pairs) >= 3
+    before = {n: p.clone() for n, p in params[0].items()}
+    real, calls = loader_views._write_pair, [0]
+
+    def fails_third(flat, pos, values):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("device error")
+        real(flat, pos, values)
+
+    monkeypatch.setattr(loader_views, "_write_pair", fails_third)
+    plan, _ = plan_tables(routes, tables)
+    undo = UndoLog()
+    with pytest.raises(RuntimeError, match="device error"):
+        plan.run(undo)
+    assert len(undo.entries) == 3  # two written, the third read before it failed
+    assert any(not torch.equal(p.view(torch.int16), before[n].view(torch.int16)) for n, p in params[0].items())
+    undo.restore()
+    for n, p in params[0].items():
+        assert torch.equal(p.view(torch.int16), before[n].view(torch.int16)), n
 
 
 def test_a_pair_staged_in_host_memory_writes_and_restores_exactly():
