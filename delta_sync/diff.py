@@ -115,9 +115,11 @@ class BitwiseDiff:
                 else:
                     out[i] = self.absorb(old, new)
             for members in flat.values():
-                for lo, hi in native.capped_groups([pairs[i][0].numel() * pairs[i][0].element_size() // 8
-                                                    for i in members], self.batch_words):
-                    batches.append(self._absorb_flat(pairs, members[lo:hi]))
+                for run, adjacent in _adjacent_runs([pairs[i][0] for i in members]):
+                    group = members[run[0]:run[1]]
+                    for lo, hi in native.capped_groups([pairs[i][0].numel() * pairs[i][0].element_size() // 8
+                                                        for i in group], self.batch_words):
+                        batches.append(self._absorb_flat(pairs, group[lo:hi], adjacent))
             for width, members in batch.items():
                 counts, idx, bits, old_bits = native.changed_batch(
                     [pairs[i][0] for i in members], [pairs[i][1] for i in members], 8 // width, absorb=True)
@@ -145,13 +147,16 @@ class BitwiseDiff:
         return (snap.device == new.device and _whole_words(snap, new)
                 and snap.numel() * snap.element_size() // 8 <= self.chunk_words)
 
-    def _absorb_flat(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], members: list[int]) -> "Absorbed":
+    def _absorb_flat(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], members: list[int],
+                     adjacent: bool = False) -> "Absorbed":
         """:meth:`absorb` of ``pairs[i]`` for ``i`` in ``members`` (same width and device, at most
         ``batch_words`` words together) as one scan: on a device every ``nonzero`` and ``tolist``
         waits for the device, and a model's hundreds of tensors would each pay the three syncs of
         the chunked scan. Here the whole batch pays five (two levels of ``nonzero``, the changed
         words per tensor, the changed lanes, the cut per tensor) and no launch of its own. Returns
-        the batch once the snapshots advanced (the caller's rollback restores it)."""
+        the batch once the snapshots advanced (the caller's rollback restores it). ``adjacent``:
+        the snapshots lie back to back in one storage (:func:`_adjacent_runs`, e.g. a seed's arena):
+        they are read and advanced there as one span, with no view or copy per tensor."""
         old0 = pairs[members[0]][0]
         dev, width = old0.device, old0.element_size()
         lanes, lane_dtype = 8 // width, _INT_VIEW[width]
@@ -160,13 +165,19 @@ class BitwiseDiff:
         # a batch of one dtype concatenates as it is and is read as words after (dtypes of one
         # width mixed, bf16 and fp16, are read as integers first: a cat would convert them)
         mixed = any(pairs[i][0].dtype != old0.dtype for i in members)
-        olds = [pairs[i][0].view(-1).view(lane_dtype) if mixed else pairs[i][0].view(-1) for i in members]
         news = [pairs[i][1].view(-1).view(lane_dtype) if mixed else pairs[i][1].view(-1) for i in members]
-        offs = [0, *itertools.accumulate(t.numel() // lanes for t in olds)]
+        offs = [0, *itertools.accumulate(pairs[i][0].numel() // lanes for i in members)]
         total = offs[-1]
         # both sides gathered into one buffer each: two copies of the batch cost less on a device
-        # than a compare and two gathers per tensor (launches, not bytes, bound small tensors there)
-        old_all, new_all = torch.cat(olds).view(torch.int64), torch.cat(news).view(torch.int64)
+        # than a compare and two gathers per tensor (launches, not bytes, bound small tensors there);
+        # snapshots back to back are read where they lie
+        span = old0.as_strided((total * lanes,), (1,), old0.storage_offset()).view(torch.int64) \
+            if adjacent else None  # (its members' bits, whatever their dtypes of this width)
+        olds = None
+        if span is None:
+            olds = [pairs[i][0].view(-1).view(lane_dtype) if mixed else pairs[i][0].view(-1) for i in members]
+        old_all = span if span is not None else torch.cat(olds).view(torch.int64)
+        new_all = torch.cat(news).view(torch.int64)
         mask = self._scratch(-(-total // 8) * 8, dev)
         if mask.numel() > total:
             mask.narrow(0, total, mask.numel() - total).zero_()
@@ -188,11 +199,15 @@ class BitwiseDiff:
         ends = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int64, device=dev)
         cuts = torch.searchsorted(hit_word, ends).cpu()  # (the counts cross to the host: one sync)
         hits = torch.diff(cuts, prepend=cuts.new_zeros(1))
-        changed = [k for k, c in enumerate(counts) if c]
-        # the changed snapshots advance whole, in one multi-tensor copy (one launch for many on a
-        # device, where an index_copy_ per tensor costs a launch and two views each)
-        # (as integers: the float copy of CUDA's multi-tensor kernel rewrites a NaN's payload bits)
-        torch._foreach_copy_([olds[k].view(lane_dtype) for k in changed], [news[k].view(lane_dtype) for k in changed])
+        if span is not None:  # the changed words advance in place, one op for the batch
+            span.index_copy_(0, words, new_w)
+        else:
+            changed = [k for k, c in enumerate(counts) if c]
+            # the changed snapshots advance whole, in one multi-tensor copy (one launch for many on a
+            # device, where an index_copy_ per tensor costs a launch and two views each)
+            # (as integers: the float copy of CUDA's multi-tensor kernel rewrites a NaN's payload bits)
+            torch._foreach_copy_([olds[k].view(lane_dtype) for k in changed],
+                                 [news[k].view(lane_dtype) for k in changed])
         # the batch's changes stay in these buffers, a count per member (no split per tensor)
         return Absorbed(members, hits, elem, new_v, old_v)
 
@@ -311,6 +326,35 @@ class Absorbed:
 def restore(snapshot: torch.Tensor, indices: torch.Tensor, old_bits: torch.Tensor) -> None:
     """Undo :meth:`BitwiseDiff.advance`: put the old bits back at ``indices`` (flat, int32)."""
     native.put_back(snapshot, indices, old_bits)
+
+
+def _adjacent_runs(ts: list[torch.Tensor]) -> list[tuple[tuple[int, int], bool]]:
+    """``ts`` (contiguous, word-aligned) cut into consecutive ``((lo, hi), adjacent)`` parts: each
+    maximal run of two or more of one element width lying back to back inside the first one's
+    storage is ``adjacent``, the tensors between runs one part that is not. Pointer arithmetic
+    only, no op."""
+    out: list[tuple[tuple[int, int], bool]] = []
+    loose = lo = 0
+    n = len(ts)
+    while lo < n:
+        first = ts[lo]
+        room = first.untyped_storage().nbytes() - first.storage_offset() * first.element_size()
+        end, hi = first.data_ptr() + first.numel() * first.element_size(), lo + 1
+        while hi < n:
+            t = ts[hi]
+            size = t.numel() * t.element_size()
+            if t.element_size() != first.element_size() or t.data_ptr() != end or end + size - first.data_ptr() > room:
+                break
+            end, hi = end + size, hi + 1
+        if hi - lo > 1:
+            if loose < lo:
+                out.append(((loose, lo), False))
+            out.append(((lo, hi), True))
+            loose = hi
+        lo = hi
+    if loose < n:
+        out.append(((loose, n), False))
+    return out
 
 
 def _whole_words(snap: torch.Tensor, new: torch.Tensor) -> bool:

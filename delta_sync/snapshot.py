@@ -33,6 +33,23 @@ def _own(new: torch.Tensor, given: torch.Tensor) -> torch.Tensor:
     return new.clone() if new.data_ptr() == given.data_ptr() else new.contiguous()
 
 
+def _arena_copies(fresh: list[tuple[int, torch.Tensor]]) -> list[tuple[int, torch.Tensor]]:
+    """Copies of ``(item, tensor)`` (each a whole number of 8-byte words): those of one device and
+    element width back to back in one new buffer (an arena), in order, so that a delta's diff reads
+    and advances their snapshots as one span (:func:`delta_sync.diff._adjacent_runs`) instead of a
+    view and a copy per tensor."""
+    groups: dict[tuple, list[tuple[int, torch.Tensor]]] = {}
+    for i, t in fresh:
+        groups.setdefault((t.device, t.element_size()), []).append((i, t))
+    out = []
+    for (device, _), members in groups.items():
+        sizes = [t.numel() * t.element_size() for _, t in members]
+        arena = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+        for (i, t), room in zip(members, arena.split(sizes)):
+            out.append((i, room.view(t.dtype).view(t.shape).copy_(t)))
+    return out
+
+
 @dataclass
 class _Staged:
     """What commit or rollback needs of a staged tensor; never a delta's patch (the packer drops
@@ -98,6 +115,7 @@ class SnapshotStore:
         (None at the others', and where nothing changed): no Python object per changed tensor."""
         out: list[Patch | PatchBatch | None] = [None] * len(items)
         diffs: list[tuple[int, torch.Tensor]] = []  # (item, its tensor on the snapshot's device)
+        fresh: list[tuple[int, torch.Tensor]] = []  # (item, its tensor): a snapshot copied into an arena
         names = set()
         on_host = self.device.type == "cpu"
         staged = self._staged
@@ -122,12 +140,18 @@ class SnapshotStore:
                 spare = self._spare.pop(name, None)
                 if spare is not None and spare.shape == new.shape and spare.dtype == new.dtype:
                     copy = spare.copy_(new)  # a re-seed reuses the memory of the snapshot it replaces
+                elif new.data_ptr() == tensor.data_ptr() and new.numel() * new.element_size() % 8 == 0:
+                    fresh.append((i, new))
+                    continue
                 else:
                     copy = _own(new, tensor)
                 out[i] = Patch.full(name, copy)
                 self._staged[name] = _Staged(out[i].shape, copy)
             else:
                 diffs.append((i, new))
+        for i, copy in _arena_copies(fresh):
+            out[i] = Patch.full(items[i][0], copy)
+            self._staged[items[i][0]] = _Staged(out[i].shape, copy)
         if diffs:
             self._diff(items, diffs, batched, out)
         return out

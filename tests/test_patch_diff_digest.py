@@ -467,6 +467,60 @@ def test_the_torch_path_batches_too():
         assert torch.equal(int_view(store.snapshot_of(f"t{i}")), int_view(o)), i
 
 
+def test_snapshots_seeded_together_lie_in_one_arena_and_are_diffed_as_one_span():
+    """A seed's snapshots of one element width are copied back to back into one buffer, so the
+    torch-op diff reads them and advances them in place as one span: the same patches and
+    snapshots as snapshots seeded one by one (a view and a cat per tensor), a rollback puts every
+    bit back, and the diff's operations no longer grow by ~6 per tensor."""
+    from delta_sync.diff import _adjacent_runs
+    from launchers.device_check import OpCounter
+
+    g = torch.Generator().manual_seed(21)
+    olds = [torch.randn(64 * (1 + k % 3), generator=g).to(torch.bfloat16 if k % 4 else torch.float16)
+            for k in range(40)]
+    olds[7].view(torch.int16)[3] = 0x7FC1  # a NaN with a payload: copied as bits, never as floats
+    news = [o.clone() for o in olds]
+    for k, n in enumerate(news):
+        n[k % 5::9] += 1
+    results = []
+    for together in (True, False):
+        store = SnapshotStore(differ=BitwiseDiff(use_native=False))
+        if together:
+            store.prepare_many([(f"t{i}", o.clone()) for i, o in enumerate(olds)], full=True)
+        else:
+            for i, o in enumerate(olds):
+                store.prepare(f"t{i}", o.clone(), full=True)
+        store.commit(0)
+        snaps = [store.snapshot_of(f"t{i}") for i in range(len(olds))]
+        runs = _adjacent_runs(snaps)
+        assert runs == ([((0, 40), True)] if together else [((0, 40), False)]), runs
+        with OpCounter() as ops:
+            got = store.prepare_many([(f"t{i}", n) for i, n in enumerate(news)], batched=True)
+        patches = {p.name: p for b in got if b is not None for p in (b.patches() if isinstance(b, PatchBatch) else [b])}
+        results.append(({k: (p.indices.tolist(), int_view(p.values).tolist()) for k, p in patches.items()},
+                        [int_view(t).clone() for t in snaps], ops.ops))
+        store.rollback()
+        for i, o in enumerate(olds):
+            assert torch.equal(int_view(store.snapshot_of(f"t{i}")), int_view(o)), i
+    (span_patches, span_snaps, span_ops), (cat_patches, cat_snaps, cat_ops) = results
+    assert span_patches == cat_patches and len(span_patches) == 40
+    assert all(torch.equal(a, b) for a, b in zip(span_snaps, cat_snaps))
+    assert all(torch.equal(a, int_view(n)) for a, n in zip(span_snaps, news))  # advanced to the new bits
+    assert span_ops + 4 * 40 <= cat_ops, (span_ops, cat_ops)
+
+
+def test_adjacent_runs_are_cut_where_tensors_stop_lying_back_to_back():
+    from delta_sync.diff import _adjacent_runs
+
+    buf = torch.zeros(64, dtype=torch.bfloat16)
+    a, b, c, d = buf[0:8], buf[8:16], buf[24:32], buf[32:40]  # a gap between b and c
+    alone = torch.zeros(8, dtype=torch.bfloat16)
+    assert _adjacent_runs([a, b, c, d]) == [((0, 2), True), ((2, 4), True)]
+    assert _adjacent_runs([alone, a, b, alone, c]) == [((0, 1), False), ((1, 3), True), ((3, 5), False)]
+    assert _adjacent_runs([b, a]) == [((0, 2), False)]  # back to back, but out of order
+    assert _adjacent_runs([a]) == [((0, 1), False)] and _adjacent_runs([]) == []
+
+
 def test_a_diff_that_fails_after_the_scan_still_rolls_every_snapshot_back(monkeypatch):
     """The kernel advanced every snapshot before the patches are made: when making one fails (a
     tensor's full copy out of memory), the undo of every one, batched or not, is kept already and
