@@ -43,10 +43,15 @@ def _arena_copies(fresh: list[tuple[int, torch.Tensor]]) -> list[tuple[int, torc
         groups.setdefault((t.device, t.element_size()), []).append((i, t))
     out = []
     for (device, _), members in groups.items():
+        dtype = members[0][1].dtype
+        if all(t.dtype is dtype for _, t in members):  # (the usual case: no dtype view per tensor)
+            sizes = [t.numel() for _, t in members]
+            rooms = torch.empty(sum(sizes), dtype=dtype, device=device).split(sizes)
+            out += [(i, room.view(t.shape).copy_(t)) for (i, t), room in zip(members, rooms)]
+            continue
         sizes = [t.numel() * t.element_size() for _, t in members]
-        arena = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
-        for (i, t), room in zip(members, arena.split(sizes)):
-            out.append((i, room.view(t.dtype).view(t.shape).copy_(t)))
+        rooms = torch.empty(sum(sizes), dtype=torch.uint8, device=device).split(sizes)
+        out += [(i, room.view(t.dtype).view(t.shape).copy_(t)) for (i, t), room in zip(members, rooms)]
     return out
 
 
