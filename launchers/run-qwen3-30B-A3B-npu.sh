@@ -87,10 +87,12 @@ fi
 #   m, v (61 GB) would add 91 GB (DP=1: a distributed optimizer has nothing to shard over), so they
 #   live in host memory: 91 GB per rank, ~365 GB for the four ranks of this host. Rank 0 also holds
 #   two 512 MiB buckets and, during a delta, its share of the payload (~0.1 GB at 0.2%). Engine cards:
-#   their weights (61 GB / 2) + KV cache + during a delta two 512 MiB buckets in flight and, in the
-#   pause, one bucket's writes at a time: the staged payload, positions and undo log (16 B per changed
-#   element it holds: ~0.5 GB at 0.2%, ~5 GB at an Adam step's ~2%) wait in pinned host memory
-#   (DELTA_SYNC_DELTA_STAGING=host, the default; =device keeps them on the card). Estimate, not measured.
+#   their weights (61 GB / 2) + KV cache + during a delta two 512 MiB buckets in flight (plus ~44 B per
+#   element of a 16M-element chunk while its positions are worked out, ~0.7 GB) and, in the pause, one
+#   bucket's writes at a time (~16 B per element of it: ~1.4 GB at most); the staged table, positions and
+#   undo log (~14 B per changed element it holds: ~0.4 GB at 0.2%, ~4 GB at an Adam step's ~2%) wait in
+#   pinned host memory (DELTA_SYNC_DELTA_STAGING=host, the default; =device keeps them on the card).
+#   Measured on an H200, not on an NPU (docs/benchmarks.md, run 4).
 # --equivalence record: after training, only the synced engine's outputs are recorded; the fresh
 #   engine then starts on the same cards (4-5) with the same options, once the synced one is stopped.
 ASCEND_RT_VISIBLE_DEVICES=0,1,2,3 HCCL_IF_BASE_PORT=$TRAINER_HCCL_BASE_PORT \
