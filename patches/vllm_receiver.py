@@ -284,9 +284,20 @@ class DeltaSyncReceiver:
 
     def _stage_table(self, table):
         """A checked delta table kept in host memory until the pause, the positions of its entries
-        in this worker's parameters worked out on the device first (:func:`stage_routed`)."""
-        with torch.no_grad():
-            return stage_routed(routes_for(self, table.catalog), table, torch.device("cpu"))
+        in this worker's parameters worked out on the device first (:func:`stage_routed`). Where
+        that fails (no device memory for a chunk, say) the table is staged as it is and the plan
+        works its positions out on the host: slower, the same writes, and a plan that does not fit
+        is refused there with its reason."""
+        host = torch.device("cpu")
+        if table.indices.device.type == "cpu":
+            return table
+        try:
+            with torch.no_grad():
+                return stage_routed(routes_for(self, table.catalog), table, host)
+        except Exception as e:  # noqa: BLE001 - staged without its positions; the plan decides
+            log.warning("delta-sync: %s: positions not worked out on the device (%s: %s); the plan works them "
+                        "out on the host", table.where, type(e).__name__, e)
+            return table.staged(host)
 
     def _check_delta(self, upd: ReceivedUpdate) -> None:
         """A received delta follows this worker's version and names only seeded tensors as seeded."""

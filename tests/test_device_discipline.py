@@ -241,6 +241,37 @@ def test_a_delta_staged_on_the_host_is_written_to_device_parameters_a_pair_at_a_
                 undo.restore()
 
 
+def test_a_table_whose_positions_cannot_be_worked_out_on_the_device_is_staged_as_it_is(monkeypatch, caplog):
+    """The engine's staging (``DeltaSyncReceiver._stage_table``): a device out of memory while
+    working out a bucket's positions does not fail the update; the table goes to host memory
+    without them (the plan works them out on the host), and the log says so. A host table is
+    kept as it is, with no routes made for it."""
+    import types
+
+    from delta_sync.catalog import TableSlice
+    from patches import vllm_receiver
+    from tests.test_loader_views import _routed_experts
+
+    _, _, _, _, tables, _ = _routed_experts(4, 4, torch.Generator().manual_seed(2), 700)
+
+    def no_room(routes, t, host):
+        raise torch.OutOfMemoryError("cannot allocate 640 MiB")
+
+    monkeypatch.setattr(vllm_receiver, "stage_routed", no_room)
+    monkeypatch.setattr(vllm_receiver, "routes_for", lambda r, catalog: None)
+    receiver = types.SimpleNamespace()
+    assert vllm_receiver.DeltaSyncReceiver._stage_table(receiver, tables[0]) is tables[0]  # on the host already
+    t = tables[0]
+    with FakeTensorMode(allow_non_fake_inputs=True):  # (host columns made outside the mode: they stay real)
+        idx, vals = fake_cuda(t.indices.numel(), dtype=torch.int32), {k: fake_cuda(v.numel(), dtype=v.dtype)
+                                                                       for k, v in t.values.items()}
+    on_device = TableSlice(t.catalog, t.ids, t.counts, idx, vals, t.where)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        staged = vllm_receiver.DeltaSyncReceiver._stage_table(receiver, on_device)
+    assert staged.indices.device.type == "cpu" and staged.routed is None
+    assert "positions not worked out on the device (OutOfMemoryError" in caplog.text
+
+
 def test_host_buffers_fall_back_to_pageable_memory_where_nothing_can_pin():
     """A runtime without a pinned-memory allocator (this CPU build) still stages on the host."""
     buf = accelerator.host_buffer((3, 4), torch.bfloat16)
