@@ -631,12 +631,14 @@ def stage_routed(routes: TableRoutes, t, host: torch.device):
     """Table ``t``, received and checked on a device, kept in ``host`` memory until the pause
     (:meth:`TableSlice.staged`), its entries that torch ops write on a device (``routes.how == 2``)
     first worked out into ``(flat, positions, values)`` pairs where they lie (:func:`_table_positions`,
-    at most :data:`STAGE_CHUNK_ELEMENTS` elements at a time) and the pairs copied into pinned host
+    in chunks of the entries that start within :data:`STAGE_CHUNK_ELEMENTS` elements of each other:
+    a chunk holds that many plus at most one tensor's changed elements) and the pairs copied into pinned host
     memory, int32 positions where the parameter has fewer than 2**31 elements: :func:`plan_tables`
     then takes them as they are (under the same ``routes``), so the host never computes a position
     (~28 ns per element on the host, where the device takes microseconds per bucket). Host memory
     per routed element: 6 B of pairs (10 with int64 positions) beside the table's 6 B. Device memory:
-    the bucket, plus ~44 B per element of one chunk while it is worked out."""
+    the bucket, plus ~44 B per element of one chunk while it is worked out (a device out of memory
+    there fails this call: the engine then stages the table without its pairs)."""
     staged = t.staged(host)
     if t.indices.device.type != "cpu" and 2 in routes.kinds:
         staged.routed = (routes, routed_pairs(routes, t))
@@ -669,7 +671,8 @@ def routed_pairs(routes: TableRoutes, t) -> "StagedPairs | None":
         hv.copy_(v, non_blocking=True)
         at, vat[dt] = at + n, vat[dt] + n
         out.append((flat, hd, hv))
-    accelerator.synchronize(t.indices.device)  # the copies landed before the host hands them on
+    for device in {d.device for _, d, _ in pairs}:  # (where the pairs lay: the table's device, or a parameter's)
+        accelerator.synchronize(device)  # the copies landed before the host hands them on
     return StagedPairs(pos, values, out)
 
 
@@ -694,19 +697,24 @@ class StagedPairs:
         positions the pairs' own): the table's positions and values copied to the parameters'
         device at once (int64 there), one gather of the old values and one ``index_copy_`` per
         pair, the old values copied back at once. Device memory: this table's pairs and their
-        old values (~16 B per element: at most about a bucket), freed when it returns. If a write
-        fails, the pairs written so far are in ``undo`` (old values on the device) when it raises."""
+        old values (~16 B per element: at most about a bucket), freed when it returns; where the
+        device has no room for them, pair by pair (:func:`write_staged`). If anything fails after
+        the first write, every pair read so far is in ``undo`` (old values on the device) when it
+        raises."""
         dev = self.pairs[0][0].device
         if any(flat.device != dev for flat, _, _ in self.pairs):  # (an engine worker's are on one device)
-            return sum(write_staged(flat, dst, vals, undo) for flat, dst, vals in self.pairs)
+            return self._pair_by_pair(undo)
         sizes = [d.numel() for _, d, _ in self.pairs]
         dts = [v.dtype for _, _, v in self.pairs]
-        pos = self.pos.to(dev, non_blocking=True).to(torch.int64).split(sizes)
-        vals = {dt: v.to(dev, non_blocking=True).split([n for n, d in zip(sizes, dts) if d == dt])
-                for dt, v in self.values.items()}
-        olds = {dt: torch.empty(v.numel(), dtype=dt, device=dev) for dt, v in self.values.items()} \
-            if undo is not None else {}
-        old_parts = {dt: o.split([n for n, d in zip(sizes, dts) if d == dt]) for dt, o in olds.items()}
+        per_dtype = {dt: [n for n, d in zip(sizes, dts) if d == dt] for dt in self.values}
+        try:  # (nothing written yet: out of room, the pairs go one at a time)
+            pos = self.pos.to(dev, non_blocking=True).to(torch.int64).split(sizes)
+            vals = {dt: v.to(dev, non_blocking=True).split(per_dtype[dt]) for dt, v in self.values.items()}
+            olds = {dt: torch.empty(v.numel(), dtype=dt, device=dev) for dt, v in self.values.items()} \
+                if undo is not None else {}
+        except torch.OutOfMemoryError:
+            return self._pair_by_pair(undo)
+        old_parts = {dt: o.split(per_dtype[dt]) for dt, o in olds.items()}
         at = dict.fromkeys(self.values, 0)
         taken = []  # (pair, its old values) read before its write
         try:
@@ -718,18 +726,21 @@ class StagedPairs:
                     torch.index_select(flat, 0, pos[k], out=old_parts[dt][j])
                     taken.append((k, old_parts[dt][j]))
                 _write_pair(flat, pos[k], vals[dt][j])
+            if undo is None:
+                return sum(sizes)
+            host = {dt: accelerator.to_host(o, non_blocking=True).split(per_dtype[dt]) for dt, o in olds.items()}
         except BaseException:
             if undo is not None:  # what was read back is restorable, written or not
                 undo.entries += [(self.pairs[k][0], pos[k], 0, old) for k, old in taken]
             raise
-        if undo is not None:
-            host = {dt: accelerator.to_host(o, non_blocking=True) for dt, o in olds.items()}
-            host_parts = {dt: h.split([n for n, d in zip(sizes, dts) if d == dt]) for dt, h in host.items()}
-            at = dict.fromkeys(self.values, 0)
-            for k, (flat, dst, _) in enumerate(self.pairs):
-                undo.entries.append((flat, dst, 0, host_parts[dts[k]][at[dts[k]]]))
-                at[dts[k]] += 1
+        at = dict.fromkeys(self.values, 0)
+        for k, (flat, dst, _) in enumerate(self.pairs):
+            undo.entries.append((flat, dst, 0, host[dts[k]][at[dts[k]]]))
+            at[dts[k]] += 1
         return sum(sizes)
+
+    def _pair_by_pair(self, undo: UndoLog | None) -> int:
+        return sum(write_staged(flat, dst, vals, undo) for flat, dst, vals in self.pairs)
 
 
 def _write_pair(flat: torch.Tensor, pos: torch.Tensor, values: torch.Tensor) -> None:

@@ -633,6 +633,48 @@ def test_a_staged_table_that_fails_midway_leaves_what_it_wrote_restorable(monkey
         assert torch.equal(p.view(torch.int16), before[n].view(torch.int16)), n
 
 
+@pytest.mark.parametrize("fault", ["copy back", "no room"])
+def test_a_staged_table_keeps_its_undo_whatever_fails_around_the_writes(monkeypatch, fault):
+    """``copy back``: the old values' copy to host memory fails after every pair was written: the
+    undo log still holds them all (on the device) and restores every bit. ``no room``: the device
+    has no room for the table's buffers: the pairs are written one at a time instead, exactly."""
+    from delta_sync import accelerator, native
+    from patches.loader_views import apply_sparse, plan_tables, routed_pairs
+
+    monkeypatch.setattr(native, "kernel", lambda: None)
+    _, views, params, patches, tables, routes = _routed_experts(8, 8, torch.Generator().manual_seed(6),
+                                                                bucket_bytes=1 << 20, transposed=True)
+    tables[0].routed = (routes, routed_pairs(routes, tables[0]))
+    before = {n: p.clone() for n, p in params[0].items()}
+    if fault == "copy back":
+        def fail(t, non_blocking=False):
+            raise torch.OutOfMemoryError("no host memory left")
+        monkeypatch.setattr(accelerator, "to_host", fail)
+    else:
+        real_empty = torch.empty
+
+        def empty(*a, **k):  # the device buffers of the table (a host buffer names no device)
+            if "device" in k:
+                raise torch.OutOfMemoryError("cannot allocate 1.3 GiB on the device")
+            return real_empty(*a, **k)
+        monkeypatch.setattr(torch, "empty", empty)
+    plan, _ = plan_tables(routes, tables)
+    undo = UndoLog()
+    if fault == "copy back":
+        with pytest.raises(torch.OutOfMemoryError):
+            plan.run(undo)
+        assert len(undo.entries) == len(tables[0].routed[1].pairs)
+    else:
+        assert plan.run(undo) == sum(apply_sparse(views[p.name], params[1], p.indices, p.values, None)
+                                     for p in patches)
+        monkeypatch.undo()
+        for name in params[0]:
+            assert torch.equal(params[0][name].view(torch.int16), params[1][name].view(torch.int16)), name
+    undo.restore()
+    for n, p in params[0].items():
+        assert torch.equal(p.view(torch.int16), before[n].view(torch.int16)), n
+
+
 def test_a_pair_staged_in_host_memory_writes_and_restores_exactly():
     """:func:`write_staged` (a delta staged on the host, written into a device parameter a pair at
     a time; run here on the host, where its copies are no-ops): the same values as
