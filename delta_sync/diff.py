@@ -93,14 +93,15 @@ class BitwiseDiff:
                 out[i] = got
         return out
 
-    def absorb_batched(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]
+    def absorb_batched(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], same: bool = False
                        ) -> tuple[list["Absorbed"], list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]]:
         """:meth:`absorb` of ``(old, new)`` pairs. Host tensors in whole words share a few calls of
         the host kernel (:func:`native.changed_batch`) per element width instead of paying its
         per-call costs each, and come back as one :class:`Absorbed` per width; the others, one by
         one, as ``(indices, new bits, old bits)`` at their position of the list (None for the
         batched ones). All or nothing: if one fails, every ``old`` advanced here is put back before
-        the error is raised."""
+        the error is raised. ``same``: the caller checked that each pair's two tensors share one
+        shape, dtype and device (the snapshot store does), so those checks are not made again."""
         out: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = [None] * len(pairs)
         batches: list[Absorbed] = []
         batch: dict[int, list[int]] = {}  # element width -> pairs scanned together
@@ -108,7 +109,8 @@ class BitwiseDiff:
         native_ok = self.use_native and native.kernel() is not None  # (once, not per tensor)
         try:
             for i, (old, new) in enumerate(pairs):
-                if native_ok and self._batchable(old, new):  # split over the threads by words, whatever the tensors' sizes
+                if native_ok and (self._batchable_same(old, new) if same else self._batchable(old, new)):
+                    # split over the threads by words, whatever the tensors' sizes
                     batch.setdefault(old.element_size(), []).append(i)
                 elif self._flat(old, new):
                     flat.setdefault((old.element_size(), old.device), []).append(i)
@@ -140,6 +142,13 @@ class BitwiseDiff:
         return (new.is_cpu and snap.is_cpu and snap.dtype is new.dtype and snap.shape == new.shape
                 and (snap.data_ptr() | new.data_ptr()) % 8 == 0 and snap.numel() * snap.element_size() % 8 == 0
                 and snap.element_size() in native.WORD_WIDTHS and snap.is_contiguous() and new.is_contiguous())
+
+    @staticmethod
+    def _batchable_same(snap: torch.Tensor, new: torch.Tensor) -> bool:
+        """:meth:`_batchable` of a pair known to share shape, dtype and device."""
+        return (snap.is_cpu and (snap.data_ptr() | new.data_ptr()) % 8 == 0
+                and snap.numel() * snap.element_size() % 8 == 0 and snap.element_size() in native.WORD_WIDTHS
+                and snap.is_contiguous() and new.is_contiguous())
 
     def _flat(self, snap: torch.Tensor, new: torch.Tensor) -> bool:
         """A torch-path pair (device tensors) that :meth:`_absorb_flat` can scan with others: whole

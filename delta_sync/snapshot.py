@@ -165,7 +165,8 @@ class SnapshotStore:
               out: list) -> None:
         """The diff of ``items[i]`` for each ``(i, new)`` of ``diffs``: snapshots advanced, their undo
         kept, each one's patch (or its batch's) into ``out[i]``."""
-        batches, single = self.differ.absorb_batched([(self._base[items[i][0]], new) for i, new in diffs])
+        base = self._base  # (prepare_many checked each pair's shape, dtype and device)
+        batches, single = self.differ.absorb_batched([(base[items[i][0]], new) for i, new in diffs], same=True)
         # every snapshot advanced: each one's undo is kept before any patch is made (a failure
         # making one, a copy out of memory, must leave a rollback that puts all of them back)
         for (i, new), got in zip(diffs, single):
