@@ -139,13 +139,13 @@ class BitwiseDiff:
         """A host tensor the kernel (present: the caller asked) scans whole in 64-bit words: same
         shape and dtype, both contiguous, 8-byte aligned, a whole number of words (checked per
         tensor of a model's ~19k: the cheapest tests first, no view made)."""
-        return (new.is_cpu and snap.is_cpu and snap.dtype is new.dtype and snap.shape == new.shape
-                and (snap.data_ptr() | new.data_ptr()) % 8 == 0 and snap.numel() * snap.element_size() % 8 == 0
-                and snap.element_size() in native.WORD_WIDTHS and snap.is_contiguous() and new.is_contiguous())
+        return (new.is_cpu and snap.dtype is new.dtype and snap.shape == new.shape
+                and self._batchable_same(snap, new))
 
     @staticmethod
     def _batchable_same(snap: torch.Tensor, new: torch.Tensor) -> bool:
-        """:meth:`_batchable` of a pair known to share shape, dtype and device."""
+        """:meth:`_batchable` of a pair known to share shape, dtype and device: the kernel's own
+        conditions."""
         return (snap.is_cpu and (snap.data_ptr() | new.data_ptr()) % 8 == 0
                 and snap.numel() * snap.element_size() % 8 == 0 and snap.element_size() in native.WORD_WIDTHS
                 and snap.is_contiguous() and new.is_contiguous())

@@ -382,8 +382,6 @@ def _put(target: torch.Tensor, pos: torch.Tensor | None, offset: int, values: to
         target.index_copy_(0, _positions(pos.to(target.device), offset), values.to(target.device))
 
 
-
-
 def _take(target: torch.Tensor, pos: torch.Tensor, offset: int) -> torch.Tensor:
     """``target[offset + pos]`` along dim 0, as a new tensor."""
     out = torch.empty(pos.numel(), dtype=target.dtype, device=target.device)
