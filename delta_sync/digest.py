@@ -482,14 +482,54 @@ def _native_many(items: list[tuple[torch.Tensor, int, torch.Tensor | None]], lan
         kept.append((words, dst))  # alive until the call returns
         rows.append((words.data_ptr(), n, start * w, 0 if dst is None else dst.data_ptr(),
                      mask - 65536 if mask > 32767 else mask, w))
+    out = _digest_rows(rows, lanes, key)
+    if error is not None:
+        raise error
+    return out
+
+
+def _digest_rows(rows: list[tuple[int, ...]], lanes: bool, key: DigestKey) -> list[tuple[Digest, int]]:
+    """One call of the kernel over ``rows`` (:data:`_ITEM` integers each), on this thread."""
     out = torch.empty(len(rows), 5, dtype=torch.int64)
     if rows:
         table = torch.tensor(rows, dtype=torch.int64)
         native.kernel().digest_many(len(rows), table.data_ptr(), _LANES if lanes else 0, key.p.data_ptr(),
                                     key.t1.data_ptr(), key.t2.data_ptr(), key.t3.data_ptr(), T3, out.data_ptr())
+    return [(Digest.of_residues(r[:_LANES]), r[_LANES]) for r in out.tolist()]
+
+
+def row_spec(dtype: torch.dtype) -> tuple[int, int, int]:
+    """``(element size, 16-bit words per element, signed exponent mask)`` of ``dtype`` in a row of
+    :func:`range_row` (worked out once per dtype, not per row)."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    if size == 1:
+        raise TypeError(f"digest of 1-byte dtype {dtype} is not defined")
+    mask = _EXP_MASK.get(dtype, 0)
+    return size, max(1, size // 2), mask - 65536 if mask > 32767 else mask
+
+
+def range_row(src: int, count: int, start: int, spec: tuple[int, int, int], dst: int = 0) -> tuple[int, ...]:
+    """The kernel's row for ``count`` elements (of :func:`row_spec` ``spec``) at host address ``src``,
+    checkpoint elements ``[start, start + count)``, copied to host address ``dst`` in the same pass
+    where not 0: for a caller that has the addresses already (a seed written through loader views:
+    no tensor view per range and segment). The caller keeps both memories alive, holding the
+    bytes, until :func:`scan_rows` returns."""
+    size, w, mask = spec
+    _check_span(start * w, count * size // 2)
+    return src, count * size // 2, start * w, dst, mask, w
+
+
+def scan_rows(rows: list[tuple[int, ...]], key: DigestKey | None = None, lanes: bool = True
+              ) -> list[tuple[Digest, int]]:
+    """:func:`scan_many` of :func:`range_row` rows: the rows shared out between the threads in
+    order, by words, each share one call of the kernel."""
+    key = key or PUBLIC
+    threads = max(1, torch.get_num_threads())
+    groups = native.contiguous_groups([r[1] for r in rows], threads)
+    got, error = native.run_spread([functools.partial(_digest_rows, rows[lo:hi], lanes, key) for lo, hi in groups])
     if error is not None:
         raise error
-    return [(Digest.of_residues(r[:_LANES]), r[_LANES]) for r in out.tolist()]
+    return [d for part in got for d in part]
 
 
 def _scan_device(items: list[tuple[torch.Tensor, int, torch.Tensor | None]], indices: list[int],

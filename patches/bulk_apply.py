@@ -16,11 +16,12 @@ from typing import Protocol
 import torch
 
 from delta_sync.bucket import check_dense_entry
-from delta_sync.digest import Digest, scan_many, scan_range
+from delta_sync.digest import Digest, row_spec, scan_many, scan_range, scan_rows
 from delta_sync.errors import DeltaSyncError, PatchValidationError
 from delta_sync.patch import DTYPES, Patch
 
-from .loader_views import apply_dense_range, dense_range_copies, dense_range_target
+from .loader_views import (apply_dense_range, dense_range_copies, dense_range_rows, dense_range_target,
+                           param_extent)
 
 
 class WorkerWeights(Protocol):
@@ -74,6 +75,8 @@ class BulkWrite:
         self.apply_s = 0.0
         self.placed = 0  # ranges received straight into the parameters
         self._params = None
+        self._extents: dict[str, tuple[int, int] | None] = {}  # host parameters' extents (the rows' targets)
+        self._specs: dict[torch.dtype, tuple[int, int, int]] = {}
 
     def params(self) -> dict[str, torch.Tensor]:
         if self._params is None:
@@ -134,8 +137,11 @@ class BulkWrite:
             self.r.probe([(p.name, p.shape, p.dtype) for _, p in entries])
             placed: list[tuple[dict, Patch]] = []
             copies: list[tuple[dict, Patch, list]] = []
+            rows: list[tuple[dict, Patch, list]] = []
+            whole = self.r.holds_whole_tensors()
             for entry, p in entries:
-                self._write_range(entry, p, placed, copies)
+                self._write_range(entry, p, placed, copies, rows if whole else None)
+            self._scan_rows(rows)
             # ranges received in place, and the copies into whole-tensor views made in the pass that
             # digests them: one scan for the bucket, spread over the threads; checked in order after
             items = [(p.values, int(entry["start"]), None) for entry, p in placed]
@@ -174,11 +180,14 @@ class BulkWrite:
             raise PatchValidationError(p.name, f"arrives as {p.dtype} but the engine holds it as {wrong}; "
                                        f"convert on the trainer (WeightSync(dtype={wrong}))", kept="needs_seed")
 
-    def _write_range(self, entry: dict, p: Patch, placed: list[tuple[dict, Patch]], copies: list) -> None:
+    def _write_range(self, entry: dict, p: Patch, placed: list[tuple[dict, Patch]], copies: list,
+                     rows: list | None) -> None:
         """Check one range and write it through its view (digested before it), or leave the write to
-        the caller: a range received in place joins ``placed``, one whose view holds the whole
-        tensor in contiguous segments joins ``copies`` with them (the caller copies and digests in
-        one pass, and checks after)."""
+        the caller: a range received in place joins ``placed``; one whose view holds the whole
+        tensor in contiguous segments joins ``rows`` as the digest kernel's rows where it and its
+        parameters are on the host (given where the worker holds whole tensors), else ``copies``
+        with its segments' slices (either way the caller copies and digests in one pass, and
+        checks after)."""
         view = self.r.views.get(p.name)  # probed for the whole bucket by apply_bucket
         self._check_target(p, view)
         start = int(entry["start"])
@@ -187,6 +196,14 @@ class BulkWrite:
         if entry.get("_placed"):
             placed.append((entry, p))
             return
+        if rows is not None and view is not None and view.runs is not None:
+            spec = self._specs.get(p.dtype)
+            if spec is None:
+                spec = self._specs[p.dtype] = row_spec(p.dtype)
+            got = dense_range_rows(view.runs, self._extent, p.values, start, spec)
+            if got is not None:
+                rows.append((entry, p, got))
+                return
         params = self.params()
         with torch.no_grad():
             hits = dense_range_copies(view, params, p.values, start) \
@@ -205,6 +222,30 @@ class BulkWrite:
                     with self.r.loader_layout():
                         self.r.model.load_weights([(p.name, full)])
                     self.r.fallback_values[p.name] = full
+
+    def _extent(self, name: str) -> tuple[int, int] | None:
+        """:func:`param_extent` of parameter ``name`` where it is on the host (once per update)."""
+        if name not in self._extents:
+            param = self.params()[name]
+            self._extents[name] = param_extent(param) if param.is_cpu else None
+        return self._extents[name]
+
+    def _scan_rows(self, rows: list[tuple[dict, Patch, list]]) -> None:
+        """Copy and digest the ranges made rows (:meth:`_write_range`) in one pass, spread over the
+        threads, and check each one's digest and finiteness after (the write has happened: a
+        mismatch leaves the worker needing a seed)."""
+        if not rows:
+            return
+        key = next((e["_key"] for e, _, _ in rows if "_key" in e), None)
+        scans = iter(scan_rows([r for _, _, got in rows for r in got], key=key))
+        for entry, p, got in rows:
+            if len(got) == 1:
+                digest, bad = next(scans)
+            else:
+                digest, bad = Digest(), 0
+                for d, b in itertools.islice(scans, len(got)):
+                    digest, bad = digest + d, bad + b
+            check_dense_entry(entry, digest, bad, p.values, "needs_seed")
 
     # ---- once every bucket arrived ---------------------------------------------------------------
     def check_complete(self, upd, kept: str) -> None:

@@ -26,7 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from delta_sync import accelerator, native
-from delta_sync.digest import PRIMES, Digest, digest_range, element_sums
+from delta_sync.digest import PRIMES, Digest, digest_range, element_sums, range_row
 
 
 @dataclass(frozen=True)
@@ -97,6 +97,18 @@ class LoaderView:
     shape: tuple[int, ...]
     dtype: torch.dtype
     segments: list[Segment] = field(default_factory=list)
+
+    @functools.cached_property
+    def runs(self) -> tuple[tuple[str, int, int, int], ...] | None:
+        """``(parameter, src_offset, numel, dst_offset)`` of each segment where every one is a
+        contiguous run on both sides and together they hold the whole tensor (TP=1, the loader's
+        own layout): a bulk range's copies then follow from integers (:func:`dense_range_copies`,
+        the seed's rows in :mod:`patches.bulk_apply`); None for any other view. (A view's segments
+        are fixed once probed.)"""
+        segs = self.segments
+        if not segs or not all(seg.contiguous for seg in segs) or sum(seg.numel for seg in segs) != math.prod(self.shape):
+            return None
+        return tuple((seg.param, seg.src_offset, seg.numel, seg.dst_offset) for seg in segs)
 
 
 def param_storages(model: torch.nn.Module) -> dict[int, tuple[str, torch.Tensor]]:
@@ -916,12 +928,47 @@ def dense_range_copies(view: LoaderView, params: dict[str, torch.Tensor], values
     Inf/NaN count (:func:`delta_sync.digest.scan_many` with ``copy_to``, a bucket's ranges in one
     call) and compares after the write. None for any other view (strided or partial segments): the
     caller checks the values first, then writes."""
-    if not view.segments or not all(seg.contiguous for seg in view.segments) or \
-            sum(seg.numel for seg in view.segments) != math.prod(view.shape):
+    if view.runs is None:
         return None
     src = values.reshape(-1)
     hits = (_run_slices(seg, flat_param(params[seg.param]), src, start) for seg in view.segments)
     return [hit for hit in hits if hit is not None]
+
+
+def param_extent(param: torch.Tensor) -> tuple[int, int]:
+    """``(address of the parameter's first element, elements from there to its storage's end)``:
+    :func:`flat_param`'s extent, as integers."""
+    data = param.data
+    return data.data_ptr(), data.untyped_storage().nbytes() // data.element_size() - data.storage_offset()
+
+
+def dense_range_rows(runs: tuple[tuple[str, int, int, int], ...], target, values: torch.Tensor, start: int,
+                     spec: tuple[int, int, int]) -> list[tuple[int, ...]] | None:
+    """:func:`dense_range_copies` through a view's :attr:`LoaderView.runs`, as rows of the digest
+    kernel (:func:`delta_sync.digest.range_row`: copy, digest and Inf/NaN count in one pass)
+    worked out with integers, no tensor view per range and segment (a 30B-A3B seed has ~19k
+    ranges). ``target(param)``: :func:`param_extent` of a host parameter of ``values``' dtype
+    (the caller checked it), None for one elsewhere; ``spec``: :func:`~delta_sync.digest.row_spec`
+    of that dtype. None where rows cannot be made (values or a parameter off the host): the
+    caller takes the tensor path. A run that would write outside its parameter's storage raises."""
+    if not (values.is_cpu and values.is_contiguous()):
+        return None
+    size, src, stop = spec[0], values.data_ptr(), start + values.numel()
+    rows = []
+    for param, src_offset, numel, dst_offset in runs:
+        lo, hi = max(start, src_offset), min(stop, src_offset + numel)
+        if lo >= hi:
+            continue
+        extent = target(param)
+        if extent is None:
+            return None
+        address, room = extent
+        dst = dst_offset + lo - src_offset
+        if dst < 0 or dst + hi - lo > room:
+            raise ValueError(f"elements [{dst}, {dst + hi - lo}) of parameter {param!r} are outside its "
+                             f"storage ({room} elements)")
+        rows.append(range_row(src + (lo - start) * size, hi - lo, lo, spec, address + dst * size))
+    return rows
 
 
 def dense_range_target(view: LoaderView, params: dict[str, torch.Tensor], start: int, count: int

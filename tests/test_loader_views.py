@@ -106,6 +106,45 @@ def test_dense_ranges_in_any_split_equal_the_loader(pieces):
             assert torch.equal(p, dict(ref.named_parameters())[name]), name
 
 
+@pytest.mark.parametrize("pieces", [1, 3])
+def test_dense_ranges_as_kernel_rows_equal_the_loader_and_their_digests(pieces):
+    """A seed's ranges through views of contiguous runs (``LoaderView.runs``) become rows of the
+    digest kernel, addresses worked out from integers: copied and digested in one pass, the
+    parameters equal to the loader's and each range's digest to its own; views of any other
+    layout have no runs, a range off the host makes no rows, and a run outside its parameter's
+    storage is refused before anything is written."""
+    from delta_sync.digest import row_spec, scan_rows
+    from patches.loader_views import dense_range_rows, param_extent
+
+    g = torch.Generator().manual_seed(pieces)
+    model = FusedStandIn()
+    views, _ = probe_views(model, [(n, s, torch.float32) for n, s in SPECS], whole=False)
+    assert views["q"].runs == (("qk", 0, 24, 0),) and views["k"].runs == (("qk", 0, 16, 24),)
+    assert views["cols"].runs is None and views["tr"].runs is None  # strided: the tensor path
+    params = dict(model.named_parameters())
+    extent = {n: param_extent(p) for n, p in params.items()}
+    spec = row_spec(torch.float32)
+    state = {n: torch.randn(s, generator=g) for n, s in SPECS if n in ("q", "k")}
+    rows, ranges = [], []
+    for n, t in state.items():
+        flat = t.reshape(-1)
+        cuts = sorted({0, flat.numel(), *torch.randint(1, flat.numel(), (pieces - 1,), generator=g).tolist()})
+        for a, b in zip(cuts, cuts[1:]):
+            got = dense_range_rows(views[n].runs, extent.get, flat[a:b], a, spec)
+            assert len(got) == 1
+            rows += got
+            ranges.append((flat[a:b], a))
+    assert not torch.equal(params["qk"], torch.cat([state["q"], state["k"]]))
+    assert scan_rows(rows) == scan_many([(v, a, None) for v, a in ranges])
+    assert torch.equal(params["qk"], torch.cat([state["q"], state["k"]]))  # written in the scan
+    assert dense_range_rows(views["q"].runs, lambda name: None, state["q"].reshape(-1), 0, spec) is None
+    assert dense_range_rows(views["q"].runs, extent.get, torch.randn(24, 2)[:, 0], 0, spec) is None
+    before = params["qk"].clone()
+    with pytest.raises(ValueError, match="outside its storage"):
+        dense_range_rows((("qk", 0, 24, 20),), extent.get, torch.randn(24), 0, spec)
+    assert torch.equal(params["qk"], before)  # nothing written
+
+
 class OddLoaders(torch.nn.Module):
     """Loaders that write parameters in ways a strided-copy view cannot replay."""
 

@@ -847,6 +847,37 @@ def test_scan_many_equals_scan_range_per_range(monkeypatch, threads):
     assert all(torch.equal(int_view(out), int_view(v)) for v, _, out in items if out is not None)  # others done
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_rows_from_addresses_digest_and_copy_as_scan_many(monkeypatch, threads):
+    """:func:`scan_rows` of :func:`range_row` rows (addresses worked out by the caller, as a seed's
+    writes through loader views do) gives each range :func:`scan_many`'s digest, Inf/NaN count and
+    copy, under a key, shared out over the threads; a range past the digest's positions is refused
+    when its row is made."""
+    import delta_sync.digest as dg
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    g = torch.Generator().manual_seed(threads)
+    key = dg.DigestKey(b"rows-test")
+    items, rows = [], []
+    for k, n in enumerate([5, 4096, 300, 70_000, 1, 9000]):
+        dtype = torch.bfloat16 if k % 3 else torch.float32
+        x = torch.randn(n, generator=g).to(dtype)
+        if n > 100:
+            x[n // 3] = float("nan")
+        out = torch.zeros_like(x) if k % 2 else None
+        items.append((x, 13 * k, out))
+        rows.append(dg.range_row(x.data_ptr(), n, 13 * k, dg.row_spec(dtype), 0 if out is None else out.data_ptr()))
+    want = dg.scan_many([(x, s, None) for x, s, _ in items], key=key)
+    assert dg.scan_rows(rows, key=key) == want and sum(b for _, b in want) == 4
+    assert dg.scan_rows(rows) == dg.scan_many([(x, s, None) for x, s, _ in items])  # the public key
+    for x, _, out in items:
+        if out is not None:
+            assert torch.equal(int_view(out), int_view(x))  # bit for bit, NaN included
+    with pytest.raises(ValueError, match="positions reach"):
+        dg.range_row(0, 8, dg.MAX_WORDS, dg.row_spec(torch.bfloat16))
+    with pytest.raises(TypeError, match="1-byte"):
+        dg.row_spec(torch.int8)
+
+
 def test_device_path_digests_many_ranges_with_one_sync(monkeypatch):
     """The torch-op digest (device tensors) of many ranges: small ones folded together in shared
     rows, large ones alone, cut in chunks; each range gets the host kernel's digest, count and
