@@ -44,7 +44,7 @@ import torch
 
 from . import native
 from .catalog import Catalog, CatalogBuilder, TableSlice, encode_table
-from .digest import PUBLIC, DigestKey, checksum_bytes, nonfinite_count, scan_many
+from .digest import PUBLIC, DigestKey, checksum_bytes, nonfinite_count, range_row, row_spec, scan_many, scan_rows
 from .errors import ChecksumMismatch, PatchValidationError
 from .patch import DTYPES, Patch, PatchBatch, dtype_name, first_true
 
@@ -162,25 +162,38 @@ class BucketPacker:
         return (self.direct_min_bytes is not None and take * p.values.element_size() >= self.direct_min_bytes
                 and (self.keep is not None or (p.values.device == device and p.values.is_contiguous())))
 
-    def _scan_dense(self, ranges: list[tuple[int, dict, Patch, int, int, torch.Tensor | None]], key: DigestKey
+    def _scan_dense(self, ranges: list[tuple[int, dict, Patch, int, int, torch.Tensor | None, int]], key: DigestKey
                     ) -> None:
-        """Per ``(position, entry, patch, done, take, out)``: copy the patch's values ``[done,
-        done+take)`` into ``out`` (None: only read them) while digesting them under ``key`` and
-        checking them for Inf/NaN (one pass over the source, all of a bucket's ranges spread over
-        the threads together); the digest, masked with the key's pad for the entry's position,
-        goes into the entry. Raises for the first range, in order, that holds Inf/NaN."""
+        """Per ``(position, entry, patch, done, take, buffer, at)``: copy the patch's values ``[done,
+        done+take)`` into ``buffer[at:at+take]`` (``buffer`` None: only read them) while digesting them
+        under ``key`` and checking them for Inf/NaN (one pass over the source, all of a bucket's
+        ranges spread over the threads together); the digest, masked with the key's pad for the
+        entry's position, goes into the entry. Raises for the first range, in order, that holds
+        Inf/NaN. Host ranges go to the kernel as rows of addresses (:func:`range_row`): a seed of
+        30B-A3B's ~19k tensors would otherwise pay a slice and a view or two per range."""
         t0 = time.perf_counter()
-        items = []
-        for _, _, p, done, take, out in ranges:
-            src = p.values[done:done + take]
+        items, rows, slots = [], [], []  # slots: per range, (True, row) or (False, item) position
+        specs: dict[torch.dtype, tuple[int, int, int]] = {}
+        for _, _, p, done, take, buf, at in ranges:
+            v = p.values
+            if v.is_cpu and (buf is None or buf.is_cpu) and v.is_contiguous():
+                spec = specs.get(v.dtype) or specs.setdefault(v.dtype, row_spec(v.dtype))
+                size = spec[0]
+                slots.append((True, len(rows)))
+                rows.append(range_row(v.data_ptr() + done * size, take, done, spec,
+                                      0 if buf is None else buf.data_ptr() + at * size))
+                continue
+            src, out = v[done:done + take], None if buf is None else buf.narrow(0, at, take)
+            slots.append((False, len(items)))
             if out is not None and src.device != out.device:  # the wire's device differs: move, then scan
                 out.copy_(src)
                 items.append((out, done, None))
             else:
                 items.append((src, done, out))
-        scanned = scan_many(items, key=key)
+        from_rows, from_items = scan_rows(rows, key=key), scan_many(items, key=key)
         self.digest_s += time.perf_counter() - t0
-        for (i, entry, p, done, take, _), (d, bad) in zip(ranges, scanned):
+        for (i, entry, p, done, take, _, _), (row, k) in zip(ranges, slots):
+            d, bad = from_rows[k] if row else from_items[k]
             if bad:
                 where = done + first_true(~torch.isfinite(p.values[done:done + take]))
                 raise PatchValidationError(p.name, f"non-finite value at flat index {where}", index=where,
@@ -328,19 +341,19 @@ class BucketPacker:
         sources: dict[int, torch.Tensor] = {}
         dense = []
         for i, (entry, p, done, take) in enumerate(fill.parts):
-            out = vals[entry["dtype"]].narrow(0, entry["value_offset"], take)
-            if p.dense and self._direct(p, take, out.device):
+            buf, at = vals[entry["dtype"]], entry["value_offset"]
+            if p.dense and self._direct(p, take, buf.device):
                 # a broadcast of its own, which a receiver may land in place; sent from the source
                 # itself (digested, not copied), or from the copy a snapshot keeps
                 entry["seg"] = True
                 kept_copy = self.keep is not None
-                dense.append((i, entry, p, done, take, out if kept_copy else None))
-                sources[i] = out if kept_copy else p.values.narrow(0, done, take)
+                dense.append((i, entry, p, done, take, buf if kept_copy else None, at))
+                sources[i] = buf.narrow(0, at, take) if kept_copy else p.values.narrow(0, done, take)
             elif p.dense:
-                dense.append((i, entry, p, done, take, out))
+                dense.append((i, entry, p, done, take, buf, at))
             else:
                 idx.narrow(0, entry["index_offset"], take).copy_(p.indices[done:done + take])
-                out.copy_(p.values[done:done + take])
+                buf.narrow(0, at, take).copy_(p.values[done:done + take])
         self._scan_dense(dense, key)
         return sources
 
@@ -582,6 +595,7 @@ class _Tiling:
 
     def __init__(self, bucket: Bucket, kept: str | None):
         self.bucket, self.kept = bucket, kept
+        self.where = f"bucket {bucket.header['seq']} of version {bucket.header['version']}"
         self.used = {k: 0 for k in bucket.values}  # value elements taken so far, per dtype
         self.used_idx = 0  # indices taken so far
         table = bucket.table  # its parts follow the entries' in every buffer
@@ -600,8 +614,8 @@ class _Tiling:
         if e.get("encoding") not in ("sparse", "dense"):
             raise self._refuse(name, f"unknown encoding {e.get('encoding')!r}")
         vals = self._values(i, e, name)
-        shape = tuple(int(s) for s in e["shape"])
-        if any(d < 0 for d in shape):
+        shape = tuple(map(int, e["shape"]))
+        if shape and min(shape) < 0:
             raise self._refuse(name, f"invalid shape {shape}")
         if e["encoding"] == "sparse":
             io, n = int(e["index_offset"]), int(e["count"])
@@ -634,8 +648,7 @@ class _Tiling:
             raise self._refuse(name, f"dense range [{start}, {start + n}) outside {numel} elements")
         if not isinstance(e.get("digest"), str):
             raise self._refuse(name, "dense entry without a digest")
-        h = self.bucket.header
-        e["_where"] = f"bucket {h['seq']} of version {h['version']}"  # for a later check's message
+        e["_where"] = self.where  # for a later check's message
         e["_key"], e["_at"] = self.bucket.key, i  # what a later check digests under, and where
 
     def check_covered(self) -> None:

@@ -47,6 +47,7 @@ from .accelerator import read_back
 #: each lane's modulus (lane sums from several parts add up modulo these)
 PRIMES = (32749, 32719, 32717, 32713)
 _LANES = len(PRIMES)
+_HEX = "%04x" * _LANES  # a digest's text: four hex digits per lane
 #: words per row of the key's first table (the kernel's unit: a row's weights stay in L1)
 KEY_ROW = 1 << 10
 #: rows per entry of the third table; positions reach ``KEY_ROW * KEY_ROW * T3`` words (8 GiB)
@@ -115,7 +116,7 @@ class DigestKey:
     def masked(self, digest: "Digest", i: int) -> str:
         """``(digest + self.pad(i)).hex()``: what the ``i``-th digest of a header says, in one step
         (a seed's header carries one per tensor: ~19k at 30B-A3B)."""
-        return "".join(f"{(x + m) % p:04x}" for x, m, p in zip(digest, self._pad(i), PRIMES))
+        return _HEX % tuple([(x + m) % p for x, m, p in zip(digest, self._pad(i), PRIMES)])
 
     def on(self, device: torch.device) -> tuple[torch.Tensor, ...]:
         """``(p, t1, t2, t3)`` on ``device`` as (lanes, 1) int64 and int32 / int64 / int64 tables
@@ -521,15 +522,35 @@ def range_row(src: int, count: int, start: int, spec: tuple[int, int, int], dst:
 
 def scan_rows(rows: list[tuple[int, ...]], key: DigestKey | None = None, lanes: bool = True
               ) -> list[tuple[Digest, int]]:
-    """:func:`scan_many` of :func:`range_row` rows: the rows shared out between the threads in
-    order, by words, each share one call of the kernel."""
+    """:func:`scan_many` of :func:`range_row` rows: shared out between the threads in order, by
+    words, each share one call of the kernel; a row larger than a thread's share (and than
+    ``_MIN_WORDS_PER_THREAD`` twice) is cut at element boundaries first and its pieces' digests
+    added up."""
     key = key or PUBLIC
     threads = max(1, torch.get_num_threads())
-    groups = native.contiguous_groups([r[1] for r in rows], threads)
-    got, error = native.run_spread([functools.partial(_digest_rows, rows[lo:hi], lanes, key) for lo, hi in groups])
+    share = sum(r[1] for r in rows) // threads
+    pieces, owner = [], []
+    for k, (src, n, word0, dst, mask, w) in enumerate(rows):
+        if threads == 1 or n <= share or n < 2 * _MIN_WORDS_PER_THREAD:
+            pieces.append((src, n, word0, dst, mask, w))
+            owner.append(k)
+            continue
+        step = -(-n // threads)
+        step += (-step) % w  # every piece starts on an element boundary
+        for at in range(0, n, step):
+            pieces.append((src + 2 * at, min(step, n - at), word0 + at, dst + 2 * at if dst else 0, mask, w))
+            owner.append(k)
+    groups = native.contiguous_groups([r[1] for r in pieces], threads)
+    got, error = native.run_spread([functools.partial(_digest_rows, pieces[lo:hi], lanes, key) for lo, hi in groups])
     if error is not None:
         raise error
-    return [d for part in got for d in part]
+    found = [d for part in got for d in part]
+    if len(pieces) == len(rows):
+        return found
+    out: list[tuple[Digest, int] | None] = [None] * len(rows)
+    for k, (d, bad) in zip(owner, found):
+        out[k] = (d, bad) if out[k] is None else (out[k][0] + d, out[k][1] + bad)
+    return out  # type: ignore[return-value]
 
 
 def _scan_device(items: list[tuple[torch.Tensor, int, torch.Tensor | None]], indices: list[int],

@@ -77,6 +77,7 @@ class BulkWrite:
         self._params = None
         self._extents: dict[str, tuple[int, int] | None] = {}  # host parameters' extents (the rows' targets)
         self._specs: dict[torch.dtype, tuple[int, int, int]] = {}
+        self._dtypes: dict[str, torch.dtype] = {}  # parameters' dtypes, read once per update
 
     def params(self) -> dict[str, torch.Tensor]:
         if self._params is None:
@@ -173,12 +174,16 @@ class BulkWrite:
         if known is not None and known != (p.shape, p.dtype):
             raise PatchValidationError(p.name, f"shape/dtype {p.shape}/{p.dtype} differ from the seeded "
                                        f"{known[0]}/{known[1]}", kept="needs_seed")
-        params = self.params()
-        wrong = next((params[seg.param].dtype for seg in view.segments if params[seg.param].dtype != p.dtype),
-                     None) if view is not None else None
-        if wrong is not None:  # copy_ would convert silently, and every later digest would disagree
-            raise PatchValidationError(p.name, f"arrives as {p.dtype} but the engine holds it as {wrong}; "
-                                       f"convert on the trainer (WeightSync(dtype={wrong}))", kept="needs_seed")
+        if view is None:
+            return
+        dtypes = self._dtypes
+        for seg in view.segments:
+            held = dtypes.get(seg.param)
+            if held is None:
+                held = dtypes[seg.param] = self.params()[seg.param].dtype
+            if held != p.dtype:  # copy_ would convert silently, and every later digest would disagree
+                raise PatchValidationError(p.name, f"arrives as {p.dtype} but the engine holds it as {held}; "
+                                           f"convert on the trainer (WeightSync(dtype={held}))", kept="needs_seed")
 
     def _write_range(self, entry: dict, p: Patch, placed: list[tuple[dict, Patch]], copies: list,
                      rows: list | None) -> None:

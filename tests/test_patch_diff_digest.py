@@ -851,9 +851,11 @@ def test_scan_many_equals_scan_range_per_range(monkeypatch, threads):
 def test_rows_from_addresses_digest_and_copy_as_scan_many(monkeypatch, threads):
     """:func:`scan_rows` of :func:`range_row` rows (addresses worked out by the caller, as a seed's
     writes through loader views do) gives each range :func:`scan_many`'s digest, Inf/NaN count and
-    copy, under a key, shared out over the threads; a range past the digest's positions is refused
-    when its row is made."""
+    copy, under a key, shared out over the threads (rows larger than a thread's share cut in
+    pieces, float32's two words apart never); a range past the digest's positions is refused when
+    its row is made."""
     import delta_sync.digest as dg
+    monkeypatch.setattr(dg, "_MIN_WORDS_PER_THREAD", 1 << 10)  # 70_000 and 9000: cut in pieces at 3 threads
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     g = torch.Generator().manual_seed(threads)
     key = dg.DigestKey(b"rows-test")
