@@ -93,7 +93,8 @@ class BitwiseDiff:
                 out[i] = got
         return out
 
-    def absorb_batched(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], same: bool = False
+    def absorb_batched(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], same: bool = False,
+                       widths: list[int] | None = None
                        ) -> tuple[list["Absorbed"], list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]]:
         """:meth:`absorb` of ``(old, new)`` pairs. Host tensors in whole words share a few calls of
         the host kernel (:func:`native.changed_batch`) per element width instead of paying its
@@ -101,7 +102,9 @@ class BitwiseDiff:
         one, as ``(indices, new bits, old bits)`` at their position of the list (None for the
         batched ones). All or nothing: if one fails, every ``old`` advanced here is put back before
         the error is raised. ``same``: the caller checked that each pair's two tensors share one
-        shape, dtype and device (the snapshot store does), so those checks are not made again."""
+        shape, dtype and device (the snapshot store does), so those checks are not made again;
+        ``widths`` (with ``same``): each ``old``'s :func:`kernel_width`, known to the caller (the
+        store works it out once per snapshot), so only the new tensors are looked at."""
         out: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = [None] * len(pairs)
         batches: list[Absorbed] = []
         batch: dict[int, list[int]] = {}  # element width -> pairs scanned together
@@ -109,7 +112,11 @@ class BitwiseDiff:
         native_ok = self.use_native and native.kernel() is not None  # (once, not per tensor)
         try:
             for i, (old, new) in enumerate(pairs):
-                if native_ok and (self._batchable_same(old, new) if same else self._batchable(old, new)):
+                if widths is not None and native_ok:  # (same): the snapshots' side known, the new tensors' checked
+                    ok = bool(widths[i]) and not new.data_ptr() & 7 and new.is_contiguous()
+                else:
+                    ok = native_ok and (self._batchable_same(old, new) if same else self._batchable(old, new))
+                if ok:
                     # split over the threads by words, whatever the tensors' sizes
                     batch.setdefault(old.element_size(), []).append(i)
                 elif self._flat(old, new):
@@ -146,9 +153,7 @@ class BitwiseDiff:
     def _batchable_same(snap: torch.Tensor, new: torch.Tensor) -> bool:
         """:meth:`_batchable` of a pair known to share shape, dtype and device: the kernel's own
         conditions."""
-        return (snap.is_cpu and (snap.data_ptr() | new.data_ptr()) % 8 == 0
-                and snap.numel() * snap.element_size() % 8 == 0 and snap.element_size() in native.WORD_WIDTHS
-                and snap.is_contiguous() and new.is_contiguous())
+        return bool(kernel_width(snap)) and not new.data_ptr() & 7 and new.is_contiguous()
 
     def _flat(self, snap: torch.Tensor, new: torch.Tensor) -> bool:
         """A torch-path pair (device tensors) that :meth:`_absorb_flat` can scan with others: whole
@@ -330,6 +335,16 @@ class Absorbed:
         """Put the members' snapshots (in member order) back as they were before the scan."""
         for snap, (idx, _, old) in zip(snapshots, self.parts()):
             restore(snap, idx, old)
+
+
+def kernel_width(snap: torch.Tensor) -> int:
+    """The element width with which the host kernel scans ``snap`` (host, contiguous, starting on an
+    8-byte word, a whole number of words, a width it takes) as the old side of a pair whose new
+    side shares its shape, dtype and device and also starts on a word, contiguous; 0 where it
+    does not."""
+    size = snap.element_size()
+    return size if (snap.is_cpu and not snap.data_ptr() & 7 and snap.numel() * size % 8 == 0
+                    and size in native.WORD_WIDTHS and snap.is_contiguous()) else 0
 
 
 def restore(snapshot: torch.Tensor, indices: torch.Tensor, old_bits: torch.Tensor) -> None:

@@ -30,7 +30,7 @@ from .transfer import BucketSender, SendStats
 #: A batch is read after the later tensors of it were produced, so a stream that reuses one
 #: buffer for every tensor must yield copies; a stream of fresh tensors (an export) has at most
 #: this many bytes of them alive, not yet diffed.
-DIFF_BATCH_TENSORS = 512
+DIFF_BATCH_TENSORS = 2048
 DIFF_BATCH_BYTES = 256 << 20
 
 

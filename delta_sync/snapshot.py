@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .diff import Absorbed, BitwiseDiff, restore, word_aligned
+from .diff import Absorbed, BitwiseDiff, kernel_width, restore, word_aligned
 from .errors import PatchValidationError
 from .patch import DTYPE_NAMES, INT32_MAX, Patch, PatchBatch, check_indexable, dtype_name
 
@@ -84,6 +84,8 @@ class SnapshotStore:
         self._base: dict[str, torch.Tensor] = {}
         self._staged: dict[str, _Staged] = {}
         self._spare: dict[str, torch.Tensor] = {}  # a reset snapshot's memory, reused by the next seed
+        #: each snapshot's kernel_width, worked out at its first diff (a snapshot's memory never moves)
+        self._widths: dict[str, int] = {}
         #: a delta's kernel batches: each one's old bits and the snapshots they go back into
         self._undo: list[tuple[Absorbed, list[torch.Tensor]]] = []
 
@@ -120,65 +122,76 @@ class SnapshotStore:
         (None at the others', and where nothing changed): no Python object per changed tensor."""
         out: list[Patch | PatchBatch | None] = [None] * len(items)
         diffs: list[tuple[int, torch.Tensor]] = []  # (item, its tensor on the snapshot's device)
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (its snapshot, that tensor), for the differ
+        widths: list[int] = []  # each snapshot's kernel_width
         fresh: list[tuple[int, torch.Tensor]] = []  # (item, its tensor): a snapshot copied into an arena
         names = set()
         on_host = self.device.type == "cpu"
-        staged = self._staged
+        staged, bases, known = self._staged, self._base, self._widths
         for i, (name, tensor) in enumerate(items):
             # (per tensor of a model's ~19k: the checks' calls only where one fails)
             if name in staged or name in names:
                 self._unstaged(name, names)
             names.add(name)
-            if tensor.dtype not in DTYPE_NAMES or tensor.numel() > INT32_MAX:
-                check_indexable(name, tensor.numel())
-                dtype_name(tensor.dtype, tensor=name)
-            base = self._base.get(name)
+            base = bases.get(name)
             new = tensor.detach() if tensor.requires_grad else tensor  # (the bits are read, never a graph)
             if not (new.is_cpu and on_host) and new.device != self.device:  # (is_cpu: no device object made)
                 new = new.to(self.device, non_blocking=False)
-            if base is not None and (base.shape != new.shape or base.dtype != new.dtype):
-                raise PatchValidationError(
-                    name, f"shape/dtype changed from {tuple(base.shape)}/{base.dtype} to "
-                    f"{tuple(new.shape)}/{new.dtype}; a changed model needs a new seed",
-                    kept=f"snapshot v{self.version}")
-            if full or base is None:
-                spare = self._spare.pop(name, None)
-                if spare is not None and spare.shape == new.shape and spare.dtype == new.dtype:
-                    copy = spare.copy_(new)  # a re-seed reuses the memory of the snapshot it replaces
-                elif new.data_ptr() == tensor.data_ptr() and new.numel() * new.element_size() % 8 == 0:
-                    fresh.append((i, new))
+            if base is not None:  # (its snapshot's dtype and size were checked when it was made)
+                if base.shape != new.shape or base.dtype != new.dtype:
+                    raise PatchValidationError(
+                        name, f"shape/dtype changed from {tuple(base.shape)}/{base.dtype} to "
+                        f"{tuple(new.shape)}/{new.dtype}; a changed model needs a new seed",
+                        kept=f"snapshot v{self.version}")
+                if not full:
+                    diffs.append((i, new))
+                    pairs.append((base, new))
+                    width = known.get(name)
+                    if width is None:
+                        width = known[name] = kernel_width(base)
+                    widths.append(width)
                     continue
-                else:
-                    copy = _own(new, tensor)
-                out[i] = Patch.full(name, copy)
-                self._staged[name] = _Staged(out[i].shape, copy)
+            elif tensor.dtype not in DTYPE_NAMES or tensor.numel() > INT32_MAX:
+                check_indexable(name, tensor.numel())
+                dtype_name(tensor.dtype, tensor=name)
+            spare = self._spare.pop(name, None)
+            if spare is not None and spare.shape == new.shape and spare.dtype == new.dtype:
+                copy = spare.copy_(new)  # a re-seed reuses the memory of the snapshot it replaces
+            elif new.data_ptr() == tensor.data_ptr() and new.numel() * new.element_size() % 8 == 0:
+                fresh.append((i, new))
+                continue
             else:
-                diffs.append((i, new))
+                copy = _own(new, tensor)
+            out[i] = Patch.full(name, copy)
+            self._staged[name] = _Staged(out[i].shape, copy)
         for i, copy in _arena_copies(fresh):
             out[i] = Patch.full(items[i][0], copy)
             self._staged[items[i][0]] = _Staged(out[i].shape, copy)
         if diffs:
-            self._diff(items, diffs, batched, out)
+            self._diff(items, diffs, pairs, widths, batched, out)
         return out
 
-    def _diff(self, items: list[tuple[str, torch.Tensor]], diffs: list[tuple[int, torch.Tensor]], batched: bool,
-              out: list) -> None:
-        """The diff of ``items[i]`` for each ``(i, new)`` of ``diffs``: snapshots advanced, their undo
-        kept, each one's patch (or its batch's) into ``out[i]``."""
-        base = self._base  # (prepare_many checked each pair's shape, dtype and device)
-        batches, single = self.differ.absorb_batched([(base[items[i][0]], new) for i, new in diffs], same=True)
+    def _diff(self, items: list[tuple[str, torch.Tensor]], diffs: list[tuple[int, torch.Tensor]],
+              pairs: list[tuple[torch.Tensor, torch.Tensor]], widths: list[int], batched: bool, out: list) -> None:
+        """The diff of ``items[i]`` for each ``(i, new)`` of ``diffs`` (``pairs``: its snapshot and
+        ``new``, each pair's shape, dtype and device checked; ``widths``: each snapshot's
+        :func:`kernel_width`): snapshots advanced, their undo kept, each one's patch (or its
+        batch's) into ``out[i]``."""
+        batches, single = self.differ.absorb_batched(pairs, same=True, widths=widths)
         # every snapshot advanced: each one's undo is kept before any patch is made (a failure
         # making one, a copy out of memory, must leave a rollback that puts all of them back)
-        for (i, new), got in zip(diffs, single):
-            if got is not None:
-                self._staged[items[i][0]] = _Staged(tuple(new.shape), undo=(got[0], got[2]))
+        alone = any(single)  # (a host store's pairs are all in the kernel's batches)
+        if alone:
+            for (i, new), got in zip(diffs, single):
+                if got is not None:
+                    self._staged[items[i][0]] = _Staged(tuple(new.shape), undo=(got[0], got[2]))
         for b in batches:  # the undo keeps the old bits, not the new ones the patches carry
-            self._undo.append((replace(b, new=None), [self._base[items[diffs[k][0]][0]] for k in b.members]))
-            for k in b.members:
-                self._staged[items[diffs[k][0]][0]] = _IN_BATCH
-        for (i, new), got in zip(diffs, single):
-            if got is not None:
-                out[i] = self._sparse_or_full(items[i], new, got[0], got[1])
+            self._undo.append((replace(b, new=None), [pairs[k][0] for k in b.members]))
+            self._staged.update(dict.fromkeys([items[diffs[k][0]][0] for k in b.members], _IN_BATCH))
+        if alone:
+            for (i, new), got in zip(diffs, single):
+                if got is not None:
+                    out[i] = self._sparse_or_full(items[i], new, got[0], got[1])
         for b in batches:
             if batched:
                 self._batch(items, diffs, b, out)
@@ -248,6 +261,7 @@ class SnapshotStore:
         for name, st in self._staged.items():
             if st.full is not None:  # (a delta's snapshots advanced during its diff already)
                 self._base[name] = st.full.reshape(st.shape)
+                self._widths.pop(name, None)
         self._staged.clear()
         self._undo.clear()
         self._spare.clear()
@@ -271,6 +285,7 @@ class SnapshotStore:
         self._undo.clear()
         self._spare.update(self._base)
         self._base.clear()
+        self._widths.clear()
         self.version = None
 
     def clear(self) -> None:
@@ -279,6 +294,7 @@ class SnapshotStore:
         self._staged.clear()
         self._undo.clear()
         self._base.clear()
+        self._widths.clear()
         self._spare.clear()
         self.version = None
 

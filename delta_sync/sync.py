@@ -120,10 +120,16 @@ class ShardedSource(Protocol):
 
 def default_name_map(name: str) -> str | None:
     """Module names of a Hugging Face model are its checkpoint names (``_orig_mod.`` / ``module.`` stripped)."""
-    for prefix in ("_orig_mod.", "module."):
+    if not name.startswith(_WRAPPERS):  # (one test per tensor of a model's ~19k)
+        return name
+    for prefix in _WRAPPERS:
         if name.startswith(prefix):
             name = name[len(prefix):]
     return name
+
+
+#: prefixes torch.compile and DDP/FSDP wrappers put before a module's names, in the order they nest
+_WRAPPERS = ("_orig_mod.", "module.")
 
 
 class SyncState(enum.Enum):
