@@ -193,7 +193,7 @@ DEFINE_DIFF_MANY(32, uint32_t)
 #define KEY_ROW 1024
 #define KEY_SHIFT 10
 
-static int64_t mod_p(int64_t x, int64_t p) { x %= p; return x < 0 ? x + p : x; }
+static int64_t mod_p128(__int128 x, int64_t p) { int64_t m = (int64_t)(x % p); return m < 0 ? m + p : m; }
 
 /* sum_j x[j] * t[j], j < m (scalar: a row's partial ends, hosts without AVX2) */
 static int64_t dot16(const int16_t *x, const int16_t *t, int64_t m) {
@@ -201,6 +201,32 @@ static int64_t dot16(const int16_t *x, const int16_t *t, int64_t m) {
     for (int64_t j = 0; j < m; ++j) s += (int32_t)x[j] * (int32_t)t[j];
     return s;
 }
+
+/* One lane's share of a row step (8 vectors of W words in v[], against the lane's table row t1):
+ * eight multiply-adds summed in int32 (|each| < 2**28: t1 < 2**12), then widened once into
+ * acc[l]. P: the intrinsics' prefix of the vector type VEC; LOAD, LO, HI: its unaligned load and
+ * its halves as the next narrower type. FOR_LANES: a step of every lane, unrolled for four (the
+ * accumulators stay in registers). */
+#define LANE_STEP(l, VEC, P, LOAD, LO, HI, W)                                                       \
+    do {                                                                                            \
+        const int16_t *t = t1 + (l) * KEY_ROW + j;                                                  \
+        VEC s = P##_madd_epi16(v[0], LOAD(t));                                                      \
+        for (int q = 1; q < 8; ++q) s = P##_add_epi32(s, P##_madd_epi16(v[q], LOAD(t + (W) * q)));   \
+        acc[l] = P##_add_epi64(acc[l], P##_add_epi64(P##_cvtepi32_epi64(LO(s)), P##_cvtepi32_epi64(HI(s)))); \
+    } while (0)
+#define FOR_LANES(STEP)                                                                             \
+    do {                                                                                            \
+        if (lanes == 4) { STEP(0); STEP(1); STEP(2); STEP(3); }                                     \
+        else for (int l = 0; l < lanes; ++l) STEP(l);                                               \
+    } while (0)
+#define LOAD256(p) _mm256_loadu_si256((const __m256i *)(p))
+#define LO256(s) _mm256_castsi256_si128(s)
+#define HI256(s) _mm256_extracti128_si256(s, 1)
+#define STEP256(l) LANE_STEP(l, __m256i, _mm256, LOAD256, LO256, HI256, 16)
+#define LOAD512(p) _mm512_loadu_si512((const void *)(p))
+#define LO512(s) _mm512_castsi512_si256(s)
+#define HI512(s) _mm512_extracti64x4_epi64(s, 1)
+#define STEP512(l) LANE_STEP(l, __m512i, _mm512, LOAD512, LO512, HI512, 32)
 
 #ifdef __AVX2__
 /* One whole row (KEY_ROW words): per lane sum_j x[j] * t1[j] into rows[l]; non-finite count;
@@ -219,22 +245,7 @@ static int64_t row_avx2(const int16_t *x, int16_t *y, int lanes, const int16_t *
             if (exp_mask)  /* -1 per matching word; at most 64 per slot per row */
                 vbad = _mm256_add_epi16(vbad, _mm256_and_si256(sel, _mm256_cmpeq_epi16(_mm256_and_si256(v[q], mask), mask)));
         }
-        /* eight multiply-adds summed in int32 (|each| < 2**28: t1 < 2**12), then widened once */
-#define ROW_LANE(l)                                                                                     \
-        do {                                                                                        \
-            const int16_t *t = t1 + (l) * KEY_ROW + j;                                              \
-            __m256i s = _mm256_madd_epi16(v[0], _mm256_loadu_si256((const __m256i *)t));            \
-            for (int q = 1; q < 8; ++q)                                                             \
-                s = _mm256_add_epi32(s, _mm256_madd_epi16(v[q], _mm256_loadu_si256((const __m256i *)(t + 16 * q)))); \
-            acc[l] = _mm256_add_epi64(acc[l], _mm256_add_epi64(                                     \
-                _mm256_cvtepi32_epi64(_mm256_castsi256_si128(s)), _mm256_cvtepi32_epi64(_mm256_extracti128_si256(s, 1)))); \
-        } while (0)
-        if (lanes == 4) {  /* unrolled: the four accumulators stay in registers */
-            ROW_LANE(0); ROW_LANE(1); ROW_LANE(2); ROW_LANE(3);
-        } else {
-            for (int l = 0; l < lanes; ++l) ROW_LANE(l);
-        }
-#undef ROW_LANE
+        FOR_LANES(STEP256);
     }
     int64_t buf[4];
     for (int l = 0; l < lanes; ++l) {
@@ -249,21 +260,51 @@ static int64_t row_avx2(const int16_t *x, int16_t *y, int lanes, const int16_t *
 }
 #endif
 
+#ifdef __AVX512BW__
+/* row_avx2 at twice the width (hosts with AVX-512BW): 32 words per vector, the non-finite test a
+ * compare into a bit mask (sel: the words counted) and a popcount */
+static int64_t row_avx512(const int16_t *x, int16_t *y, int lanes, const int16_t *t1, int16_t exp_mask,
+                          __mmask32 sel, int64_t *rows) {
+    __m512i acc[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
+                      _mm512_setzero_si512()};
+    int64_t bad = 0;
+    const __m512i mask = _mm512_set1_epi16(exp_mask);
+    for (int64_t j = 0; j < KEY_ROW; j += 256) {  /* 8 vectors: 256 words */
+        __m512i v[8];
+        for (int q = 0; q < 8; ++q) {
+            v[q] = _mm512_loadu_si512((const void *)(x + j + 32 * q));
+            if (y) _mm512_storeu_si512((void *)(y + j + 32 * q), v[q]);
+            if (exp_mask)
+                bad += __builtin_popcount((unsigned)_mm512_mask_cmpeq_epi16_mask(sel, _mm512_and_si512(v[q], mask), mask));
+        }
+        FOR_LANES(STEP512);
+    }
+    for (int l = 0; l < lanes; ++l) rows[l] = _mm512_reduce_add_epi64(acc[l]);
+    return bad;
+}
+#endif
+
 int64_t digest_words(const int16_t *w, int64_t n, int64_t k0, int lanes, const int64_t *p,
                      const int16_t *t1, const int16_t *t2, const int16_t *t3, int64_t t3_len,
                      int64_t *out, int16_t exp_mask, int64_t stride, int64_t phase, int16_t *dst) {
-    int64_t acc[4] = {0, 0, 0, 0}, bad = 0;
+    int64_t acc[4] = {0, 0, 0, 0}, bad = 0, block = -1;
+    __int128 part[4] = {0, 0, 0, 0};
     for (int64_t i = 0; i < n;) {
         int64_t k = k0 + i, j0 = k & (KEY_ROW - 1), m = KEY_ROW - j0;
         if (m > n - i) m = n - i;
         const int16_t *x = w + i;
         int64_t rows[4] = {0, 0, 0, 0};
         int counted = 0;
-#ifdef __AVX2__
+#if defined(__AVX512BW__) || defined(__AVX2__)
         /* the words counted: all (stride 1) or every other one (fp32's high words, odd slots) */
         if (m == KEY_ROW && (!exp_mask || stride == 1 || (stride == 2 && phase == 1 && i % 2 == 0))) {
+#ifdef __AVX512BW__
+            __mmask32 sel = stride == 1 ? (__mmask32)0xFFFFFFFFu : (__mmask32)0xAAAAAAAAu;
+            bad += row_avx512(x, dst ? dst + i : 0, lanes, t1, exp_mask, sel, rows);
+#else
             __m256i sel = stride == 1 ? _mm256_set1_epi16(-1) : _mm256_set1_epi32((int32_t)0xFFFF0000u);
             bad += row_avx2(x, dst ? dst + i : 0, lanes, t1, exp_mask, sel, rows);
+#endif
             counted = 1;
         } else
 #endif
@@ -276,14 +317,22 @@ int64_t digest_words(const int16_t *w, int64_t n, int64_t k0, int lanes, const i
             for (int64_t j = 0; j < m; ++j)
                 bad += ((((i + j) - phase) % stride) == 0) & ((x[j] & exp_mask) == exp_mask);
         }
-        int64_t r = k >> KEY_SHIFT;
-        for (int l = 0; l < lanes; ++l) {
-            int64_t weight = (int64_t)t2[l * KEY_ROW + (r & (KEY_ROW - 1))] * t3[l * t3_len + (r >> KEY_SHIFT)] % p[l];
-            acc[l] = (acc[l] + mod_p(rows[l], p[l]) * weight) % p[l];
+        /* a row weighs t2[r % R] * t3[r / R]: rows of one t3 block are summed against t2 exactly
+         * (|row| < 2**38, t2 < 2**15, R rows: < 2**63 in 128 bits), reduced and weighed by t3 once
+         * per block, not three divisions per row and lane */
+        int64_t r = k >> KEY_SHIFT, b = r >> KEY_SHIFT;
+        if (b != block) {
+            for (int l = 0; l < lanes; ++l) {
+                acc[l] = (acc[l] + mod_p128(part[l], p[l]) * (block < 0 ? 0 : t3[l * t3_len + block])) % p[l];
+                part[l] = 0;
+            }
+            block = b;
         }
+        for (int l = 0; l < lanes; ++l) part[l] += (__int128)rows[l] * t2[l * KEY_ROW + (r & (KEY_ROW - 1))];
         i += m;
     }
-    for (int l = 0; l < lanes; ++l) out[l] = acc[l];
+    for (int l = 0; l < lanes; ++l)
+        out[l] = block < 0 ? acc[l] : (acc[l] + mod_p128(part[l], p[l]) * t3[l * t3_len + block]) % p[l];
     return bad;
 }
 

@@ -48,6 +48,36 @@ def test_native_kernel_builds_here():
     assert not native.supports(torch.zeros(8, dtype=torch.float64))  # torch-op path
 
 
+def test_every_vector_flavour_of_the_kernel_gives_the_same_digests_and_diffs(monkeypatch, tmp_path):
+    """The kernel is built for the host's vector extensions (AVX-512BW, AVX2, neither); each flavour
+    this host can run, built apart, gives the digests, Inf/NaN counts, copies and diffs of the
+    one in use, so the flavours another host picks are tested here too."""
+    import delta_sync.digest as dg
+    if native.kernel() is None:
+        pytest.skip("no C compiler here: the host kernel is not built")
+    flavours = [f for f in ([], ["-mavx2"], native._cpu_flags()) if set(f) <= set(native._cpu_flags())]
+    monkeypatch.setenv("DELTA_SYNC_CACHE_DIR", str(tmp_path))
+    libs = []
+    for flags in flavours:
+        monkeypatch.setattr(native, "_cpu_flags", lambda flags=flags: flags)
+        libs.append(native.load(native._build()))
+    assert len(set(map(str, tmp_path.iterdir()))) == len(flavours)  # each flavour its own build
+    got = []
+    for lib in libs:
+        monkeypatch.setattr(native, "kernel", lambda lib=lib: lib)
+        found = []
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            x = (torch.randn(3 * dg.KEY_ROW + 77, generator=torch.Generator().manual_seed(1)) * 100).to(dtype)
+            x[[5, 2000]] = float("nan")
+            out = torch.zeros_like(x)
+            found.append((dg.scan_range(x, 999, copy_to=out), int_view(out).tolist()))
+            old, new = x.clone(), x.clone()
+            new.view(-1)[::7] += 1
+            found.append([t.tolist() for t in BitwiseDiff().changed(old, new)])
+        got.append(found)
+    assert all(f == got[0] for f in got[1:])
+
+
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.bfloat16, torch.float32, torch.int64])
 @pytest.mark.parametrize("pos_dtype", [torch.int32, torch.int64])
 def test_move_at_equals_torch_index_ops(dtype, pos_dtype):
@@ -761,7 +791,7 @@ def test_host_kernel_order_and_bounds_check_agrees_with_the_rules():
 @pytest.mark.parametrize("dots", ["int8_mm", "by_lane"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_host_kernel_equals_the_device_formula(dtype, dots, monkeypatch):
-    """The host kernel (per-row table products, AVX2 or scalar, threaded, optionally copying) gives the bits
+    """The host kernel (per-row table products, AVX-512, AVX2 or scalar, threaded, optionally copying) gives the bits
     of the torch-op lane sums that devices run, with the same non-finite count, at any length,
     offset and split; a copying scan leaves an exact copy. Both device formulas: the int8 matrix
     product (CUDA, and the host here) and the per-lane products (device types without one)."""
@@ -788,11 +818,17 @@ def test_host_kernel_equals_the_device_formula(dtype, dots, monkeypatch):
             assert list(got2) == want and bad2 == bad
             assert torch.equal(out.view(torch.int16 if dtype != torch.float32 else torch.int32),
                                x.view(torch.int16 if dtype != torch.float32 else torch.int32))
-    # extreme words over many rows: no intermediate sum overflows
-    for fill in (-32768, 32767):
-        words = torch.full((3 * 65536 + 17,), fill, dtype=torch.int16)
-        ref = dg.lane_sums(words, 5, 4, 0, 1).tolist()
-        got, _ = dg._scan_words(words, 5, 4, 0, 1, dg.PUBLIC)
+    # extreme words over many rows and across the position tables' blocks (KEY_ROW**2 words: the
+    # kernel sums a block's rows exactly, then reduces): no intermediate sum overflows
+    block = dg.KEY_ROW * dg.KEY_ROW
+    for fill in (-32768, 32767, None):
+        n, start = (3 * 65536 + 17, 5) if fill is not None else (2 * block + 5000, block - 1000)
+        words = torch.full((n,), fill, dtype=torch.int16) if fill is not None else \
+            torch.randint(-32768, 32768, (n,), generator=g, dtype=torch.int32).to(torch.int16)
+        if fill is None:
+            words[:block // 2] = -32768  # a block of the most negative words, then random ones
+        ref = dg.lane_sums(words, start, 4, 0, 1).tolist()
+        got, _ = dg._scan_words(words, start, 4, 0, 1, dg.PUBLIC)
         assert [v % p for v, p in zip(got, dg.PRIMES)] == [r % p for r, p in zip(ref[:4], dg.PRIMES)]
 
 
