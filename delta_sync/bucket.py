@@ -44,7 +44,8 @@ import torch
 
 from . import native
 from .catalog import Catalog, CatalogBuilder, TableSlice, encode_table
-from .digest import PUBLIC, DigestKey, checksum_bytes, nonfinite_count, range_row, row_spec, scan_many, scan_rows
+from .digest import (PUBLIC, DigestKey, checksum_bytes, digest_texts, nonfinite_count, range_row, row_spec,
+                     scan_many, scan_rows_table)
 from .errors import ChecksumMismatch, PatchValidationError
 from .patch import DTYPES, Patch, PatchBatch, dtype_name, first_true
 
@@ -190,15 +191,17 @@ class BucketPacker:
                 items.append((out, done, None))
             else:
                 items.append((src, done, out))
-        from_rows, from_items = scan_rows(rows, key=key), scan_many(items, key=key)
+        table = scan_rows_table(rows, key=key)  # the rows' digests, masked and written as text together
+        texts = digest_texts(key.masked_table(table, [r[0] for r, (row, _) in zip(ranges, slots) if row]))
+        bads = table[:, -1].tolist()
+        from_items = scan_many(items, key=key)
         self.digest_s += time.perf_counter() - t0
         for (i, entry, p, done, take, _, _), (row, k) in zip(ranges, slots):
-            d, bad = from_rows[k] if row else from_items[k]
-            if bad:
+            if bads[k] if row else from_items[k][1]:
                 where = done + first_true(~torch.isfinite(p.values[done:done + take]))
                 raise PatchValidationError(p.name, f"non-finite value at flat index {where}", index=where,
                                            kept=self.kept)
-            entry["digest"] = key.masked(d, i)
+            entry["digest"] = texts[k] if row else key.masked(from_items[k][0], i)
 
     def pack(self, patches: Iterable[Patch], close: bool = True) -> Iterator[Bucket]:
         """Yield buckets; with ``close`` the last one has ``header['last'] = True`` (possibly with no

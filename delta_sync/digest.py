@@ -113,6 +113,13 @@ class DigestKey:
             block = self._pads[b] = [tuple(words[k:k + _LANES]) for k in range(0, len(words), _LANES)]
         return block[at]
 
+    def masked_table(self, sums: torch.Tensor, positions: list[int]) -> torch.Tensor:
+        """:meth:`masked` of many digests at once, as numbers: ``sums`` (n, >= lanes) int64 lane
+        residues (a kernel's output rows) plus the pads of header ``positions``, mod the primes
+        (:func:`digest_texts` writes them as a header's texts, :func:`parse_texts` reads those)."""
+        pads = torch.tensor([self._pad(i) for i in positions], dtype=torch.int64).view(-1, _LANES)
+        return (sums[:, :_LANES] + pads) % self.p
+
     def masked(self, digest: "Digest", i: int) -> str:
         """``(digest + self.pad(i)).hex()``: what the ``i``-th digest of a header says, in one step
         (a seed's header carries one per tensor: ~19k at 30B-A3B)."""
@@ -491,12 +498,45 @@ def _native_many(items: list[tuple[torch.Tensor, int, torch.Tensor | None]], lan
 
 def _digest_rows(rows: list[tuple[int, ...]], lanes: bool, key: DigestKey) -> list[tuple[Digest, int]]:
     """One call of the kernel over ``rows`` (:data:`_ITEM` integers each), on this thread."""
-    out = torch.empty(len(rows), 5, dtype=torch.int64)
+    return _as_digests(_digest_table(rows, lanes, key))
+
+
+def _digest_table(rows: list[tuple[int, ...]], lanes: bool, key: DigestKey) -> torch.Tensor:
+    """:func:`_digest_rows` as the kernel writes it: (n, lanes + 1) int64, lane residues and the
+    Inf/NaN count per row."""
+    out = torch.empty(len(rows), _LANES + 1, dtype=torch.int64)
     if rows:
         table = torch.tensor(rows, dtype=torch.int64)
         native.kernel().digest_many(len(rows), table.data_ptr(), _LANES if lanes else 0, key.p.data_ptr(),
                                     key.t1.data_ptr(), key.t2.data_ptr(), key.t3.data_ptr(), T3, out.data_ptr())
-    return [(Digest.of_residues(r[:_LANES]), r[_LANES]) for r in out.tolist()]
+    return out
+
+
+def _as_digests(table: torch.Tensor) -> list[tuple[Digest, int]]:
+    return [(Digest.of_residues(r[:_LANES]), r[_LANES]) for r in table.tolist()]
+
+
+def digest_texts(masked: torch.Tensor) -> list[str]:
+    """The header texts (:meth:`Digest.hex`) of (n, lanes) residues, e.g. :meth:`DigestKey.masked_table`'s."""
+    raw = bytes(torch.stack([masked >> 8, masked & 255], -1).reshape(-1).tolist()).hex()
+    width = 4 * _LANES
+    return [raw[i:i + width] for i in range(0, len(raw), width)]
+
+
+def parse_texts(texts: list) -> torch.Tensor | None:
+    """What header digest texts say, (n, lanes) int64; None where one is not a digest's text (the
+    caller then names the entry, checking one by one)."""
+    try:
+        if texts and set(map(len, texts)) != {4 * _LANES}:
+            return None
+        raw = bytes.fromhex("".join(texts))
+    except (TypeError, ValueError):
+        return None
+    if len(raw) != 2 * _LANES * len(texts):  # (fromhex skips whitespace)
+        return None
+    pairs = torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(torch.int64).view(-1, _LANES, 2) \
+        if raw else torch.empty(0, _LANES, 2, dtype=torch.int64)
+    return pairs[..., 0] * 256 + pairs[..., 1]
 
 
 def row_spec(dtype: torch.dtype) -> tuple[int, int, int]:
@@ -522,35 +562,42 @@ def range_row(src: int, count: int, start: int, spec: tuple[int, int, int], dst:
 
 def scan_rows(rows: list[tuple[int, ...]], key: DigestKey | None = None, lanes: bool = True
               ) -> list[tuple[Digest, int]]:
-    """:func:`scan_many` of :func:`range_row` rows: shared out between the threads in order, by
-    words, each share one call of the kernel; a row larger than a thread's share (and than
-    ``_MIN_WORDS_PER_THREAD`` twice) is cut at element boundaries first and its pieces' digests
-    added up."""
+    """:func:`scan_many` of :func:`range_row` rows (:func:`scan_rows_table`, as digests)."""
+    return _as_digests(scan_rows_table(rows, key, lanes))
+
+
+def scan_rows_table(rows: list[tuple[int, ...]], key: DigestKey | None = None, lanes: bool = True
+                    ) -> torch.Tensor:
+    """:func:`scan_many` of :func:`range_row` rows, as one (n, lanes + 1) int64 table of lane
+    residues and Inf/NaN counts: shared out between the threads in order, by words, each share one
+    call of the kernel; a row larger than a thread's share (and than ``_MIN_WORDS_PER_THREAD``
+    twice) is cut at element boundaries first and its pieces' digests added up."""
     key = key or PUBLIC
     threads = max(1, torch.get_num_threads())
     share = sum(r[1] for r in rows) // threads
-    pieces, owner = [], []
-    for k, (src, n, word0, dst, mask, w) in enumerate(rows):
-        if threads == 1 or n <= share or n < 2 * _MIN_WORDS_PER_THREAD:
-            pieces.append((src, n, word0, dst, mask, w))
-            owner.append(k)
-            continue
-        step = -(-n // threads)
-        step += (-step) % w  # every piece starts on an element boundary
-        for at in range(0, n, step):
-            pieces.append((src + 2 * at, min(step, n - at), word0 + at, dst + 2 * at if dst else 0, mask, w))
-            owner.append(k)
+    pieces, owner = rows, None
+    if threads > 1 and rows and max(r[1] for r in rows) > max(share, 2 * _MIN_WORDS_PER_THREAD - 1):
+        pieces, owner = [], []
+        for k, (src, n, word0, dst, mask, w) in enumerate(rows):
+            if n <= share or n < 2 * _MIN_WORDS_PER_THREAD:
+                pieces.append((src, n, word0, dst, mask, w))
+                owner.append(k)
+                continue
+            step = -(-n // threads)
+            step += (-step) % w  # every piece starts on an element boundary
+            for at in range(0, n, step):
+                pieces.append((src + 2 * at, min(step, n - at), word0 + at, dst + 2 * at if dst else 0, mask, w))
+                owner.append(k)
     groups = native.contiguous_groups([r[1] for r in pieces], threads)
-    got, error = native.run_spread([functools.partial(_digest_rows, pieces[lo:hi], lanes, key) for lo, hi in groups])
+    got, error = native.run_spread([functools.partial(_digest_table, pieces[lo:hi], lanes, key) for lo, hi in groups])
     if error is not None:
         raise error
-    found = [d for part in got for d in part]
-    if len(pieces) == len(rows):
-        return found
-    out: list[tuple[Digest, int] | None] = [None] * len(rows)
-    for k, (d, bad) in zip(owner, found):
-        out[k] = (d, bad) if out[k] is None else (out[k][0] + d, out[k][1] + bad)
-    return out  # type: ignore[return-value]
+    table = got[0] if len(got) == 1 else torch.cat(got) if got else torch.empty(0, _LANES + 1, dtype=torch.int64)
+    if owner is None:
+        return table
+    out = torch.zeros(len(rows), _LANES + 1, dtype=torch.int64).index_add_(0, torch.tensor(owner), table)
+    out[:, :_LANES] %= key.p
+    return out
 
 
 def _scan_device(items: list[tuple[torch.Tensor, int, torch.Tensor | None]], indices: list[int],

@@ -245,7 +245,7 @@ class SnapshotStore:
         filled for this and gives up (a seed's bucket, see ``BucketPacker.keep``). A tensor on another
         device than the snapshot's, or not word-aligned for the diff kernel, is copied instead."""
         self._spare.pop(name, None)  # the replaced snapshot's memory goes as the new one arrives
-        if tensor.device != self.device or not word_aligned(tensor.view(-1)):
+        if tensor.device != self.device or not tensor.is_contiguous() or not word_aligned(tensor):
             self.prepare(name, tensor, full=True)
             return
         self._unstaged(name)
@@ -260,7 +260,7 @@ class SnapshotStore:
         """Fold every staged value into the snapshot: it now holds ``version``."""
         for name, st in self._staged.items():
             if st.full is not None:  # (a delta's snapshots advanced during its diff already)
-                self._base[name] = st.full.reshape(st.shape)
+                self._base[name] = st.full if st.full.shape == st.shape else st.full.reshape(st.shape)
                 self._widths.pop(name, None)
         self._staged.clear()
         self._undo.clear()

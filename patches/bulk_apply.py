@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 
 from delta_sync.bucket import check_dense_entry
-from delta_sync.digest import Digest, row_spec, scan_many, scan_range, scan_rows
+from delta_sync.digest import PUBLIC, Digest, parse_texts, row_spec, scan_many, scan_range, scan_rows_table
 from delta_sync.errors import DeltaSyncError, PatchValidationError
 from delta_sync.patch import DTYPES, Patch
 
@@ -238,19 +238,24 @@ class BulkWrite:
     def _scan_rows(self, rows: list[tuple[dict, Patch, list]]) -> None:
         """Copy and digest the ranges made rows (:meth:`_write_range`) in one pass, spread over the
         threads, and check each one's digest and finiteness after (the write has happened: a
-        mismatch leaves the worker needing a seed)."""
+        mismatch leaves the worker needing a seed): one compare for the bucket against its header's
+        texts, and range by range only to name the first that fails."""
         if not rows:
             return
-        key = next((e["_key"] for e, _, _ in rows if "_key" in e), None)
-        scans = iter(scan_rows([r for _, _, got in rows for r in got], key=key))
-        for entry, p, got in rows:
-            if len(got) == 1:
-                digest, bad = next(scans)
-            else:
-                digest, bad = Digest(), 0
-                for d, b in itertools.islice(scans, len(got)):
-                    digest, bad = digest + d, bad + b
-            check_dense_entry(entry, digest, bad, p.values, "needs_seed")
+        entries = [e for e, _, _ in rows]
+        key = entries[0].get("_key")
+        table = scan_rows_table([r for _, _, got in rows for r in got], key=key)
+        if len(table) != len(rows):  # ranges of several rows: their digests added up
+            owner = torch.tensor([k for k, (_, _, got) in enumerate(rows) for _ in got])
+            table = torch.zeros(len(rows), table.shape[1], dtype=torch.int64).index_add_(0, owner, table)
+            table[:, :-1] %= (key or PUBLIC).p
+        want = parse_texts([e.get("digest") for e in entries])
+        if key is not None and want is not None and all(e.get("_key") is key for e in entries) and \
+                bool((key.masked_table(table, [e["_at"] for e in entries]) == want).all()) and \
+                not bool(table[:, -1].any()):
+            return
+        for (entry, p, _), sums in zip(rows, table.tolist()):
+            check_dense_entry(entry, Digest.of_residues(sums[:-1]), sums[-1], p.values, "needs_seed")
 
     # ---- once every bucket arrived ---------------------------------------------------------------
     def check_complete(self, upd, kept: str) -> None:

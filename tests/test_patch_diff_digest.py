@@ -916,6 +916,25 @@ def test_rows_from_addresses_digest_and_copy_as_scan_many(monkeypatch, threads):
         dg.row_spec(torch.int8)
 
 
+def test_a_buckets_digest_texts_made_and_read_together_equal_one_by_one():
+    """A bucket's header digests written from a kernel table in one go (the packer's) are
+    :meth:`DigestKey.masked` of each, at every position, pad blocks crossed; read back (the
+    engine's compare) they give the masked residues; anything that is not a digest's text is
+    refused (None: the engine then checks entry by entry, naming the one that is wrong)."""
+    import delta_sync.digest as dg
+    key = dg.DigestKey.derive(b"k" * 32, "nonce")
+    g = torch.Generator().manual_seed(4)
+    n = dg.PAD_BLOCK + 37
+    sums = torch.stack([torch.randint(0, p, (n,), generator=g) for p in dg.PRIMES] + [torch.zeros(n, dtype=torch.int64)], 1)
+    positions = list(range(3, 3 + n))
+    texts = dg.digest_texts(key.masked_table(sums, positions))
+    assert texts == [key.masked(dg.Digest.of_residues(tuple(r[:4])), i) for r, i in zip(sums.tolist(), positions)]
+    assert torch.equal(dg.parse_texts(texts), key.masked_table(sums, positions))
+    assert dg.parse_texts([]).shape == (0, 4)
+    for bad in (texts[:1] + [texts[1][:-1]], texts[:1] + ["zz" * 8], [None], texts[:1] + ["00 1" * 4], [12]):
+        assert dg.parse_texts(bad) is None, bad
+
+
 def test_device_path_digests_many_ranges_with_one_sync(monkeypatch):
     """The torch-op digest (device tensors) of many ranges: small ones folded together in shared
     rows, large ones alone, cut in chunks; each range gets the host kernel's digest, count and
