@@ -45,7 +45,7 @@ import torch
 from . import native
 from .catalog import Catalog, CatalogBuilder, TableSlice, encode_table
 from .digest import (PUBLIC, DigestKey, checksum_bytes, digest_texts, nonfinite_count, range_row, row_spec,
-                     scan_many, scan_rows_table)
+                     rows_supported, scan_many, scan_rows_table)
 from .errors import ChecksumMismatch, PatchValidationError
 from .patch import DTYPES, Patch, PatchBatch, dtype_name, first_true
 
@@ -175,9 +175,10 @@ class BucketPacker:
         t0 = time.perf_counter()
         items, rows, slots = [], [], []  # slots: per range, (True, row) or (False, item) position
         specs: dict[torch.dtype, tuple[int, int, int]] = {}
+        as_rows = rows_supported()
         for _, _, p, done, take, buf, at in ranges:
             v = p.values
-            if v.is_cpu and (buf is None or buf.is_cpu) and v.is_contiguous():
+            if as_rows and v.is_cpu and (buf is None or buf.is_cpu) and v.is_contiguous():
                 spec = specs.get(v.dtype) or specs.setdefault(v.dtype, row_spec(v.dtype))
                 size = spec[0]
                 slots.append((True, len(rows)))

@@ -220,8 +220,9 @@ class BitwiseDiff:
             # the changed snapshots advance whole, in one multi-tensor copy (one launch for many on a
             # device, where an index_copy_ per tensor costs a launch and two views each)
             # (as integers: the float copy of CUDA's multi-tensor kernel rewrites a NaN's payload bits)
-            torch._foreach_copy_([olds[k].view(lane_dtype) for k in changed],
-                                 [news[k].view(lane_dtype) for k in changed])
+            if changed:  # (a batch where nothing changed: an empty list is an error there)
+                torch._foreach_copy_([olds[k].view(lane_dtype) for k in changed],
+                                     [news[k].view(lane_dtype) for k in changed])
         # the batch's changes stay in these buffers, a count per member (no split per tensor)
         return Absorbed(members, hits, elem, new_v, old_v)
 

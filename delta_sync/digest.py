@@ -549,6 +549,12 @@ def row_spec(dtype: torch.dtype) -> tuple[int, int, int]:
     return size, max(1, size // 2), mask - 65536 if mask > 32767 else mask
 
 
+def rows_supported() -> bool:
+    """Can host ranges go to :func:`scan_rows_table` (the host kernel is built and on)? Where not,
+    callers take :func:`scan_many` with tensors (its torch-op path)."""
+    return native.kernel() is not None
+
+
 def range_row(src: int, count: int, start: int, spec: tuple[int, int, int], dst: int = 0) -> tuple[int, ...]:
     """The kernel's row for ``count`` elements (of :func:`row_spec` ``spec``) at host address ``src``,
     checkpoint elements ``[start, start + count)``, copied to host address ``dst`` in the same pass

@@ -16,7 +16,8 @@ from typing import Protocol
 import torch
 
 from delta_sync.bucket import check_dense_entry
-from delta_sync.digest import PUBLIC, Digest, parse_texts, row_spec, scan_many, scan_range, scan_rows_table
+from delta_sync.digest import (PUBLIC, Digest, parse_texts, row_spec, rows_supported, scan_many, scan_range,
+                               scan_rows_table)
 from delta_sync.errors import DeltaSyncError, PatchValidationError
 from delta_sync.patch import DTYPES, Patch
 
@@ -139,7 +140,7 @@ class BulkWrite:
             placed: list[tuple[dict, Patch]] = []
             copies: list[tuple[dict, Patch, list]] = []
             rows: list[tuple[dict, Patch, list]] = []
-            whole = self.r.holds_whole_tensors()
+            whole = self.r.holds_whole_tensors() and rows_supported()  # (rows: the host kernel's)
             for entry, p in entries:
                 self._write_range(entry, p, placed, copies, rows if whole else None)
             self._scan_rows(rows)

@@ -324,6 +324,16 @@ def test_device_path_diffs_many_tensors_in_one_scan():
         assert torch.equal(int_view(o), int_view(b))
 
 
+def test_a_torch_op_batch_where_nothing_changed_advances_nothing():
+    """The torch-op diff (what device snapshots take) of a batch of separate snapshots none of
+    which changed: empty patches, the snapshots as they were (the batch's multi-tensor advance of
+    no tensor raised on every device, failing a delta of unchanged weights)."""
+    g = torch.Generator().manual_seed(12)
+    olds = [torch.randn(64, generator=g).bfloat16() for _ in range(5)]  # separate storages: no span
+    got = BitwiseDiff(use_native=False).advance_many([(f"t{i}", o, o.clone()) for i, o in enumerate(olds)])
+    assert [p.count for p, _ in got] == [0] * 5
+
+
 def test_advance_many_failing_in_one_batch_puts_every_snapshot_back(monkeypatch):
     monkeypatch.setattr(native, "MIN_WORDS_PER_THREAD", 2048)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
