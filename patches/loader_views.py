@@ -26,7 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from delta_sync import accelerator, native
-from delta_sync.digest import PRIMES, Digest, digest_range, element_sums, range_row
+from delta_sync.digest import PRIMES, Digest, digest_range, element_sums, range_row, row_spec, rows_supported, scan_rows
 
 
 @dataclass(frozen=True)
@@ -993,6 +993,53 @@ def _run_slices(seg: Segment, flat: torch.Tensor, src: torch.Tensor, start: int
     if lo >= hi:
         return None
     return flat.narrow(0, seg.dst_offset + lo - seg.src_offset, hi - lo), src.narrow(0, lo - start, hi - lo), lo
+
+
+def digest_views(views: list[LoaderView], params: dict[str, torch.Tensor]) -> list[tuple[Digest, int]]:
+    """:func:`digest_view` of each of ``views``: the contiguous segments of host parameters as rows
+    of the digest kernel read in one scan (a drift sweep or a verify names thousands of tensors:
+    no host round trip or tensor view per tensor), any other view through :func:`digest_view`."""
+    out: list[tuple[Digest, int] | None] = [None] * len(views)
+    rows, owner = [], []
+    extents: dict[str, tuple[int, int] | None] = {}
+    specs: dict[torch.dtype, tuple[int, int, int]] = {}
+    as_rows = rows_supported()
+    for k, view in enumerate(views):
+        made = _view_rows(view, params, extents, specs) if as_rows else None
+        if made is None:
+            out[k] = digest_view(view, params)
+            continue
+        rows += made
+        owner += [k] * len(made)
+    sums: dict[int, Digest] = {}
+    for k, (digest, _) in zip(owner, scan_rows(rows)):
+        sums[k] = sums[k] + digest if k in sums else digest
+    for k, digest in sums.items():
+        out[k] = (digest, sum(seg.numel for seg in views[k].segments))
+    return out  # type: ignore[return-value]
+
+
+def _view_rows(view: LoaderView, params: dict[str, torch.Tensor], extents: dict, specs: dict
+               ) -> list[tuple[int, ...]] | None:
+    """Rows of :func:`delta_sync.digest.range_row` reading each segment of ``view`` from its
+    parameter, where every segment is contiguous and its parameter on the host; else None."""
+    if not view.segments or not all(seg.contiguous for seg in view.segments):
+        return None
+    rows = []
+    for seg in view.segments:
+        param = params[seg.param]
+        if seg.param not in extents:
+            extents[seg.param] = param_extent(param) if param.is_cpu and param.element_size() > 1 else None
+        extent = extents[seg.param]
+        if extent is None:
+            return None
+        spec = specs.get(param.dtype) or specs.setdefault(param.dtype, row_spec(param.dtype))
+        address, room = extent
+        if seg.dst_offset + seg.numel > room:
+            raise ValueError(f"{view.name!r}: elements [{seg.dst_offset}, {seg.dst_offset + seg.numel}) of "
+                             f"parameter {seg.param!r} are outside its storage ({room} elements)")
+        rows.append(range_row(address + seg.dst_offset * spec[0], seg.numel, seg.src_offset, spec))
+    return rows
 
 
 def digest_view(view: LoaderView, params: dict[str, torch.Tensor]) -> tuple[Digest, int]:

@@ -54,7 +54,7 @@ from delta_sync.transfer import BULK_KINDS, ReceivedUpdate, receive_update
 from .bulk_apply import BulkWrite, covered
 from .delta_apply import DeltaPlan, ParamTable, apply_delta, layout_of, plan_delta, routes_for
 from .engine_options import EngineOptions
-from .loader_views import LoaderView, digest_view, probe_views, stage_routed
+from .loader_views import LoaderView, digest_views, probe_views, stage_routed
 from .receiver_guard import ReceiverGuard
 
 log = logging.getLogger(__name__)
@@ -421,12 +421,11 @@ class DeltaSyncReceiver:
             drift = self._loader_drift() if any(n in self.fallback_values for n in wanted) else []
             if drift:  # what the loader wrote changed behind the updates: no kept value vouches for it
                 out["loader_drift"] = drift
+            viewed = [name for name in wanted if name in self.views]
+            for name, (digest, count) in zip(viewed, digest_views([self.views[n] for n in viewed], params)):
+                d[name] = [digest.hex(), count, int(torch.Size(self.views[name].shape).numel())]
             for name in wanted:
-                view = self.views.get(name)
-                if view is not None:
-                    digest, count = digest_view(view, params)
-                    d[name] = [digest.hex(), count, int(torch.Size(view.shape).numel())]
-                elif name in self.fallback_values:  # what vLLM's loader was given (whole, on every worker)
+                if name not in self.views and name in self.fallback_values:  # what vLLM's loader was given
                     held = self.fallback_values[name]
                     d[name] = [DRIFTED if drift else digest_tensor(held).hex(), held.numel(), held.numel()]
             out["digests"] = d

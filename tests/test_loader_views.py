@@ -145,6 +145,27 @@ def test_dense_ranges_as_kernel_rows_equal_the_loader_and_their_digests(pieces):
     assert torch.equal(params["qk"], before)  # nothing written
 
 
+def test_many_views_digested_together_equal_one_by_one():
+    """A sweep's or a verify's digests of many views (contiguous segments read as kernel rows in one
+    scan, strided and transposed ones one by one, views of no segment) equal :func:`digest_view`
+    of each, counts included; a segment outside its parameter's storage is refused."""
+    from patches.loader_views import LoaderView, Segment, digest_views
+
+    g = torch.Generator().manual_seed(8)
+    model = FusedStandIn()
+    views, _ = probe_views(model, [(n, s, torch.float32) for n, s in SPECS], whole=False)
+    params = dict(model.named_parameters())
+    for n, t in {n: torch.randn(s, generator=g) for n, s in SPECS if n != "scaled"}.items():
+        apply_dense(views[n], params, t, None)
+    some = [views["q"], views["cols"], views["k"], views["tr"], LoaderView("none", (3,), torch.float32),
+            views["k"]]
+    assert digest_views(some, params) == [digest_view(v, params) for v in some]
+    assert digest_views([], params) == []
+    outside = LoaderView("outside", (40,), torch.float32, [Segment("qk", (40,), 0, (1,), 10, (1,))])
+    with pytest.raises(ValueError, match="outside its storage"):
+        digest_views([views["q"], outside], params)
+
+
 class OddLoaders(torch.nn.Module):
     """Loaders that write parameters in ways a strided-copy view cannot replay."""
 
