@@ -529,7 +529,10 @@ def parse_texts(texts: list) -> torch.Tensor | None:
     try:
         if texts and set(map(len, texts)) != {4 * _LANES}:
             return None
-        raw = bytes.fromhex("".join(texts))
+        joined = "".join(texts)
+        if joined != joined.lower():  # (what Digest.hex writes: a text compare would refuse the rest)
+            return None
+        raw = bytes.fromhex(joined)
     except (TypeError, ValueError):
         return None
     if len(raw) != 2 * _LANES * len(texts):  # (fromhex skips whitespace)

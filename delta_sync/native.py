@@ -70,10 +70,10 @@ def _cache_dir() -> Path:
     return Path(root)
 
 
-def _build() -> Path:
+def _build(vector_flags: list[str] | None = None) -> Path:
     cc = os.environ.get("CC", "cc")
     src = SOURCE.read_bytes()
-    flags = CFLAGS + _cpu_flags()
+    flags = CFLAGS + (_cpu_flags() if vector_flags is None else vector_flags)
     key = hashlib.sha256(src + " ".join([cc, *flags, sys.platform]).encode()).hexdigest()[:16]
     out = _cache_dir() / f"diff_kernel-{key}.so"
     if out.exists():
@@ -97,13 +97,20 @@ def kernel() -> ctypes.CDLL | None:
     """The loaded kernel library, or ``None`` (disabled, or no working C compiler)."""
     if os.environ.get("DELTA_SYNC_NATIVE_DIFF", "1") == "0":
         return None
-    try:
-        return load(_build())
-    except (OSError, subprocess.SubprocessError) as exc:
-        detail = getattr(exc, "stderr", b"") or b""
-        log.warning("host diff kernel unavailable (%s %s); using the torch-op diff",
-                    exc, detail.decode(errors="replace").strip()[:500])
-        return None
+    best = _cpu_flags()
+    # a compiler that refuses the host's widest vectors still builds the narrower kernel
+    tries = list(dict.fromkeys(tuple(f) for f in (best, [f for f in best if "avx512" not in f])))
+    for k, flags in enumerate(tries):
+        try:
+            return load(_build(list(flags)))
+        except (OSError, subprocess.SubprocessError) as exc:
+            detail = (getattr(exc, "stderr", b"") or b"").decode(errors="replace").strip()[:500]
+            if k + 1 < len(tries):
+                log.warning("host diff kernel with %s failed to build (%s %s); building it without", " ".join(flags),
+                            exc, detail)
+                continue
+            log.warning("host diff kernel unavailable (%s %s); using the torch-op diff", exc, detail)
+    return None
 
 
 def load(path: Path) -> ctypes.CDLL:

@@ -143,7 +143,6 @@ class BulkWrite:
             whole = self.r.holds_whole_tensors() and rows_supported()  # (rows: the host kernel's)
             for entry, p in entries:
                 self._write_range(entry, p, placed, copies, rows if whole else None)
-            self._scan_rows(rows)
             # ranges received in place, and the copies into whole-tensor views made in the pass that
             # digests them: one scan for the bucket, spread over the threads; checked in order after
             items = [(p.values, int(entry["start"]), None) for entry, p in placed]
@@ -162,6 +161,7 @@ class BulkWrite:
                 for d, b in itertools.islice(scans, len(hits)):
                     total, bad = total + d, bad + b
                 check_dense_entry(entry, total, bad, p.values, "needs_seed")
+            self._scan_rows(rows)  # (the copies' kind, checked after them as the copies were)
         except DeltaSyncError:
             raise
         except Exception as e:
@@ -246,7 +246,7 @@ class BulkWrite:
         entries = [e for e, _, _ in rows]
         key = entries[0].get("_key")
         table = scan_rows_table([r for _, _, got in rows for r in got], key=key)
-        if len(table) != len(rows):  # ranges of several rows: their digests added up
+        if any(len(got) != 1 for _, _, got in rows):  # ranges of several rows (or none): added up
             owner = torch.tensor([k for k, (_, _, got) in enumerate(rows) for _ in got])
             table = torch.zeros(len(rows), table.shape[1], dtype=torch.int64).index_add_(0, owner, table)
             table[:, :-1] %= (key or PUBLIC).p

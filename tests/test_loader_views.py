@@ -1,5 +1,7 @@
 """Loader views on stand-in modules whose loaders fuse, slice and transpose like vLLM's."""
 
+import types
+
 import pytest
 import torch
 
@@ -164,6 +166,58 @@ def test_many_views_digested_together_equal_one_by_one():
     outside = LoaderView("outside", (40,), torch.float32, [Segment("qk", (40,), 0, (1,), 10, (1,))])
     with pytest.raises(ValueError, match="outside its storage"):
         digest_views([views["q"], outside], params)
+
+
+class _StandInReceiver:
+    """What a seed's bulk writer reads and sets of a worker's receiver, around a plain module and
+    hand-made views (a stand-in: no vLLM here)."""
+
+    def __init__(self, model: torch.nn.Module, views: dict):
+        self.model, self.views = model, views
+        self.fallback, self.fallback_values, self.shapes = {}, {}, {}
+        self.channel = types.SimpleNamespace(device=torch.device("cpu"))
+        self.version, self.needs_seed, self.partial, self.last_error = 0, False, False, None
+
+    def probe(self, names_shapes) -> None:
+        pass
+
+    def holds_whole_tensors(self) -> bool:
+        return True
+
+    def kept(self) -> str:
+        return "v0"
+
+
+@pytest.mark.parametrize("order", ["empty first", "empty last"])
+def test_a_seed_bucket_of_ranges_of_several_rows_and_of_none_checks_each_against_its_own_digest(order):
+    """A bucket's ranges through whole-tensor views: one spans two parameters (two kernel rows), an
+    empty tensor's range makes none; each range's digest is the sum of its own rows (an empty one's
+    is zero), so correct values pass and are written, and a flipped bit fails naming its tensor."""
+    from delta_sync.bucket import BucketPacker, entry_patches
+    from delta_sync.digest import DigestKey
+    from delta_sync.errors import ChecksumMismatch
+    from delta_sync.patch import Patch
+    from patches.bulk_apply import BulkWrite
+    from patches.loader_views import LoaderView, Segment
+
+    model = torch.nn.Module()
+    model.a = torch.nn.Parameter(torch.zeros(8, dtype=torch.bfloat16), requires_grad=False)
+    model.b = torch.nn.Parameter(torch.zeros(8, dtype=torch.bfloat16), requires_grad=False)
+    views = {"x": LoaderView("x", (16,), torch.bfloat16, [Segment("a", (8,), 0, (1,), 0, (1,)),
+                                                          Segment("b", (8,), 8, (1,), 0, (1,))]),
+             "e": LoaderView("e", (0,), torch.bfloat16, [Segment("a", (0,), 0, (1,), 0, (1,))])}
+    x = torch.randn(16, generator=torch.Generator().manual_seed(2)).bfloat16()
+    patches = [Patch.full("e", torch.zeros(0, dtype=torch.bfloat16)), Patch.full("x", x)]
+    packer = BucketPacker(1, "seed", 1 << 20)
+    packer.keys = lambda nonce: DigestKey.derive(b"k" * 32, nonce)
+    (bucket,) = list(packer.pack(patches if order == "empty first" else patches[::-1]))
+    entries = entry_patches(bucket, check_dense=False)
+    assert [e["count"] for e, _ in entries] == ([0, 16] if order == "empty first" else [16, 0])
+    BulkWrite(_StandInReceiver(model, views)).apply_bucket(entries)
+    assert torch.equal(torch.cat([model.a, model.b]).view(torch.int16), x.view(torch.int16))
+    bucket.values["bfloat16"].view(torch.int16)[3] ^= 0x0100  # in flight, after the sender's digest
+    with pytest.raises(ChecksumMismatch, match="'x' values"):
+        BulkWrite(_StandInReceiver(model, views)).apply_bucket(entry_patches(bucket, check_dense=False))
 
 
 class OddLoaders(torch.nn.Module):

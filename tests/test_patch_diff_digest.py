@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from delta_sync import native
-from delta_sync.bucket import BucketPacker, TensorAssembler
+from delta_sync.bucket import BucketPacker, TensorAssembler, entry_patches
 from delta_sync.diff import BitwiseDiff, int_view, restore
-from delta_sync.digest import Digest, digest_elements, digest_range, digest_tensor
+from delta_sync.digest import Digest, DigestKey, digest_elements, digest_range, digest_tensor
 from delta_sync.errors import ChecksumMismatch, PatchValidationError
 from delta_sync.patch import Patch, PatchBatch, apply_patch
 from delta_sync.snapshot import SnapshotStore
@@ -118,6 +118,26 @@ def test_move_at_equals_torch_index_ops(dtype, pos_dtype):
     assert not native.move_at(base, pos, offset, values=vals.to(torch.float64))  # another dtype
     assert not native.move_at(base, pos, offset, values=vals[:-1])  # a count that does not match
     assert torch.equal(t, base)
+
+
+def test_a_compiler_that_refuses_the_widest_vectors_still_builds_the_kernel(monkeypatch, tmp_path, caplog):
+    """A compiler without AVX-512 support (flags refused) builds the AVX2 kernel instead of leaving
+    every scan on the torch-op path; the build that failed is logged."""
+    if "-mavx2" not in native._cpu_flags():
+        pytest.skip("the host has no AVX2: the narrower build would not run here")
+    cc = tmp_path / "cc"
+    cc.write_text('#!/bin/sh\ncase "$*" in *avx512*) echo "unknown flag" >&2; exit 1;; esac\nexec cc "$@"\n')
+    cc.chmod(0o755)
+    monkeypatch.setenv("DELTA_SYNC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("CC", str(cc))
+    monkeypatch.setattr(native, "_cpu_flags", lambda: ["-mavx2", "-mavx512f", "-mavx512bw"])
+    native.kernel.cache_clear()
+    try:
+        assert native.kernel() is not None and "failed to build" in caplog.text
+        x = torch.randn(5000).bfloat16()
+        assert digest_range(x, 3) == digest_range(x[:1000], 3) + digest_range(x[1000:], 1003)
+    finally:
+        native.kernel.cache_clear()
 
 
 @pytest.mark.parametrize("env", [{"DELTA_SYNC_NATIVE_DIFF": "0"}, {"CC": "/nonexistent/cc"}])
@@ -322,6 +342,51 @@ def test_device_path_diffs_many_tensors_in_one_scan():
         assert torch.equal(int_view(o), int_view(n))
         restore(o, patch.indices, old_bits)
         assert torch.equal(int_view(o), int_view(b))
+
+
+def test_a_snapshots_kernel_facts_are_forgotten_when_it_is_replaced():
+    """What the kernel needs of a snapshot is worked out at its first diff and kept: a seed that
+    replaces the snapshot (commit of a full value), a reset and a clear forget it, so a snapshot in
+    other memory is looked at again."""
+    store = SnapshotStore()
+    a, b = torch.randn(64).bfloat16(), torch.randn(6).bfloat16()  # b: 12 bytes, not whole words
+    store.prepare_many([("a", a.clone()), ("b", b.clone())])
+    store.commit(0)
+    store.prepare_many([("a", a + 1), ("b", b + 1)])
+    assert store._widths == {"a": 2, "b": 0}
+    store.commit(1)
+    store.prepare_many([("a", a)], full=True)
+    store.commit(2)
+    assert store._widths == {"b": 0}
+    store.reset()
+    assert store._widths == {}
+    store.prepare_many([("a", a), ("b", b)])
+    store.commit(3)
+    store.prepare_many([("a", a + 1), ("b", b)])
+    assert store._widths == {"a": 2, "b": 0}
+    store.clear()
+    assert store._widths == {}
+
+
+def test_a_bucket_whose_ranges_go_by_address_and_as_tensors_digests_each_right():
+    """The packer's ranges go to the kernel as rows of addresses where their source is contiguous
+    on the host and as tensors elsewhere (a strided source); in one bucket, mixed, each entry's
+    header digest is its own range's: the receiver's check of every range passes, and fails on
+    the range whose bytes changed."""
+    g = torch.Generator().manual_seed(13)
+    wide = torch.randn(40, 3, generator=g).bfloat16()
+    patches = [Patch.full("a", torch.randn(100, generator=g).bfloat16()),
+               Patch("s", (40,), torch.bfloat16, None, wide[:, 1]),  # strided: the tensor path
+               Patch.full("c", torch.randn(30, generator=g).float())]
+    packer = BucketPacker(1, "seed", 1 << 20)
+    packer.keys = lambda nonce: DigestKey.derive(b"m" * 32, nonce)
+    (bucket,) = list(packer.pack(patches))
+    got = entry_patches(bucket)  # every dense range's digest checked against its header entry
+    assert [p.name for _, p in got] == ["a", "s", "c"]
+    assert torch.equal(got[1][1].values.view(torch.int16), wide[:, 1].contiguous().view(torch.int16))
+    bucket.values["bfloat16"].view(torch.int16)[105] ^= 0x0100  # in "s"
+    with pytest.raises(ChecksumMismatch, match="'s' values"):
+        entry_patches(bucket)
 
 
 def test_a_torch_op_batch_where_nothing_changed_advances_nothing():
@@ -941,7 +1006,8 @@ def test_a_buckets_digest_texts_made_and_read_together_equal_one_by_one():
     assert texts == [key.masked(dg.Digest.of_residues(tuple(r[:4])), i) for r, i in zip(sums.tolist(), positions)]
     assert torch.equal(dg.parse_texts(texts), key.masked_table(sums, positions))
     assert dg.parse_texts([]).shape == (0, 4)
-    for bad in (texts[:1] + [texts[1][:-1]], texts[:1] + ["zz" * 8], [None], texts[:1] + ["00 1" * 4], [12]):
+    for bad in (texts[:1] + [texts[1][:-1]], texts[:1] + ["zz" * 8], [None], texts[:1] + ["00 1" * 4], [12],
+                texts[:1] + ["ABCDEF0123456789"]):  # (upper case: Digest.hex writes lower, a text compare refuses it)
         assert dg.parse_texts(bad) is None, bad
 
 
