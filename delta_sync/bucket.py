@@ -174,12 +174,11 @@ class BucketPacker:
         30B-A3B's ~19k tensors would otherwise pay a slice and a view or two per range."""
         t0 = time.perf_counter()
         items, rows, slots = [], [], []  # slots: per range, (True, row) or (False, item) position
-        specs: dict[torch.dtype, tuple[int, int, int]] = {}
         as_rows = rows_supported()
         for _, _, p, done, take, buf, at in ranges:
             v = p.values
             if as_rows and v.is_cpu and (buf is None or buf.is_cpu) and v.is_contiguous():
-                spec = specs.get(v.dtype) or specs.setdefault(v.dtype, row_spec(v.dtype))
+                spec = row_spec(v.dtype)
                 size = spec[0]
                 slots.append((True, len(rows)))
                 rows.append(range_row(v.data_ptr() + done * size, take, done, spec,

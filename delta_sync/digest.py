@@ -475,21 +475,19 @@ def _native_many(items: list[tuple[torch.Tensor, int, torch.Tensor | None]], lan
     kept, rows, error = [], [], None
     for k, (values, start, copy_to) in enumerate(items):
         try:
-            w, mask = _words_per_element(values), _EXP_MASK.get(values.dtype, 0)
             if values.is_contiguous() and values.element_size() > 1 and (
                     copy_to is None or (copy_to.is_contiguous() and copy_to.numel() == values.numel()
                                         and copy_to.element_size() == values.element_size())):
                 words, dst = values, copy_to  # their bytes as they are: no view per range
             else:
                 words, dst = _words(values), _copy_target(values, copy_to)
-            n = words.numel() * words.element_size() // 2
-            _check_span(start * w, n)
+            row = range_row(words.data_ptr(), values.numel(), start, row_spec(values.dtype),
+                            0 if dst is None else dst.data_ptr())
         except (TypeError, ValueError) as e:
             error = error or e
             continue
         kept.append((words, dst))  # alive until the call returns
-        rows.append((words.data_ptr(), n, start * w, 0 if dst is None else dst.data_ptr(),
-                     mask - 65536 if mask > 32767 else mask, w))
+        rows.append(row)
     out = _digest_rows(rows, lanes, key)
     if error is not None:
         raise error
@@ -542,9 +540,10 @@ def parse_texts(texts: list) -> torch.Tensor | None:
     return pairs[..., 0] * 256 + pairs[..., 1]
 
 
+@functools.cache
 def row_spec(dtype: torch.dtype) -> tuple[int, int, int]:
     """``(element size, 16-bit words per element, signed exponent mask)`` of ``dtype`` in a row of
-    :func:`range_row` (worked out once per dtype, not per row)."""
+    :func:`range_row` (worked out once per dtype, kept)."""
     size = torch.empty(0, dtype=dtype).element_size()
     if size == 1:
         raise TypeError(f"digest of 1-byte dtype {dtype} is not defined")
@@ -602,10 +601,15 @@ def scan_rows_table(rows: list[tuple[int, ...]], key: DigestKey | None = None, l
     if error is not None:
         raise error
     table = got[0] if len(got) == 1 else torch.cat(got) if got else torch.empty(0, _LANES + 1, dtype=torch.int64)
-    if owner is None:
-        return table
-    out = torch.zeros(len(rows), _LANES + 1, dtype=torch.int64).index_add_(0, torch.tensor(owner), table)
-    out[:, :_LANES] %= key.p
+    return table if owner is None else sum_rows(table, owner, len(rows), key)
+
+
+def sum_rows(table: torch.Tensor, owner: list[int], n: int, key: DigestKey | None = None) -> torch.Tensor:
+    """Rows of a :func:`scan_rows_table` added up into ``n`` (row ``k`` into ``owner[k]``): the
+    digests of disjoint parts add up to their whole's, mod the primes, and so do the Inf/NaN counts.
+    An owner of no row gets the empty digest."""
+    out = torch.zeros(n, _LANES + 1, dtype=torch.int64).index_add_(0, torch.tensor(owner, dtype=torch.int64), table)
+    out[:, :_LANES] %= (key or PUBLIC).p
     return out
 
 

@@ -16,8 +16,8 @@ from typing import Protocol
 import torch
 
 from delta_sync.bucket import check_dense_entry
-from delta_sync.digest import (PUBLIC, Digest, parse_texts, row_spec, rows_supported, scan_many, scan_range,
-                               scan_rows_table)
+from delta_sync.digest import (Digest, parse_texts, row_spec, rows_supported, scan_many, scan_range, scan_rows_table,
+                               sum_rows)
 from delta_sync.errors import DeltaSyncError, PatchValidationError
 from delta_sync.patch import DTYPES, Patch
 
@@ -77,7 +77,6 @@ class BulkWrite:
         self.placed = 0  # ranges received straight into the parameters
         self._params = None
         self._extents: dict[str, tuple[int, int] | None] = {}  # host parameters' extents (the rows' targets)
-        self._specs: dict[torch.dtype, tuple[int, int, int]] = {}
         self._dtypes: dict[str, torch.dtype] = {}  # parameters' dtypes, read once per update
 
     def params(self) -> dict[str, torch.Tensor]:
@@ -203,10 +202,7 @@ class BulkWrite:
             placed.append((entry, p))
             return
         if rows is not None and view is not None and view.runs is not None:
-            spec = self._specs.get(p.dtype)
-            if spec is None:
-                spec = self._specs[p.dtype] = row_spec(p.dtype)
-            got = dense_range_rows(view.runs, self._extent, p.values, start, spec)
+            got = dense_range_rows(view.runs, self._extent, p.values, start, row_spec(p.dtype))
             if got is not None:
                 rows.append((entry, p, got))
                 return
@@ -247,9 +243,7 @@ class BulkWrite:
         key = entries[0].get("_key")
         table = scan_rows_table([r for _, _, got in rows for r in got], key=key)
         if any(len(got) != 1 for _, _, got in rows):  # ranges of several rows (or none): added up
-            owner = torch.tensor([k for k, (_, _, got) in enumerate(rows) for _ in got])
-            table = torch.zeros(len(rows), table.shape[1], dtype=torch.int64).index_add_(0, owner, table)
-            table[:, :-1] %= (key or PUBLIC).p
+            table = sum_rows(table, [k for k, (_, _, got) in enumerate(rows) for _ in got], len(rows), key)
         want = parse_texts([e.get("digest") for e in entries])
         if key is not None and want is not None and all(e.get("_key") is key for e in entries) and \
                 bool((key.masked_table(table, [e["_at"] for e in entries]) == want).all()) and \

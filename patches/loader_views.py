@@ -26,7 +26,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from delta_sync import accelerator, native
-from delta_sync.digest import PRIMES, Digest, digest_range, element_sums, range_row, row_spec, rows_supported, scan_rows
+from delta_sync.digest import (PRIMES, Digest, digest_range, element_sums, range_row, row_spec, rows_supported,
+                               scan_rows_table, sum_rows)
 
 
 @dataclass(frozen=True)
@@ -962,13 +963,19 @@ def dense_range_rows(runs: tuple[tuple[str, int, int, int], ...], target, values
         extent = target(param)
         if extent is None:
             return None
-        address, room = extent
-        dst = dst_offset + lo - src_offset
-        if dst < 0 or dst + hi - lo > room:
-            raise ValueError(f"elements [{dst}, {dst + hi - lo}) of parameter {param!r} are outside its "
-                             f"storage ({room} elements)")
-        rows.append(range_row(src + (lo - start) * size, hi - lo, lo, spec, address + dst * size))
+        rows.append(range_row(src + (lo - start) * size, hi - lo, lo, spec,
+                              _run_address(extent, param, dst_offset + lo - src_offset, hi - lo, size)))
     return rows
+
+
+def _run_address(extent: tuple[int, int], param: str, first: int, count: int, size: int, where: str = "") -> int:
+    """The address of element ``first`` of parameter ``param`` (:func:`param_extent` ``extent``,
+    ``size`` bytes an element), refusing a run of ``count`` elements from there that leaves its storage."""
+    address, room = extent
+    if first < 0 or first + count > room:
+        raise ValueError(f"{where}elements [{first}, {first + count}) of parameter {param!r} are outside its "
+                         f"storage ({room} elements)")
+    return address + first * size
 
 
 def dense_range_target(view: LoaderView, params: dict[str, torch.Tensor], start: int, count: int
@@ -1002,25 +1009,22 @@ def digest_views(views: list[LoaderView], params: dict[str, torch.Tensor]) -> li
     out: list[tuple[Digest, int] | None] = [None] * len(views)
     rows, owner = [], []
     extents: dict[str, tuple[int, int] | None] = {}
-    specs: dict[torch.dtype, tuple[int, int, int]] = {}
     as_rows = rows_supported()
     for k, view in enumerate(views):
-        made = _view_rows(view, params, extents, specs) if as_rows else None
+        made = _view_rows(view, params, extents) if as_rows else None
         if made is None:
             out[k] = digest_view(view, params)
             continue
         rows += made
         owner += [k] * len(made)
-    sums: dict[int, Digest] = {}
-    for k, (digest, _) in zip(owner, scan_rows(rows)):
-        sums[k] = sums[k] + digest if k in sums else digest
-    for k, digest in sums.items():
-        out[k] = (digest, sum(seg.numel for seg in views[k].segments))
+    if rows:
+        for k, sums in enumerate(sum_rows(scan_rows_table(rows), owner, len(views)).tolist()):
+            if out[k] is None:
+                out[k] = (Digest.of_residues(sums[:-1]), sum(seg.numel for seg in views[k].segments))
     return out  # type: ignore[return-value]
 
 
-def _view_rows(view: LoaderView, params: dict[str, torch.Tensor], extents: dict, specs: dict
-               ) -> list[tuple[int, ...]] | None:
+def _view_rows(view: LoaderView, params: dict[str, torch.Tensor], extents: dict) -> list[tuple[int, ...]] | None:
     """Rows of :func:`delta_sync.digest.range_row` reading each segment of ``view`` from its
     parameter, where every segment is contiguous and its parameter on the host; else None."""
     if not view.segments or not all(seg.contiguous for seg in view.segments):
@@ -1033,12 +1037,9 @@ def _view_rows(view: LoaderView, params: dict[str, torch.Tensor], extents: dict,
         extent = extents[seg.param]
         if extent is None:
             return None
-        spec = specs.get(param.dtype) or specs.setdefault(param.dtype, row_spec(param.dtype))
-        address, room = extent
-        if seg.dst_offset + seg.numel > room:
-            raise ValueError(f"{view.name!r}: elements [{seg.dst_offset}, {seg.dst_offset + seg.numel}) of "
-                             f"parameter {seg.param!r} are outside its storage ({room} elements)")
-        rows.append(range_row(address + seg.dst_offset * spec[0], seg.numel, seg.src_offset, spec))
+        spec = row_spec(param.dtype)
+        rows.append(range_row(_run_address(extent, seg.param, seg.dst_offset, seg.numel, spec[0], f"{view.name!r}: "),
+                              seg.numel, seg.src_offset, spec))
     return rows
 
 

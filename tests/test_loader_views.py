@@ -218,6 +218,8 @@ def test_a_seed_bucket_of_ranges_of_several_rows_and_of_none_checks_each_against
     bucket.values["bfloat16"].view(torch.int16)[3] ^= 0x0100  # in flight, after the sender's digest
     with pytest.raises(ChecksumMismatch, match="'x' values"):
         BulkWrite(_StandInReceiver(model, views)).apply_bucket(entry_patches(bucket, check_dense=False))
+    (alone,) = list(packer.pack(patches[:1]))  # a bucket of the empty range only: no row at all
+    BulkWrite(_StandInReceiver(model, views)).apply_bucket(entry_patches(alone, check_dense=False))
 
 
 class OddLoaders(torch.nn.Module):
