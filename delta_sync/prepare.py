@@ -185,7 +185,10 @@ class DeltaDiff:
                 missing[0], f"left out of this delta with {len(missing) - 1} other seeded tensor(s): every "
                 "update must name every seeded tensor, or the engines would keep stale values", kept=self.kept)
         if self.sharded is not None:
-            self.sharded.seeded()
+            try:
+                self.sharded.seeded()
+            except Exception as e:  # noqa: BLE001 - raised by every rank alike, after the stream
+                self.failure = self.failure or e
         return ready
 
     def checked(self, patches: list[Patch | PatchBatch]) -> list[Patch | PatchBatch]:
@@ -264,7 +267,10 @@ class BulkRead:
             self.failures.append(PatchValidationError("<update>", f"a {self.kind} with no tensors (an empty or "
                                                       "exhausted stream?)", kept=self.tensors.kept))
         if self.sharded is not None:
-            self.sharded.seeded()  # collective on every rank, even one that failed
+            try:
+                self.sharded.seeded()  # collective on every rank, even one that failed
+            except Exception as e:  # noqa: BLE001 - the source refuses what it streamed (every rank alike)
+                self.failures.append(e)
         self.timings["drain_s"] = time.perf_counter() - t0
         self.agree(self.failures[0] if self.failures else None)
         self.agreed = True

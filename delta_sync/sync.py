@@ -100,7 +100,9 @@ class ShardedSource(Protocol):
 
     def seeded(self) -> None:
         """The reference stream of a seed or full update was just consumed (before its last bucket,
-        inside the engines' pause): settle whether its shard snapshots can be taken."""
+        inside the engines' pause): settle whether its shard snapshots can be taken. It may raise
+        (on every rank alike) to refuse what it streamed: the update then fails before the engines
+        commit it."""
 
     def local_patches(self) -> list[Ordered]:
         """This rank's changed entries since the committed version, staged for :meth:`commit`."""

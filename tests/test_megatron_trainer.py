@@ -35,10 +35,13 @@ def _train_and_sync(rank, world, port, path, tp, steps, transport, pp=1, ep=1):
 
     trainer = MegatronTrainer.from_hf(path, tp=tp, pp=pp, ep=ep, lr=1e-4)
     sources = {"reference": BridgeExportSource(trainer.bridge, trainer.model),
-               "fast": MegatronShardDelta(trainer.bridge, trainer.model),
+               # (its one-pass seed packs the parameters of up to 8k elements, converts larger ones
+               # then their probes)
+               "fast": MegatronShardDelta(trainer.bridge, trainer.model, packed_max_elements=8192),
                # the fast path with every change located among its runs element by element (what a
-               # parameter of many runs takes), not run by run
-               "fast, per element": MegatronShardDelta(trainer.bridge, trainer.model)}
+               # parameter of many runs takes), not run by run; its map learned in a probe pass before
+               # the seed's export, the other's in the export itself (one pass)
+               "fast, per element": MegatronShardDelta(trainer.bridge, trainer.model, one_pass=False)}
     # the load itself is exact: before training, the export is the checkpoint (row-parallel
     # weights used to load wrong at TP>1 over gloo, silently)
     ckpt = load_file(f"{path}/model.safetensors")
@@ -68,6 +71,10 @@ def _train_and_sync(rank, world, port, path, tp, steps, transport, pp=1, ep=1):
                 for runs in source._runs or []:
                     runs.few = None
     fast_ready = sources["fast"].ready() and any(r.few is not None for r in sources["fast"]._runs)  # run by run
+    # the one-pass map and the probe pass's: the same runs on every rank
+    maps = [(src._plan_names, [[x.tolist() for x in (r.local, r.length, r.seq, r.target)] for r in src._runs])
+            for src in (sources["fast"], sources["fast, per element"])]
+    same_map = bool(maps[0][1]) and maps[0] == maps[1] and all(sources["fast"].one_pass_split)
     # an independent full export, consumed by every rank, compared on rank 0 bit for bit
     exported = list(BridgeExportSource(trainer.bridge, trainer.model))
     mismatched = {k: receivers[k].mismatched(exported) if rank == 0 else [] for k in sources}
@@ -75,7 +82,7 @@ def _train_and_sync(rank, world, port, path, tp, steps, transport, pp=1, ep=1):
     for u in updaters.values():
         u.close()
     dist.barrier()
-    return kinds, mismatched, n_tensors, load_errors, fast_ready, rounds
+    return kinds, mismatched, n_tensors, load_errors, fast_ready, rounds, same_map
 
 
 @pytest.mark.parametrize("kind,world,tp,pp,ep,tensors", [
@@ -88,7 +95,8 @@ def test_trainer_reconstruction_equals_independent_export(kind, world, tp, pp, e
     and through the fast path (same changed elements per update, bit for bit)."""
     path = str(build(kind))
     results = run_ranks(_train_and_sync, world, path, tp, 3, "sparse_gloo", pp, ep, timeout=600)
-    kinds, mismatched, n_tensors, load_errors, fast_ready, rounds = results[0]
+    kinds, mismatched, n_tensors, load_errors, fast_ready, rounds, _ = results[0]
+    assert all(r[6] for r in results), "the one-pass map differs from the probe pass's (or took one way only)"
     assert all(r[3] == [] for r in results)  # every rank loaded exactly
     assert rounds and min(rounds) > 1, rounds  # the small-bucket deltas were gathered in rounds
     assert all(r[4] for r in results), "the fast path did not switch on (see the log), or mapped nothing run by run"
@@ -97,6 +105,62 @@ def test_trainer_reconstruction_equals_independent_export(kind, world, tp, pp, e
     assert kinds["fast"] == kinds["fast, per element"] == kinds["reference"]
     assert n_tensors == tensors and mismatched == {"reference": [], "fast": [], "fast, per element": []}
     assert all(r[0] == kinds for r in results)  # every rank reports the same updates
+
+
+def _one_pass_refused(rank, world, port, path):
+    """A seed whose one-pass export meets a conversion that computes (the final norm's adds one), then
+    the seed after it and a delta."""
+    import torch.distributed as dist
+
+    from delta_sync.errors import DeltaSyncError
+    from delta_sync.memory_receiver import MemoryReceiver
+    from launchers.megatron_trainer import MegatronTrainer
+    from update_weight import build_updater
+    from update_weight.args import UpdateWeightConfig
+    from update_weight.megatron_shard_delta import MegatronShardDelta
+
+    trainer = MegatronTrainer.from_hf(path, tp=2, lr=1e-4)
+    source = MegatronShardDelta(trainer.bridge, trainer.model)
+    task = next(t for t in source.tasks() if t.global_param_name.endswith("final_layernorm.weight"))
+    real = task.mapping.megatron_to_hf
+
+    def computing(weight, module):  # a conversion that adds instead of only moving elements
+        return {name: t + 1 for name, t in real(weight, module).items()}
+
+    task.mapping.megatron_to_hf = computing
+    receiver = MemoryReceiver() if rank == 0 else None
+    updater = build_updater(UpdateWeightConfig.of("delta", bucket_bytes=64 << 20), [receiver] if rank == 0 else [])
+    try:
+        updater.update_weights(source)
+        refused = None
+    except DeltaSyncError as e:
+        refused = str(e)
+    engine_version = receiver.version if rank == 0 else None
+    kinds, exact = [], []
+    for step in range(2):  # the seed (values alone, the map from a probe pass), then a delta
+        if step:
+            trainer.step(BATCH)
+        kinds.append(updater.update_weights(source).kind)
+        exported = list(source)  # (collective: every rank exports)
+        exact.append(receiver.mismatched(exported) if rank == 0 else [])
+        fast = source.ready()
+    updater.close()
+    dist.barrier()
+    return refused, engine_version, kinds, exact, fast
+
+
+def test_one_pass_seed_with_a_computing_conversion_is_refused_then_the_next_seed_exports_alone():
+    """The one-pass seed's values come out of a packed conversion: one that computes (here the final
+    norm's mapping adds one) garbles them. Every rank refuses that seed alike, naming the tensor, and
+    the engine never commits it; the next seed exports the values alone (the map in a probe pass, which
+    then disagrees with the export: the fast path stays off) and every later update is exact."""
+    results = run_ranks(_one_pass_refused, 2, str(build("dense")), timeout=600)
+    for refused, _, kinds, _, fast in results:
+        assert refused is not None and "seed refused" in refused, refused
+        assert kinds == ["seed", "delta"] and not fast
+    refused, engine_version, _, exact, _ = results[0]
+    assert "model.norm.weight" in refused and engine_version is None, (refused, engine_version)
+    assert exact == [[], []]
 
 
 def _digests_both_ways(rank, world, port, path, ep):

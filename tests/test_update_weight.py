@@ -191,6 +191,33 @@ def test_probe_ids_are_int32_where_every_rank_fits_and_name_their_rank():
     assert _own_mask(torch.empty(0, dtype=dtype), 0, shift) is True
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_one_pass_packing_carries_every_bit_and_id_through_data_movement(dtype):
+    """A one-pass seed converts each parameter as ``id << 32 | value bits`` (int64): any re-layout
+    Bridge does (transpose, cat, split) moves both halves together, and unpacking gives back the exact
+    bits (NaN payloads, -0.0, negative values: no sign leaking into the id) and the id of each element's
+    source; an output that did not stay int64 (a conversion that computes) gives no ids."""
+    import torch
+
+    from update_weight.megatron_shard_delta import _id_layout, _pack, _unpack
+
+    dt = getattr(torch, dtype)
+    w = torch.randn(6, 10).to(dt)
+    bits = w.view(torch.int16 if w.element_size() == 2 else torch.int32)
+    bits[0, :4] = torch.tensor([-1, -2, -(1 << (8 * w.element_size() - 1)), 0x7FC1], dtype=bits.dtype)  # NaNs, -0.0
+    rank, (shift, _) = 3, _id_layout(w.numel(), 4)
+    packed = _pack(w, rank, shift)
+    assert packed.dtype == torch.int64 and packed.shape == w.shape
+    moved = torch.cat([packed.t(), packed.t()[:2]])  # what a conversion does: re-lay, copy, cut
+    values, ids = _unpack(moved, dt)
+    expected = torch.cat([w.t(), w.t()[:2]])
+    assert values.dtype == dt and values.shape == expected.shape
+    assert torch.equal(values.view(bits.dtype), expected.contiguous().view(bits.dtype))
+    local = torch.arange(w.numel()).view(w.shape).add(rank << shift)
+    assert ids.dtype == torch.int32 and torch.equal(ids.view(expected.shape).long(), torch.cat([local.t(), local.t()[:2]]))
+    assert _unpack(moved.double(), dt)[1] is None  # (computed: no map from it)
+
+
 @pytest.mark.parametrize("long_runs", [True, False], ids=["rows-compared-as-slices", "elements-expanded"])
 def test_fast_path_seed_check_catches_one_differing_element(long_runs):
     """The fast path's map is checked against every seed's export (``_matches``): equal owned elements

@@ -32,7 +32,10 @@ moving, a dtype cast), the fast path stays off and every delta takes the referen
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import logging
+import operator
 import threading
 from dataclasses import dataclass
 from typing import Iterator
@@ -44,6 +47,7 @@ from delta_sync import collectives
 from delta_sync.accelerator import read_back
 from delta_sync.collectives import TrainerGroups
 from delta_sync.diff import BitwiseDiff, int_view, restore
+from delta_sync.errors import DeltaSyncError
 from delta_sync.digest import Digest, digest_elements, scan_many
 from delta_sync.gather import Ordered
 from delta_sync.patch import Patch
@@ -89,9 +93,20 @@ class MegatronShardDelta(BridgeExportSource):
     """A :class:`~delta_sync.sync.ShardedSource` over a Megatron model: the reference Bridge export for
     seeds, shard-local diffs for deltas. Use it where a :class:`BridgeExportSource` is used."""
 
-    def __init__(self, bridge, model: list, group=None):
+    def __init__(self, bridge, model: list, group=None, one_pass: bool = True,
+                 packed_max_elements: int | None = None):
         super().__init__(bridge, model)
         self.group = group
+        #: learn the map in the seed's own export where every rank's parameters allow it (see
+        #: :meth:`_plan_in_export`); else in a probe pass before it
+        self.one_pass = one_pass
+        #: a parameter of at most this many elements converts packed with its ids in a one-pass seed
+        self.packed_max_elements = PACKED_MAX_ELEMENTS if packed_max_elements is None else packed_max_elements
+        #: the last one-pass seed's tasks: (converted packed, converted then probed)
+        self.one_pass_split: tuple[int, int] | None = None
+        #: this seed's values come out of the one-pass conversion: checked against every rank's
+        #: shards as the map settles, and the seed refused at :meth:`seeded` if any disagrees
+        self._one_pass_seed = False
         self._groups: TrainerGroups | None = None  # made at the first plan (a collective)
         self.differ = BitwiseDiff()
         self.total_elements = 0
@@ -119,13 +134,19 @@ class MegatronShardDelta(BridgeExportSource):
 
     # ---- reference stream (seed / full) -------------------------------------------------------
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        if not self._planned:
-            self._plan()  # collective, before the export: every rank iterates at the same point
+        stream = None
+        if not self._planned:  # collective, before the export: every rank iterates at the same point
+            layout = self._one_pass_layout() if self.one_pass else None
+            if layout is not None:
+                stream = self._plan_in_export(*layout)
+            else:
+                self._plan()
         names, bad = [], []
-        for name, tensor in super().__iter__():
+        for name, tensor in stream or super().__iter__():
             names.append(name)
             self._shapes[name], self._dtypes[name] = tuple(tensor.shape), tensor.dtype
-            if self._runs is not None and not self._matches(name, tensor):
+            # (a one-pass seed's values are checked as its map settles)
+            if self._runs is not None and not self._one_pass_seed and not self._matches(name, tensor):
                 bad.append(name)
             yield name, tensor
         self._names = names
@@ -147,6 +168,17 @@ class MegatronShardDelta(BridgeExportSource):
 
     def seeded(self) -> None:
         ok = self._agree(self._runs is not None and self._problem is None)
+        one_pass, self._one_pass_seed = self._one_pass_seed, False
+        if one_pass and not ok:
+            # the values just streamed came out of the packed conversion, which disagreed with some
+            # rank's shards: they may not be Bridge's export. Refused on every rank alike (agreed);
+            # the next seed converts values alone and learns the map in a probe pass.
+            self.one_pass, self._planned, self._runs, self._seed_ok = False, False, None, False
+            raise DeltaSyncError(
+                "seed refused: the shard map learned in the seed's own export disagrees with the trainer's "
+                f"shards ({self._problem or 'on another rank'}), so the values sent may not be Bridge's export "
+                "(a conversion that computes rather than moves?); send a seed again: it exports the values "
+                "alone and learns the map in a separate probe pass")
         if not ok and not self._warned:
             self._warned = True
             log.warning("delta-sync fast path off, deltas use the reference export: %s",
@@ -159,7 +191,8 @@ class MegatronShardDelta(BridgeExportSource):
         self._off = self._off or not ok  # the map disagreed somewhere: the reference path from now on
 
     def expects_to_serve(self) -> bool:
-        return self._plan_ok and not self._off and not self._snap_failed
+        # (a one-pass seed learns its map as it streams: it serves, or the seed is refused)
+        return (self._plan_ok or self._one_pass_seed) and not self._off and not self._snap_failed
 
     def local_patches(self) -> list[Ordered]:
         per_seq: dict[int, list[tuple[torch.Tensor, torch.Tensor, bool]]] = {}  # (targets, bits, in order)
@@ -289,72 +322,138 @@ class MegatronShardDelta(BridgeExportSource):
         collectives.all_reduce(flag, self._host_group(), op=dist.ReduceOp.MIN)
         return bool(flag.item())
 
+    def _world(self) -> int:
+        return dist.get_world_size(self.group) if dist.is_initialized() else 1
+
     def _plan(self) -> None:
         """Probe Bridge's conversions once (collective) and keep this rank's runs."""
         self._planned = True
-        rank = self._rank()
-        world = dist.get_world_size(self.group) if dist.is_initialized() else 1
-        params: list[torch.Tensor] = []
-        pieces: dict[int, list] = {}  # local param k -> [(run starts, lengths, plan index, targets)]
-        names: list[str] = []
-        problem = None
-        # converted, owner not yet settled: (name, plan index, ids, local param k or None, id shift)
-        window: list[tuple[str, int | None, torch.Tensor, int | None, int]] = []
-        held = 0
-
-        def settle() -> str | None:
-            """Owners of the window's tensors, their runs noted: one exchange of codes for all of them."""
-            nonlocal held
-            found = None
-            owned = self._owned_many([(ids, k is not None, shift) for _, _, ids, k, shift in window], rank)
-            for (name, seq, ids, k, shift), mine in zip(window, owned):
-                if mine is None:
-                    found = found or f"no owner for some elements of {name}"
-                if seq is None or mine is None or mine is False or k is None:
-                    continue  # a rank owns only what it probed: ids name a task's own parameter
-                local, length, target = _owned_runs(ids, mine, base=rank << shift)
-                if length.numel():  # a parameter keeps a snapshot only if it owns some element
-                    pieces.setdefault(k, []).append((local, length, seq, target))
-            window.clear()
-            held = 0
-            return found
-
+        rank, world = self._rank(), self._world()
+        planner = _Planner(self, rank)
         for task in self.tasks():
-            k, shift = (len(params), _id_layout(task.param_weight.numel(), world)[0]) \
-                if task.param_weight is not None else (None, 0)
-            converted = self._convert_probe(task, rank, world)
-            if k is not None:
-                params.append(task.param_weight)
-            for name, ids in (converted or {}).items():
-                if name in names:
-                    problem = problem or f"{name} converted twice"
-                    seq = None  # still settled with the others: every rank takes part in the same exchanges
-                else:
-                    names.append(name)
-                    seq = len(names) - 1
-                ids = ids.reshape(-1).to("cpu")
-                window.append((name, seq, ids, k, shift))
-                held += ids.numel() * ids.element_size()
-                if len(window) >= _OWNER_WINDOW or held >= _OWNER_WINDOW_BYTES:
-                    problem = settle() or problem
-        problem = settle() or problem
+            k, shift = planner.param(task.param_weight, world)
+            for name, ids in (self._convert_probe(task, rank, world) or {}).items():
+                planner.add(name, ids, k, shift)
+        planner.finish()
 
-        self._keep_plan(names, problem, params, pieces)
-
-    def _convert_probe(self, task, rank: int, world: int) -> dict | None:
-        """Bridge's conversion of ``task`` applied to a probe of its local parameter: each element
-        holds its own id (``rank << shift | offset``); None-valued for a task without one here."""
-        probe, shift = None, 0
-        if task.param_weight is not None:
+    def _one_pass_layout(self) -> tuple[torch.dtype, list[bool]] | None:
+        """Where the seed's export can carry the map too: the one dtype of every rank's parameters
+        (at most 4 bytes) and, per task, whether its parameter is small enough to convert packed with
+        its ids (see :meth:`_plan_in_export`); None where not (several dtypes, a task list that differs
+        between ranks, ids of a small parameter beyond int32). Collective: an all-gather and an
+        all-reduce of one flag per task."""
+        world, tasks = self._world(), self.tasks()
+        code, fits = 0, 1
+        large = torch.zeros(len(tasks), dtype=torch.int32)
+        for i, task in enumerate(tasks):
             w = task.param_weight
-            shift, dtype = _id_layout(w.numel(), world)
-            probe = torch.arange(w.numel(), dtype=dtype).add_(rank << shift).reshape(w.shape).to(w.device)
+            if w is None:
+                continue
+            code |= 1 << (_ONE_PASS_DTYPES.index(w.dtype) if w.dtype in _ONE_PASS_DTYPES else len(_ONE_PASS_DTYPES))
+            if w.numel() > self.packed_max_elements:
+                large[i] = 1
+            else:
+                fits &= _id_layout(w.numel(), world)[1] is torch.int32
+        if dist.is_initialized():
+            group = self._host_group()
+            every = torch.empty(3 * dist.get_world_size(group), dtype=torch.int32)
+            collectives.all_gather_into_tensor(every, torch.tensor([code, fits, len(tasks)], dtype=torch.int32), group)
+            codes, fit, counts = every.view(-1, 3).t().tolist()
+            if len(set(counts)) > 1:  # (the same answer on every rank: each saw every count)
+                return None
+            collectives.all_reduce(large, group, op=dist.ReduceOp.MAX)  # peers of a task hold one size
+            code, fits = functools.reduce(operator.or_, codes), min(fit)
+        if not fits or code not in [1 << i for i in range(len(_ONE_PASS_DTYPES))]:
+            return None
+        return _ONE_PASS_DTYPES[code.bit_length() - 1], [not x for x in large.tolist()]
+
+    def _plan_in_export(self, dtype: torch.dtype, packed: list[bool]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Bridge's export of the seed, learning the map in the same pass over its tasks. A task whose
+        parameter is small (``packed``) goes in as one int64 per element, its probe id (``rank << shift
+        | offset``) in the high 32 bits and its value's bits in the low ones, and each converted tensor
+        comes out split into the values (yielded, as the export would) and the ids (the map): Bridge's
+        per-task collectives, which bound a model of many small tensors, are paid once. A large one
+        converts its values, then its probe right after (whose gathers move no bytes): packed, its
+        gathers would move 8 bytes per element instead of 2, which bounds a model of large tensors.
+
+        A conversion that computes instead of moving would garble a packed task's values and ids: as
+        each window of tensors settles its owners, every rank compares the values it owns with its
+        own shards, and :meth:`seeded` refuses the seed if any differs (collective, like the export)."""
+        self._planned, self._one_pass_seed = True, True
+        self.one_pass_split = (sum(packed), len(packed) - sum(packed))
+        rank, world = self._rank(), self._world()
+        planner = _Planner(self, rank)
+        bridge = self.bridge._model_bridge
+        of_task: dict[int, tuple[int | None, int]] = {}  # id(task) -> (local param k, id shift)
+        tasks = []
+        for task, pack in zip(self.tasks(), packed):
+            k, shift = planner.param(task.param_weight, world)
+
+            def probe(weight, module, mapping=task.mapping, shift=shift):
+                return self._probe_conversion(mapping, weight, module, rank, world)
+
+            task = dataclasses.replace(task, mapping=_OnePassMapping(task.mapping, rank, shift, probe if not pack else None))
+            of_task[id(task)] = (k, shift)
+            tasks.append(task)
+        split: dict[str, tuple[torch.Tensor, int | None, int]] = {}  # hf name -> (ids, k, shift)
+        real_modify = bridge.maybe_modify_converted_hf_weight
+        own = vars(bridge).get("maybe_modify_converted_hf_weight")
+
+        def modify(task, converted, hf_state):  # after Bridge's own modification: values and ids apart
+            k, shift = of_task[id(task)]
+            mapping = task.mapping
+            out = {}
+            try:
+                got = real_modify(task, converted, hf_state) or {}
+                if mapping.probe is not None:  # values as they are, the ids from the probe converted after them
+                    ids = real_modify(task, mapping.ids or {}, {}) or {}
+                    out = got
+                    split.update((name, (ids[name], k, shift)) for name in got if name in ids)
+                    return out
+                for name, both in got.items():
+                    out[name], ids = _unpack(both, dtype)
+                    if ids is None:
+                        planner.problem = planner.problem or f"{name} converted to {both.dtype}, not int64"
+                        continue
+                    split[name] = (ids, k, shift)
+            finally:  # mappings cache the (shape, dtype) they broadcast: forget the packed ones
+                _clear_caches(mapping.real)
+                mapping.ids = None
+            return out
+
+        bridge.maybe_modify_converted_hf_weight = modify
+        try:  # (AutoBridge.export_hf_weights, on the one model bridge whose modification is wrapped)
+            for name, values in bridge.stream_weights_megatron_to_hf(
+                    self.model, self.bridge.hf_pretrained, cpu=True, show_progress=False, conversion_tasks=tasks):
+                got = split.pop(name, None)
+                if got is not None:
+                    planner.add(name, got[0], got[1], got[2], values=values)
+                yield name, values
+        finally:
+            if own is None:
+                del bridge.maybe_modify_converted_hf_weight
+            else:
+                bridge.maybe_modify_converted_hf_weight = own
+        planner.finish()
+
+    def _probe_conversion(self, mapping, weight: torch.Tensor | None, module, rank: int, world: int) -> dict | None:
+        """``mapping``'s conversion of a probe of ``weight``: each element holds its own id (``rank <<
+        shift | offset``); None-valued where this rank holds no parameter of the task."""
+        probe, shift = None, 0
+        if weight is not None:
+            shift, dtype = _id_layout(weight.numel(), world)
+            probe = torch.arange(weight.numel(), dtype=dtype).add_(rank << shift).reshape(weight.shape).to(weight.device)
         try:
             with _peer_probes(rank, shift, self.group):
-                converted = task.mapping.megatron_to_hf(probe, task.megatron_module)
-            return self.bridge._model_bridge.maybe_modify_converted_hf_weight(task, converted or {}, {})
+                return mapping.megatron_to_hf(probe, module)
         finally:  # mappings cache the (shape, dtype) they broadcast: forget the probe's
-            _clear_caches(task.mapping)
+            _clear_caches(mapping)
+
+    def _convert_probe(self, task, rank: int, world: int) -> dict | None:
+        """Bridge's conversion of ``task`` applied to a probe of its local parameter, modified as the
+        export modifies it."""
+        converted = self._probe_conversion(task.mapping, task.param_weight, task.megatron_module, rank, world)
+        return self.bridge._model_bridge.maybe_modify_converted_hf_weight(task, converted or {}, {})
 
     def _keep_plan(self, names: list[str], problem: str | None, params: list[torch.Tensor],
                    pieces: dict[int, list]) -> None:
@@ -410,20 +509,145 @@ class MegatronShardDelta(BridgeExportSource):
         s = self._plan_index.get(source)
         if s is None:
             return True  # reported as a name mismatch after the stream
-        exported = int_view(tensor.detach().reshape(-1))
         for k in self._params_of.get(s, []):
             runs = self._runs[k]
-            flat = exported.to(runs.param.device)  # one device per comparison
             sel = runs.seq == s
-            local, length, target = runs.local[sel], runs.length[sel], runs.target[sel]
-            mine = int_view(runs.param.detach())
-            if _long(length):  # whole rows or tensors: compare run by run, no index expansion
-                if not all(torch.equal(mine.narrow(0, lo, n), flat.narrow(0, t, n))
-                           for lo, t, n in zip(local.tolist(), target.tolist(), length.tolist())):
-                    return False
-            elif not torch.equal(mine.take(_expand(local, length)), flat.take(_expand(target, length))):
+            if not _same_bits(runs.param, tensor, runs.local[sel], runs.length[sel], runs.target[sel]):
                 return False
         return True
+
+
+class _Planner:
+    """The shard map as converted tensors' ids arrive (a probe pass, or the seed's one-pass export):
+    each window of tensors has its owners settled in one exchange of codes, this rank's runs noted,
+    and, where the values came with the ids, the values this rank owns compared with its shards."""
+
+    def __init__(self, source: "MegatronShardDelta", rank: int):
+        self.source, self.rank = source, rank
+        self.params: list[torch.Tensor] = []
+        self.pieces: dict[int, list] = {}  # local param k -> [(run starts, lengths, plan index, targets)]
+        self.names: list[str] = []
+        self.seen: set[str] = set()
+        self.problem: str | None = None
+        # converted, owner not yet settled: (name, plan index, ids, local param k or None, id shift, values)
+        self.window: list[tuple] = []
+        self.held = 0
+
+    def param(self, weight: torch.Tensor | None, world: int) -> tuple[int | None, int]:
+        """``(k, id shift)`` of a task's local parameter (``(None, 0)`` where this rank holds none)."""
+        if weight is None:
+            return None, 0
+        self.params.append(weight)
+        return len(self.params) - 1, _id_layout(weight.numel(), world)[0]
+
+    def add(self, name: str, ids: torch.Tensor, k: int | None, shift: int, values: torch.Tensor | None = None) -> None:
+        if name in self.seen:
+            self.problem = self.problem or f"{name} converted twice"
+            seq = None  # still settled with the others: every rank takes part in the same exchanges
+        else:
+            self.seen.add(name)
+            self.names.append(name)
+            seq = len(self.names) - 1
+        ids = ids.reshape(-1).to("cpu")
+        self.window.append((name, seq, ids, k, shift, values))
+        self.held += ids.numel() * ids.element_size() + (values.numel() * values.element_size() if values is not None else 0)
+        if len(self.window) >= _OWNER_WINDOW or self.held >= _OWNER_WINDOW_BYTES:
+            self.settle()
+
+    def settle(self) -> None:
+        """Owners of the window's tensors, their runs noted: one exchange of codes for all of them."""
+        window = self.window
+        owned = self.source._owned_many([(ids, k is not None, shift) for _, _, ids, k, shift, _ in window], self.rank)
+        for (name, seq, ids, k, shift, values), mine in zip(window, owned):
+            if mine is None:
+                self.problem = self.problem or f"no owner for some elements of {name}"
+            if seq is None or mine is None or mine is False or k is None:
+                continue  # a rank owns only what it probed: ids name a task's own parameter
+            local, length, target = _owned_runs(ids, mine, base=self.rank << shift)
+            if not length.numel():
+                continue  # a parameter keeps a snapshot only if it owns some element
+            self.pieces.setdefault(k, []).append((local, length, seq, target))
+            if values is not None and not _same_bits(self.params[k], values, local, length, target):
+                self.problem = self.problem or f"map disagrees with the exported values of {name}"
+        self.window, self.held = [], 0
+
+    def finish(self) -> None:
+        self.settle()
+        self.source._keep_plan(self.names, self.problem, self.params, self.pieces)
+
+
+class _OnePassMapping:
+    """A task's mapping in a one-pass seed (:meth:`MegatronShardDelta._plan_in_export`): without
+    ``probe``, the parameter goes through the real conversion packed with its ids (``id << 32 | value
+    bits``, int64); with it, the values convert as they are and ``probe`` converts the ids right after
+    (kept in :attr:`ids`). Every other attribute is the real mapping's."""
+
+    def __init__(self, real, rank: int, shift: int, probe=None):
+        self.real, self.rank, self.shift, self.probe = real, rank, shift, probe
+        self.ids: dict | None = None
+
+    def megatron_to_hf(self, weight, module):
+        if self.probe is None:
+            return self.real.megatron_to_hf(None if weight is None else _pack(weight, self.rank, self.shift), module)
+        values = self.real.megatron_to_hf(weight, module)
+        _clear_caches(self.real)
+        self.ids = self.probe(weight, module)
+        return values
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+#: a parameter of more elements than this converts its values and its probe ids apart in a one-pass
+#: seed: packed, Bridge's gathers of it would move 8 bytes per element instead of 2 (+ the probe's
+#: none), and bytes, not the conversion's collectives, bound a tensor this large (on this host's gloo
+#: a 0.33B MoE of 3M-element experts seeded 2x slower packed, a 4-layer 30B-A3B skeleton of 2k-element
+#: experts 1.8x faster)
+PACKED_MAX_ELEMENTS = 1 << 18
+
+#: the parameter dtypes whose bits ride beside a probe id in one int64 (one-pass seeds)
+_ONE_PASS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _pack(weight: torch.Tensor, rank: int, shift: int) -> torch.Tensor:
+    """``(rank << shift | offset) << 32 | bits`` of each element of ``weight``, int64, its shape: written
+    as the int64's two 32-bit words (little-endian, as every host and accelerator here: the low word
+    first), the value's bits zero-extended into the low one."""
+    n = weight.numel()
+    words = torch.empty(n, 2, dtype=torch.int32, device=weight.device)
+    bits = int_view(weight.detach())
+    if bits.element_size() == 2:
+        halves = words.view(torch.int16)  # (n, 4): the low word's two halves first
+        halves[:, 0] = bits
+        halves[:, 1] = 0
+    else:
+        words[:, 0] = bits
+    words[:, 1] = torch.arange(rank << shift, (rank << shift) + n, dtype=torch.int32, device=weight.device)
+    return words.view(torch.int64).view(weight.shape)
+
+
+def _unpack(packed: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(values of dtype, int32 ids)`` of a converted packed tensor (:func:`_pack`'s words read back);
+    ``(something of its shape, None)`` where the conversion did not keep int64 (it computed: the seed is
+    refused)."""
+    if packed.dtype != torch.int64:
+        return packed.to(dtype), None
+    flat = packed.reshape(-1)
+    width = torch.empty((), dtype=dtype).element_size()
+    values = flat.view(int_view(torch.empty(0, dtype=dtype)).dtype).view(-1, 8 // width)[:, 0].contiguous()
+    return values.view(dtype).view(packed.shape), flat.view(torch.int32).view(-1, 2)[:, 1].contiguous()
+
+
+def _same_bits(param: torch.Tensor, exported: torch.Tensor, local: torch.Tensor, length: torch.Tensor,
+               target: torch.Tensor) -> bool:
+    """Runs ``(local, length, target)``: each run of ``param`` (flat) equals ``exported`` (flat) at its
+    target, bit for bit."""
+    mine, flat = int_view(param.detach()), int_view(exported.detach()).to(param.device)  # one device per comparison
+    local, length, target = (x.to(param.device) for x in (local, length, target))
+    if _long(length):  # whole rows or tensors: compare run by run, no index expansion
+        return all(torch.equal(mine.narrow(0, lo, n), flat.narrow(0, t, n))
+                   for lo, t, n in zip(local.tolist(), target.tolist(), length.tolist()))
+    return torch.equal(mine.take(_expand(local, length)), flat.take(_expand(target, length)))
 
 
 def _id_layout(numel: int, world: int) -> tuple[int, torch.dtype]:
