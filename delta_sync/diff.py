@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -94,7 +95,7 @@ class BitwiseDiff:
         return out
 
     def absorb_batched(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], same: bool = False,
-                       widths: list[int] | None = None
+                       known: list[KernelFacts] | None = None
                        ) -> tuple[list["Absorbed"], list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]]:
         """:meth:`absorb` of ``(old, new)`` pairs. Host tensors in whole words share a few calls of
         the host kernel (:func:`native.changed_batch`) per element width instead of paying its
@@ -103,17 +104,23 @@ class BitwiseDiff:
         batched ones). All or nothing: if one fails, every ``old`` advanced here is put back before
         the error is raised. ``same``: the caller checked that each pair's two tensors share one
         shape, dtype and device (the snapshot store does), so those checks are not made again;
-        ``widths`` (with ``same``): each ``old``'s :func:`kernel_width`, known to the caller (the
-        store works it out once per snapshot), so only the new tensors are looked at."""
+        ``known`` (with ``same``): each ``old``'s :func:`kernel_facts`, known to the caller (the
+        store works them out once per snapshot), so only the new tensors are looked at."""
         out: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = [None] * len(pairs)
         batches: list[Absorbed] = []
         batch: dict[int, list[int]] = {}  # element width -> pairs scanned together
         flat: dict[tuple, list[int]] = {}  # (width, device) -> torch-path pairs scanned together
         native_ok = self.use_native and native.kernel() is not None  # (once, not per tensor)
+        new_ptrs: dict[int, int] = {}  # pair -> its new tensor's address, where known facts were given
         try:
             for i, (old, new) in enumerate(pairs):
-                if widths is not None and native_ok:  # (same): the snapshots' side known, the new tensors' checked
-                    ok = bool(widths[i]) and not new.data_ptr() & 7 and new.is_contiguous()
+                if known is not None and native_ok:  # (same): the snapshots' side known, the new tensors' checked
+                    width, ptr = known[i].width, new.data_ptr()
+                    if width and not ptr & 7 and new.is_contiguous():
+                        new_ptrs[i] = ptr
+                        batch.setdefault(width, []).append(i)
+                        continue
+                    ok = False
                 else:
                     ok = native_ok and (self._batchable_same(old, new) if same else self._batchable(old, new))
                 if ok:
@@ -130,8 +137,13 @@ class BitwiseDiff:
                                                         for i in group], self.batch_words):
                         batches.append(self._absorb_flat(pairs, group[lo:hi], adjacent))
             for width, members in batch.items():
+                facts = None
+                if new_ptrs:  # (then every member's facts are known: the addresses need no tensor call)
+                    facts = ([known[i].words for i in members], [known[i].ptr for i in members],
+                             [new_ptrs[i] for i in members])
                 counts, idx, bits, old_bits = native.changed_batch(
-                    [pairs[i][0] for i in members], [pairs[i][1] for i in members], 8 // width, absorb=True)
+                    [pairs[i][0] for i in members], [pairs[i][1] for i in members], 8 // width, absorb=True,
+                    facts=facts)
                 batches.append(Absorbed(members, counts, idx, bits, old_bits))
         except BaseException:
             for (old, _), done in zip(pairs, out):
@@ -336,6 +348,21 @@ class Absorbed:
         """Put the members' snapshots (in member order) back as they were before the scan."""
         for snap, (idx, _, old) in zip(snapshots, self.parts()):
             restore(snap, idx, old)
+
+
+class KernelFacts(NamedTuple):
+    """What the host kernel needs of a snapshot (the old side of a pair), fixed while its memory lives:
+    the element width it scans with (0: it does not), its 64-bit words, its address."""
+
+    width: int
+    words: int
+    ptr: int
+
+
+def kernel_facts(snap: torch.Tensor) -> KernelFacts:
+    """:class:`KernelFacts` of ``snap`` (see :func:`kernel_width`)."""
+    width = kernel_width(snap)
+    return KernelFacts(width, snap.numel() * width // 8, snap.data_ptr())
 
 
 def kernel_width(snap: torch.Tensor) -> int:

@@ -411,8 +411,8 @@ def changed_many(olds: list[torch.Tensor], news: list[torch.Tensor], lanes: int,
     return list(zip(*(f.split(sizes) for f in found))) if olds else []
 
 
-def changed_batch(olds: list[torch.Tensor], news: list[torch.Tensor], lanes: int, absorb: bool = False
-                  ) -> tuple[torch.Tensor, ...]:
+def changed_batch(olds: list[torch.Tensor], news: list[torch.Tensor], lanes: int, absorb: bool = False,
+                  facts: tuple[list[int], list[int], list[int]] | None = None) -> tuple[torch.Tensor, ...]:
     """:func:`changed_words` of many contiguous host tensors of ``lanes`` elements per 64-bit word
     (8-byte aligned, a whole number of words each) in a few kernel calls: ``(counts, indices, value
     bits[, old bits])``, tensor ``k``'s ``counts[k]`` (int64) changed elements after those of the
@@ -422,13 +422,16 @@ def changed_batch(olds: list[torch.Tensor], news: list[torch.Tensor], lanes: int
     The words of all arrays are split into ``torch.get_num_threads()`` runs of about equal words,
     one thread each, cutting through a tensor where a cut falls (not by whole tensors, which left
     one thread scanning a large tensor while the other waited). With ``absorb``, a failure puts
-    every advanced word back before it is raised."""
+    every advanced word back before it is raised. ``facts``: each tensor's words and both sides'
+    addresses, known to the caller (per tensor of a model's ~19k, no call on the tensors)."""
     width = 64 // lanes
     n = len(olds)
-    words = [t.numel() // lanes for t in olds]
+    words = facts[0] if facts is not None else [t.numel() // lanes for t in olds]
     threads = max(1, min(torch.get_num_threads(), sum(words) // MIN_WORDS_PER_THREAD))
     runs = word_shares(words, threads)
-    run = functools.partial(_scan_many, getattr(kernel(), f"diff_many_{width}"), width, olds, news, lanes,
+    if facts is None:
+        facts = (words, [t.data_ptr() for t in olds], [t.data_ptr() for t in news])
+    run = functools.partial(_scan_many, getattr(kernel(), f"diff_many_{width}"), width, olds, facts, lanes,
                             absorb)
     # every run finishes (or restores itself) before an error leaves
     results, error = run_spread([functools.partial(run, *r) for r in runs])
@@ -450,17 +453,18 @@ def changed_batch(olds: list[torch.Tensor], news: list[torch.Tensor], lanes: int
     return (counts, *(c[0] if len(chunks) == 1 else torch.cat(c) for c in zip(*chunks)))
 
 
-def _scan_many(fn, width: int, olds: list[torch.Tensor], news: list[torch.Tensor], lanes: int,
+def _scan_many(fn, width: int, olds: list[torch.Tensor], facts: tuple[list[int], list[int], list[int]], lanes: int,
                absorb: bool, lo: int, first: int, hi: int, last: int
                ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, ...]]]:
     """Tensors ``lo:hi`` through ``diff_many``, from word ``first`` of tensor ``lo`` to word ``last``
     of tensor ``hi - 1`` (see :func:`word_shares`) in a few calls: each tensor's count of changed
-    elements, and each call's outputs (views)."""
+    elements, and each call's outputs (views). ``facts``: every tensor's words, old and new addresses
+    (``olds`` only to put advanced words back after a failure)."""
     n = hi - lo
-    ends = [t.numel() // lanes for t in olds[lo:hi]]
+    words, old_ptrs, new_ptrs = facts
+    ends = words[lo:hi]
     ends[-1] = last
-    addr = torch.tensor([[t.data_ptr() for t in olds[lo:hi]], [t.data_ptr() for t in news[lo:hi]], ends],
-                        dtype=torch.int64)
+    addr = torch.tensor([old_ptrs[lo:hi], new_ptrs[lo:hi], ends], dtype=torch.int64)
     room = min(SCRATCH_ENTRIES, max(8 * lanes, (sum(ends) - first) * lanes))
     idx, val, prev = _outputs(room, width, absorb)
     done = torch.empty(n, dtype=torch.int64)  # per call: entries written up to the end of each tensor

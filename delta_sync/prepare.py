@@ -64,9 +64,17 @@ class TensorStream:
         self.elements = 0
 
     def __iter__(self) -> Iterator[tuple[int, str, torch.Tensor | Exception]]:
+        name_map, seen, want = self.name_map, self.seen, self.dtype
         for seq, (mname, tensor) in enumerate(self.named_tensors):
-            name = self.name_map(mname)
+            name = name_map(mname)
             if name is None:
+                continue
+            # (per tensor of a model's ~19k: a plain tensor of the wanted dtype, named once, inline)
+            if type(tensor) in _PLAIN and (want is None or tensor.dtype is want) and name not in seen:
+                t = tensor.detach() if tensor.requires_grad else tensor
+                self.elements += t.numel()
+                seen[name] = t.nbytes
+                yield seq, name, t
                 continue
             try:
                 t = self._convert(name, mname, tensor)
@@ -125,8 +133,15 @@ class DeltaDiff:
             self.timings["diff_s"] += time.perf_counter() - t0
             yield out
             return
+        catalog, store, seen, batch = self.catalog, self.store, self.tensors.seen, self.batch
+        alone = store.world_size == 1
         for seq, name, t in self.tensors:
-            ready = self._take(seq, name, t)
+            if alone and self.failure is None and name in catalog and type(t) in _PLAIN:
+                batch.append((seq, name, t))  # (per tensor of ~19k: one rank's usual case, inline)
+                self.held += seen[name]
+                ready = self._diff_batch() if len(batch) >= DIFF_BATCH_TENSORS or self.held >= DIFF_BATCH_BYTES else []
+            else:
+                ready = self._take(seq, name, t)
             if ready:
                 self.timings["diff_s"] += time.perf_counter() - t0
                 yield ready
@@ -159,6 +174,13 @@ class DeltaDiff:
         return []
 
     def _diff_batch(self) -> list[Ordered]:
+        try:
+            return self._diffed()
+        except Exception as e:  # noqa: BLE001 - raised once the stream is read to its end
+            self.failure = e
+            return []
+
+    def _diffed(self) -> list[Ordered]:
         patches = self.store.prepare_many([(name, t) for _, name, t in self.batch], batched=self.batched)
         out = [Ordered(seq, p) for (seq, _, _), p in zip(self.batch, patches) if p is not None]
         if self.batched and self.store.world_size > 1 and any(isinstance(o.patch, PatchBatch) for o in out):

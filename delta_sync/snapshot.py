@@ -15,10 +15,11 @@ patch's indices (memory O(changed)): :meth:`commit` then has nothing left to wri
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import torch
 
-from .diff import Absorbed, BitwiseDiff, kernel_width, restore, word_aligned
+from .diff import Absorbed, BitwiseDiff, KernelFacts, kernel_facts, restore, word_aligned
 from .errors import PatchValidationError
 from .patch import DTYPE_NAMES, INT32_MAX, Patch, PatchBatch, check_indexable, dtype_name
 
@@ -65,6 +66,14 @@ class _Staged:
     undo: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
+class _Facts(NamedTuple):
+    """What a delta needs of a snapshot, fixed while it lives: the kernel's facts, its shape, dtype."""
+
+    kernel: KernelFacts
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
 #: a tensor of one of the delta's kernel batches: its undo is the batch's (``SnapshotStore._undo``)
 _IN_BATCH = _Staged(())
 
@@ -84,8 +93,9 @@ class SnapshotStore:
         self._base: dict[str, torch.Tensor] = {}
         self._staged: dict[str, _Staged] = {}
         self._spare: dict[str, torch.Tensor] = {}  # a reset snapshot's memory, reused by the next seed
-        #: each snapshot's kernel_width, worked out at its first diff (a snapshot's memory never moves)
-        self._widths: dict[str, int] = {}
+        #: each snapshot's kernel facts, shape and dtype, worked out at its first diff (a snapshot's
+        #: memory never moves): a delta reads them here, not from the tensor (~19k tensors at 30B-A3B)
+        self._facts: dict[str, _Facts] = {}
         #: a delta's kernel batches: each one's old bits and the snapshots they go back into
         self._undo: list[tuple[Absorbed, list[torch.Tensor]]] = []
 
@@ -123,33 +133,35 @@ class SnapshotStore:
         out: list[Patch | PatchBatch | None] = [None] * len(items)
         diffs: list[tuple[int, torch.Tensor]] = []  # (item, its tensor on the snapshot's device)
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (its snapshot, that tensor), for the differ
-        widths: list[int] = []  # each snapshot's kernel_width
+        facts: list[_Facts] = []  # each snapshot's
         fresh: list[tuple[int, torch.Tensor]] = []  # (item, its tensor): a snapshot copied into an arena
-        names = set()
         on_host = self.device.type == "cpu"
-        staged, bases, known = self._staged, self._base, self._widths
+        staged, bases, known = self._staged, self._base, self._facts
+        names = [name for name, _ in items]
+        if not staged.keys().isdisjoint(names) or len(set(names)) < len(names):  # (one set test, not one a tensor)
+            given: set[str] = set()
+            for name in names:
+                self._unstaged(name, given)
+                given.add(name)
         for i, (name, tensor) in enumerate(items):
             # (per tensor of a model's ~19k: the checks' calls only where one fails)
-            if name in staged or name in names:
-                self._unstaged(name, names)
-            names.add(name)
             base = bases.get(name)
             new = tensor.detach() if tensor.requires_grad else tensor  # (the bits are read, never a graph)
             if not (new.is_cpu and on_host) and new.device != self.device:  # (is_cpu: no device object made)
                 new = new.to(self.device, non_blocking=False)
             if base is not None:  # (its snapshot's dtype and size were checked when it was made)
-                if base.shape != new.shape or base.dtype != new.dtype:
+                fact = known.get(name)
+                if fact is None:
+                    fact = known[name] = _Facts(kernel_facts(base), tuple(base.shape), base.dtype)
+                if new.shape != fact.shape or new.dtype is not fact.dtype:
                     raise PatchValidationError(
-                        name, f"shape/dtype changed from {tuple(base.shape)}/{base.dtype} to "
+                        name, f"shape/dtype changed from {fact.shape}/{fact.dtype} to "
                         f"{tuple(new.shape)}/{new.dtype}; a changed model needs a new seed",
                         kept=f"snapshot v{self.version}")
                 if not full:
                     diffs.append((i, new))
                     pairs.append((base, new))
-                    width = known.get(name)
-                    if width is None:
-                        width = known[name] = kernel_width(base)
-                    widths.append(width)
+                    facts.append(fact)
                     continue
             elif tensor.dtype not in DTYPE_NAMES or tensor.numel() > INT32_MAX:
                 check_indexable(name, tensor.numel())
@@ -168,16 +180,15 @@ class SnapshotStore:
             out[i] = Patch.full(items[i][0], copy)
             self._staged[items[i][0]] = _Staged(out[i].shape, copy)
         if diffs:
-            self._diff(items, diffs, pairs, widths, batched, out)
+            self._diff(items, diffs, pairs, facts, batched, out)
         return out
 
     def _diff(self, items: list[tuple[str, torch.Tensor]], diffs: list[tuple[int, torch.Tensor]],
-              pairs: list[tuple[torch.Tensor, torch.Tensor]], widths: list[int], batched: bool, out: list) -> None:
+              pairs: list[tuple[torch.Tensor, torch.Tensor]], facts: list["_Facts"], batched: bool, out: list) -> None:
         """The diff of ``items[i]`` for each ``(i, new)`` of ``diffs`` (``pairs``: its snapshot and
-        ``new``, each pair's shape, dtype and device checked; ``widths``: each snapshot's
-        :func:`kernel_width`): snapshots advanced, their undo kept, each one's patch (or its
-        batch's) into ``out[i]``."""
-        batches, single = self.differ.absorb_batched(pairs, same=True, widths=widths)
+        ``new``, each pair's shape, dtype and device checked; ``facts``: each snapshot's): snapshots
+        advanced, their undo kept, each one's patch (or its batch's) into ``out[i]``."""
+        batches, single = self.differ.absorb_batched(pairs, same=True, known=[f.kernel for f in facts])
         # every snapshot advanced: each one's undo is kept before any patch is made (a failure
         # making one, a copy out of memory, must leave a rollback that puts all of them back)
         alone = any(single)  # (a host store's pairs are all in the kernel's batches)
@@ -194,7 +205,7 @@ class SnapshotStore:
                     out[i] = self._sparse_or_full(items[i], new, got[0], got[1])
         for b in batches:
             if batched:
-                self._batch(items, diffs, b, out)
+                self._batch(items, diffs, facts, b, out)
             else:
                 for k, (idx, bits, _) in zip(b.members, b.parts()):
                     i, new = diffs[k]
@@ -210,25 +221,26 @@ class SnapshotStore:
         return Patch(name, tuple(new.shape), new.dtype, idx, bits.view(new.dtype))
 
     @staticmethod
-    def _batch(items: list[tuple[str, torch.Tensor]], diffs: list[tuple[int, torch.Tensor]], b: Absorbed,
-               out: list) -> None:
+    def _batch(items: list[tuple[str, torch.Tensor]], diffs: list[tuple[int, torch.Tensor]], facts: list["_Facts"],
+               b: Absorbed, out: list) -> None:
         """``b``'s sparse patches as one :class:`PatchBatch` per dtype (a kernel batch holds one
         element width), each at its first changed tensor's position; full patches for those where
-        dense is smaller (the batches' buffers then leave them out)."""
+        dense is smaller (the batches' buffers then leave them out). The members' shapes, dtypes and
+        sizes are their snapshots' (``facts``): no call on a tensor per member."""
         counts = b.counts.tolist()
-        news = [diffs[k][1] for k in b.members]
-        width = news[0].element_size()
-        numel = torch.tensor([t.numel() for t in news], dtype=torch.int64)
-        dense = b.counts * (4 + width) > numel * width  # dense_is_smaller, for every member at once
+        mine = [facts[k] for k in b.members]
+        width = mine[0].kernel.width
+        words = torch.tensor([f.kernel.words for f in mine], dtype=torch.int64)
+        dense = b.counts * (4 + width) > words * 8  # dense_is_smaller, for every member at once
         for k in dense.nonzero().squeeze(1).tolist():
-            i = diffs[b.members[k]][0]
-            out[i] = Patch.full(items[i][0], _own(news[k], items[i][1]))
+            i, new = diffs[b.members[k]]
+            out[i] = Patch.full(items[i][0], _own(new, items[i][1]))
         nonzero = b.counts > 0
         changed = nonzero & ~dense
-        dtypes = [t.dtype for t in news]
-        mixed = len(set(dtypes)) > 1
+        dtypes = [f.dtype for f in mine]
+        mixed = any(d is not dtypes[0] for d in dtypes)
         for dt in dict.fromkeys(dtypes):
-            sparse = changed & torch.tensor([d == dt for d in dtypes]) if mixed else changed
+            sparse = changed & torch.tensor([d is dt for d in dtypes]) if mixed else changed
             ks = sparse.nonzero().squeeze(1).tolist()
             if not ks:
                 continue
@@ -237,7 +249,7 @@ class SnapshotStore:
                 keep = torch.repeat_interleave(sparse, b.counts).to(idx.device)  # (counts live on the host)
                 idx, bits = idx[keep], bits[keep]
             out[diffs[b.members[ks[0]]][0]] = PatchBatch(
-                [items[diffs[b.members[k]][0]][0] for k in ks], [tuple(news[k].shape) for k in ks], dt,
+                [items[diffs[b.members[k]][0]][0] for k in ks], [mine[k].shape for k in ks], dt,
                 [counts[k] for k in ks], idx, bits.view(dt))
 
     def adopt(self, name: str, tensor: torch.Tensor) -> None:
@@ -261,7 +273,7 @@ class SnapshotStore:
         for name, st in self._staged.items():
             if st.full is not None:  # (a delta's snapshots advanced during its diff already)
                 self._base[name] = st.full if st.full.shape == st.shape else st.full.reshape(st.shape)
-                self._widths.pop(name, None)
+                self._facts.pop(name, None)
         self._staged.clear()
         self._undo.clear()
         self._spare.clear()
@@ -285,7 +297,7 @@ class SnapshotStore:
         self._undo.clear()
         self._spare.update(self._base)
         self._base.clear()
-        self._widths.clear()
+        self._facts.clear()
         self.version = None
 
     def clear(self) -> None:
@@ -294,7 +306,7 @@ class SnapshotStore:
         self._staged.clear()
         self._undo.clear()
         self._base.clear()
-        self._widths.clear()
+        self._facts.clear()
         self._spare.clear()
         self.version = None
 

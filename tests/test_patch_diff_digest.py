@@ -353,19 +353,19 @@ def test_a_snapshots_kernel_facts_are_forgotten_when_it_is_replaced():
     store.prepare_many([("a", a.clone()), ("b", b.clone())])
     store.commit(0)
     store.prepare_many([("a", a + 1), ("b", b + 1)])
-    assert store._widths == {"a": 2, "b": 0}
+    assert {n: f.kernel.width for n, f in store._facts.items()} == {"a": 2, "b": 0}
     store.commit(1)
     store.prepare_many([("a", a)], full=True)
     store.commit(2)
-    assert store._widths == {"b": 0}
+    assert {n: f.kernel.width for n, f in store._facts.items()} == {"b": 0}
     store.reset()
-    assert store._widths == {}
+    assert {n: f.kernel.width for n, f in store._facts.items()} == {}
     store.prepare_many([("a", a), ("b", b)])
     store.commit(3)
     store.prepare_many([("a", a + 1), ("b", b)])
-    assert store._widths == {"a": 2, "b": 0}
+    assert {n: f.kernel.width for n, f in store._facts.items()} == {"a": 2, "b": 0}
     store.clear()
-    assert store._widths == {}
+    assert {n: f.kernel.width for n, f in store._facts.items()} == {}
 
 
 def test_a_bucket_whose_ranges_go_by_address_and_as_tensors_digests_each_right():
@@ -404,10 +404,10 @@ def test_advance_many_failing_in_one_batch_puts_every_snapshot_back(monkeypatch)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     real = native._scan_many
 
-    def scan(fn, width, olds, news, lanes, absorb, lo, first, hi, last):
+    def scan(fn, width, olds, facts, lanes, absorb, lo, first, hi, last):
         if (lo, first) != (0, 0):  # the second run of the first batch
             raise MemoryError("injected")
-        return real(fn, width, olds, news, lanes, absorb, lo, first, hi, last)
+        return real(fn, width, olds, facts, lanes, absorb, lo, first, hi, last)
     monkeypatch.setattr(native, "_scan_many", scan)
     olds, news = _mixed_tensors(torch.Generator().manual_seed(5))
     before = [o.clone() for o in olds]
