@@ -154,6 +154,16 @@ class BitwiseDiff:
             raise
         return batches, out
 
+    def absorb_known(self, olds: list[torch.Tensor], news: list[torch.Tensor], known: list[KernelFacts],
+                     new_ptrs: list[int]) -> "Absorbed":
+        """:meth:`absorb_batched` of pairs the caller found ready for the host kernel (present) in one
+        element width: each ``old``'s facts ``known``, each new tensor host memory of its shape and
+        dtype, contiguous, at ``new_ptrs`` (8-byte aligned). One batch; all or nothing."""
+        counts, idx, bits, old_bits = native.changed_batch(
+            olds, news, 8 // known[0].width, absorb=True,
+            facts=([k.words for k in known], [k.ptr for k in known], new_ptrs))
+        return Absorbed(list(range(len(olds))), counts, idx, bits, old_bits)
+
     def _batchable(self, snap: torch.Tensor, new: torch.Tensor) -> bool:
         """A host tensor the kernel (present: the caller asked) scans whole in 64-bit words: same
         shape and dtype, both contiguous, 8-byte aligned, a whole number of words (checked per

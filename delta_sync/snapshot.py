@@ -14,11 +14,13 @@ patch's indices (memory O(changed)): :meth:`commit` then has nothing left to wri
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import torch
 
+from . import native
 from .diff import Absorbed, BitwiseDiff, KernelFacts, kernel_facts, restore, word_aligned
 from .errors import PatchValidationError
 from .patch import DTYPE_NAMES, INT32_MAX, Patch, PatchBatch, check_indexable, dtype_name
@@ -64,6 +66,11 @@ class _Staged:
     full: torch.Tensor | None = None  # seed / first sight of a tensor: the whole new value
     #: a delta's snapshot already advanced in place: (int32 flat indices, old bits there)
     undo: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+_NAME, _TENSOR = operator.itemgetter(0), operator.itemgetter(1)
+_SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
+_GRAD, _ON_HOST = operator.attrgetter("requires_grad"), operator.attrgetter("is_cpu")
 
 
 class _Facts(NamedTuple):
@@ -130,19 +137,18 @@ class SnapshotStore:
         With ``batched``, the sparse patches of the tensors the kernel scanned together come as one
         :class:`~delta_sync.patch.PatchBatch` per element width, at the position of its first tensor
         (None at the others', and where nothing changed): no Python object per changed tensor."""
+        if not full and self._facts:
+            known = self._prepare_known(items, batched)
+            if known is not None:
+                return known
         out: list[Patch | PatchBatch | None] = [None] * len(items)
         diffs: list[tuple[int, torch.Tensor]] = []  # (item, its tensor on the snapshot's device)
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (its snapshot, that tensor), for the differ
         facts: list[_Facts] = []  # each snapshot's
         fresh: list[tuple[int, torch.Tensor]] = []  # (item, its tensor): a snapshot copied into an arena
         on_host = self.device.type == "cpu"
-        staged, bases, known = self._staged, self._base, self._facts
-        names = [name for name, _ in items]
-        if not staged.keys().isdisjoint(names) or len(set(names)) < len(names):  # (one set test, not one a tensor)
-            given: set[str] = set()
-            for name in names:
-                self._unstaged(name, given)
-                given.add(name)
+        bases, known = self._base, self._facts
+        self._unstaged_all([name for name, _ in items])
         for i, (name, tensor) in enumerate(items):
             # (per tensor of a model's ~19k: the checks' calls only where one fails)
             base = bases.get(name)
@@ -183,12 +189,42 @@ class SnapshotStore:
             self._diff(items, diffs, pairs, facts, batched, out)
         return out
 
+    def _prepare_known(self, items: list[tuple[str, torch.Tensor]], batched: bool) -> list | None:
+        """:meth:`prepare_many` of a delta whose every tensor the host kernel scans in one width: each
+        one's snapshot and its facts known, the new tensor host memory of the snapshot's shape and
+        dtype, contiguous, word-aligned (the usual delta of a host trainer). Those checks run over
+        whole lists (map of C calls, list compares), not as a Python step per tensor; None where one
+        does not hold: the general path then decides (and names the tensor)."""
+        if self.device.type != "cpu" or not self.differ.use_native or native.kernel() is None:
+            return None
+        names, news = list(map(_NAME, items)), list(map(_TENSOR, items))
+        facts = list(map(self._facts.get, names))
+        if None in facts or any(map(_GRAD, news)) or not all(map(_ON_HOST, news)):
+            return None
+        known = [f.kernel for f in facts]
+        width = known[0].width
+        if not width or any(k.width != width for k in known):
+            return None
+        ptrs = list(map(torch.Tensor.data_ptr, news))
+        if any(p & 7 for p in ptrs) or not all(map(torch.Tensor.is_contiguous, news)):
+            return None
+        if list(map(_SHAPE, news)) != [f.shape for f in facts] or list(map(_DTYPE, news)) != [f.dtype for f in facts]:
+            return None
+        self._unstaged_all(names)
+        bases = list(map(self._base.__getitem__, names))
+        out: list[Patch | PatchBatch | None] = [None] * len(items)
+        found = ([self.differ.absorb_known(bases, news, known, ptrs)], [None] * len(items))
+        self._diff(items, list(enumerate(news)), list(zip(bases, news)), facts, batched, out, found)
+        return out
+
     def _diff(self, items: list[tuple[str, torch.Tensor]], diffs: list[tuple[int, torch.Tensor]],
-              pairs: list[tuple[torch.Tensor, torch.Tensor]], facts: list["_Facts"], batched: bool, out: list) -> None:
+              pairs: list[tuple[torch.Tensor, torch.Tensor]], facts: list["_Facts"], batched: bool, out: list,
+              found: tuple | None = None) -> None:
         """The diff of ``items[i]`` for each ``(i, new)`` of ``diffs`` (``pairs``: its snapshot and
         ``new``, each pair's shape, dtype and device checked; ``facts``: each snapshot's): snapshots
-        advanced, their undo kept, each one's patch (or its batch's) into ``out[i]``."""
-        batches, single = self.differ.absorb_batched(pairs, same=True, known=[f.kernel for f in facts])
+        advanced, their undo kept, each one's patch (or its batch's) into ``out[i]``. ``found``: the
+        differ's ``(batches, single)`` of ``pairs``, scanned by the caller."""
+        batches, single = found or self.differ.absorb_batched(pairs, same=True, known=[f.kernel for f in facts])
         # every snapshot advanced: each one's undo is kept before any patch is made (a failure
         # making one, a copy out of memory, must leave a rollback that puts all of them back)
         alone = any(single)  # (a host store's pairs are all in the kernel's batches)
@@ -262,6 +298,14 @@ class SnapshotStore:
             return
         self._unstaged(name)
         self._staged[name] = _Staged(tuple(tensor.shape), tensor)
+
+    def _unstaged_all(self, names: list[str]) -> None:
+        """:meth:`_unstaged` of every name, and none given twice (one set test, not one a tensor)."""
+        if not self._staged.keys().isdisjoint(names) or len(set(names)) < len(names):
+            given: set[str] = set()
+            for name in names:
+                self._unstaged(name, given)
+                given.add(name)
 
     def _unstaged(self, name: str, also: set[str] = frozenset()) -> None:
         """Refuse a name staged already in this update (or among ``also``, a batch being staged)."""

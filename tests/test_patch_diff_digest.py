@@ -368,6 +368,76 @@ def test_a_snapshots_kernel_facts_are_forgotten_when_it_is_replaced():
     assert {n: f.kernel.width for n, f in store._facts.items()} == {}
 
 
+def _patches(out):
+    """``name -> (indices, value bits)`` of a prepare_many's output, batches split per tensor."""
+    got = {}
+    for p in out:
+        if isinstance(p, PatchBatch):
+            for name, idx, vals in zip(p.names, p.indices.split(p.counts), p.values.split(p.counts)):
+                got[name] = (idx.tolist(), int_view(vals).tolist())
+        elif p is not None:
+            got[p.name] = (p.indices.tolist() if p.indices is not None else None, int_view(p.values).tolist())
+    return got
+
+
+@pytest.mark.parametrize("case", ["usual", "unaligned", "strided", "two-widths", "reshaped", "requires-grad"])
+def test_a_delta_of_known_snapshots_checked_as_lists_equals_the_tensor_by_tensor_path(case, monkeypatch):
+    """A delta whose every tensor the kernel scans in one width takes the store's list-wise checks
+    (``_prepare_known``); anything else (a new tensor not word-aligned or not contiguous, a batch of
+    two widths, a parameter that needs detaching) goes tensor by tensor, and a changed shape is
+    refused naming the tensor. Both give the same patches, advance the snapshots alike and roll back
+    alike."""
+    g = torch.Generator().manual_seed(11)
+    base = {f"t{i}": torch.randn(4 * (i + 1), generator=g).bfloat16() for i in range(6)}
+    if case == "two-widths":
+        base["f"] = torch.randn(10, generator=g)
+    stores = {"lists": SnapshotStore(), "one by one": SnapshotStore()}
+    taken = []
+    real = SnapshotStore._prepare_known
+
+    def spy(self, items, batched):
+        got = real(self, items, batched) if self is stores["lists"] else None
+        taken.append(got is not None)
+        return got
+    monkeypatch.setattr(SnapshotStore, "_prepare_known", spy)
+    for store in stores.values():
+        store.prepare_many([(n, t.clone()) for n, t in base.items()], full=True)
+        store.commit(0)
+        store.prepare_many([(n, t.clone()) for n, t in base.items()])  # the facts are learned at a first diff
+        store.commit(1)
+    new = {n: t.clone() for n, t in base.items()}
+    for t in new.values():
+        t.view(-1)[::3] += 1
+    if case == "unaligned":  # same values, starting one element into a buffer
+        buf = torch.empty(new["t2"].numel() + 1, dtype=torch.bfloat16)
+        new["t2"] = buf[1:].copy_(new["t2"])
+    elif case == "strided":
+        new["t3"] = torch.empty(new["t3"].numel() * 2, dtype=torch.bfloat16)[::2].copy_(new["t3"])
+    elif case == "requires-grad":
+        new["t1"] = new["t1"].requires_grad_()
+    elif case == "reshaped":
+        new["t4"] = new["t4"].view(2, -1)
+    taken.clear()
+    out = {}
+    for label, store in stores.items():
+        if case == "reshaped":
+            with pytest.raises(PatchValidationError, match="t4.*shape/dtype changed"):
+                store.prepare_many(list(new.items()), batched=True)
+            continue
+        out[label] = _patches(store.prepare_many(list(new.items()), batched=True))
+    if case == "reshaped":
+        assert taken == [False, False]
+        return
+    assert taken == [case == "usual", False], taken
+    assert out["lists"] == out["one by one"] and len(out["lists"]) == len(base)
+    for store in stores.values():
+        for n, t in new.items():
+            assert torch.equal(int_view(store.snapshot_of(n)), int_view(t.detach())), n
+        store.rollback()
+        for n, t in base.items():
+            assert torch.equal(int_view(store.snapshot_of(n)), int_view(t)), n
+
+
 def test_a_bucket_whose_ranges_go_by_address_and_as_tensors_digests_each_right():
     """The packer's ranges go to the kernel as rows of addresses where their source is contiguous
     on the host and as tensors elsewhere (a strided source); in one bucket, mixed, each entry's
