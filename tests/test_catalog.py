@@ -189,3 +189,32 @@ def test_a_batch_packs_into_tables_as_its_patches_would(bucket_bytes):
     with pytest.raises(PatchValidationError, match="do not match its buffers"):
         PatchBatch(["a"], [(4, 4)], torch.bfloat16, [2], torch.zeros(1, dtype=torch.int32),
                    torch.zeros(1, dtype=torch.bfloat16)).validate()
+
+
+@pytest.mark.parametrize("case", ["in-order", "second-batch-behind", "reshaped", "other-dtype"])
+def test_a_batch_in_catalogue_order_goes_into_tables_and_anything_else_as_json(case):
+    """A batch whose tensors are all catalogued as they are, after every table entry so far and in
+    order, goes into the tables whole; a batch behind the tables so far, or a tensor of another shape
+    or dtype than catalogued, travels as JSON entries, and both arrive exact."""
+    names = [f"w{i}" for i in range(8)]
+    cat = _catalog(names)
+    g = torch.Generator().manual_seed(4)
+
+    def batch(ns, shape=(4, 4), dtype=torch.bfloat16):
+        ps = []
+        for n in ns:
+            idx = torch.randperm(16, generator=g)[:3].sort().values.to(torch.int32)
+            ps.append(Patch(n, shape, dtype, idx, torch.randn(3, generator=g).to(dtype)))
+        return ps, PatchBatch(ns, [shape] * len(ns), dtype, [3] * len(ns), torch.cat([p.indices for p in ps]),
+                              torch.cat([p.values for p in ps]))
+
+    first, b1 = batch(names[4:])
+    how = {"in-order": {}, "second-batch-behind": {}, "reshaped": {"shape": (2, 8)},
+           "other-dtype": {"dtype": torch.float16}}[case]
+    second, b2 = batch(names[:4], **how)
+    batches = [b1, b2] if case == "second-batch-behind" else [b2, b1]
+    packed = _packed(cat, batches, 1 << 20)
+    json_names = {e["name"] for b in packed for e in b.header["entries"]}
+    assert json_names == (set() if case == "in-order" else set(names[:4])), json_names
+    want = {p.name: (p.indices.tolist(), p.values.float().tolist()) for p in first + second}
+    assert _decoded(packed, cat) == want
