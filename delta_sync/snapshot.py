@@ -73,6 +73,18 @@ _SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
 _GRAD, _ON_HOST = operator.attrgetter("requires_grad"), operator.attrgetter("is_cpu")
 
 
+class _Members(NamedTuple):
+    """A kernel batch's members, in member order: checkpoint names, the tensors diffed, the caller's
+    tensors (a full patch copies where they are the same memory), snapshot facts, positions in the
+    output."""
+
+    names: list[str]
+    news: list[torch.Tensor]
+    given: list[torch.Tensor]
+    facts: list["_Facts"]
+    at: list[int] | range
+
+
 class _Facts(NamedTuple):
     """What a delta needs of a snapshot, fixed while it lives: the kernel's facts, its shape, dtype."""
 
@@ -213,18 +225,23 @@ class SnapshotStore:
         self._unstaged_all(names)
         bases = list(map(self._base.__getitem__, names))
         out: list[Patch | PatchBatch | None] = [None] * len(items)
-        found = ([self.differ.absorb_known(bases, news, known, ptrs)], [None] * len(items))
-        self._diff(items, list(enumerate(news)), list(zip(bases, news)), facts, batched, out, found)
+        b = self.differ.absorb_known(bases, news, known, ptrs)
+        # (as _diff does for a batch, on the lists at hand: every member is its own item)
+        self._undo.append((replace(b, new=None), bases))
+        self._staged.update(dict.fromkeys(names, _IN_BATCH))
+        if batched:
+            self._batch(b, _Members(names, news, news, facts, range(len(items))), out)
+        else:
+            for k, (idx, bits, _) in enumerate(b.parts()):
+                out[k] = self._sparse_or_full(items[k], news[k], idx, bits)
         return out
 
     def _diff(self, items: list[tuple[str, torch.Tensor]], diffs: list[tuple[int, torch.Tensor]],
-              pairs: list[tuple[torch.Tensor, torch.Tensor]], facts: list["_Facts"], batched: bool, out: list,
-              found: tuple | None = None) -> None:
+              pairs: list[tuple[torch.Tensor, torch.Tensor]], facts: list["_Facts"], batched: bool, out: list) -> None:
         """The diff of ``items[i]`` for each ``(i, new)`` of ``diffs`` (``pairs``: its snapshot and
         ``new``, each pair's shape, dtype and device checked; ``facts``: each snapshot's): snapshots
-        advanced, their undo kept, each one's patch (or its batch's) into ``out[i]``. ``found``: the
-        differ's ``(batches, single)`` of ``pairs``, scanned by the caller."""
-        batches, single = found or self.differ.absorb_batched(pairs, same=True, known=[f.kernel for f in facts])
+        advanced, their undo kept, each one's patch (or its batch's) into ``out[i]``."""
+        batches, single = self.differ.absorb_batched(pairs, same=True, known=[f.kernel for f in facts])
         # every snapshot advanced: each one's undo is kept before any patch is made (a failure
         # making one, a copy out of memory, must leave a rollback that puts all of them back)
         alone = any(single)  # (a host store's pairs are all in the kernel's batches)
@@ -241,7 +258,9 @@ class SnapshotStore:
                     out[i] = self._sparse_or_full(items[i], new, got[0], got[1])
         for b in batches:
             if batched:
-                self._batch(items, diffs, facts, b, out)
+                at = [diffs[k][0] for k in b.members]
+                self._batch(b, _Members([items[i][0] for i in at], [diffs[k][1] for k in b.members],
+                                        [items[i][1] for i in at], [facts[k] for k in b.members], at), out)
             else:
                 for k, (idx, bits, _) in zip(b.members, b.parts()):
                     i, new = diffs[k]
@@ -257,23 +276,20 @@ class SnapshotStore:
         return Patch(name, tuple(new.shape), new.dtype, idx, bits.view(new.dtype))
 
     @staticmethod
-    def _batch(items: list[tuple[str, torch.Tensor]], diffs: list[tuple[int, torch.Tensor]], facts: list["_Facts"],
-               b: Absorbed, out: list) -> None:
+    def _batch(b: Absorbed, m: "_Members", out: list) -> None:
         """``b``'s sparse patches as one :class:`PatchBatch` per dtype (a kernel batch holds one
-        element width), each at its first changed tensor's position; full patches for those where
-        dense is smaller (the batches' buffers then leave them out). The members' shapes, dtypes and
-        sizes are their snapshots' (``facts``): no call on a tensor per member."""
+        element width), each at its first changed member's position of ``out``; full patches for
+        those where dense is smaller (the batches' buffers then leave them out). The members' shapes,
+        dtypes and sizes are their snapshots' (``m.facts``): no call on a tensor per member."""
         counts = b.counts.tolist()
-        mine = [facts[k] for k in b.members]
-        width = mine[0].kernel.width
-        words = torch.tensor([f.kernel.words for f in mine], dtype=torch.int64)
+        width = m.facts[0].kernel.width
+        words = torch.tensor([f.kernel.words for f in m.facts], dtype=torch.int64)
         dense = b.counts * (4 + width) > words * 8  # dense_is_smaller, for every member at once
         for k in dense.nonzero().squeeze(1).tolist():
-            i, new = diffs[b.members[k]]
-            out[i] = Patch.full(items[i][0], _own(new, items[i][1]))
+            out[m.at[k]] = Patch.full(m.names[k], _own(m.news[k], m.given[k]))
         nonzero = b.counts > 0
         changed = nonzero & ~dense
-        dtypes = [f.dtype for f in mine]
+        dtypes = [f.dtype for f in m.facts]
         mixed = any(d is not dtypes[0] for d in dtypes)
         for dt in dict.fromkeys(dtypes):
             sparse = changed & torch.tensor([d is dt for d in dtypes]) if mixed else changed
@@ -284,9 +300,11 @@ class SnapshotStore:
             if bool((sparse != nonzero).any()):  # others share the buffers: this batch's elements alone
                 keep = torch.repeat_interleave(sparse, b.counts).to(idx.device)  # (counts live on the host)
                 idx, bits = idx[keep], bits[keep]
-            out[diffs[b.members[ks[0]]][0]] = PatchBatch(
-                [items[diffs[b.members[k]][0]][0] for k in ks], [mine[k].shape for k in ks], dt,
-                [counts[k] for k in ks], idx, bits.view(dt))
+            if len(ks) == len(counts):  # (every member changed, sparse: the lists as they are)
+                names, shapes, kept = m.names, [f.shape for f in m.facts], counts
+            else:
+                names, shapes, kept = [m.names[k] for k in ks], [m.facts[k].shape for k in ks], [counts[k] for k in ks]
+            out[m.at[ks[0]]] = PatchBatch(names, shapes, dt, kept, idx, bits.view(dt))
 
     def adopt(self, name: str, tensor: torch.Tensor) -> None:
         """Stage ``tensor`` itself, not a copy, as the next full value of ``name``: memory the caller
