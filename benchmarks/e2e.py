@@ -739,6 +739,10 @@ def _megatron(kind, ranks, ep, steps, lr, seq, reps, timeout, tp=1, pp=1):
            "lr": lr, "steps": steps, "bucket_bytes": bucket, "wire": wire, "load_s": res[0]["load_s"],
            "rows": rows, "seed_s": seed["total_s"], "delta_s": delta_s,
            "export_seed_s": export and export["total_s"],
+           # the seeds' time reading their streams (Bridge's export; the fast path's also learns its map):
+           # the export-only seed's total also holds its fresh receiver's first touch of the model
+           "seed_read_over_export_read": _ratio(seed["timings"].get("prepare_s"),
+                                                export and export["timings"].get("prepare_s")),
            "changed_fraction": statistics.median(r["changed_fraction"] for r in deltas) if deltas else None,
            "delta_payload_bytes": deltas[-1]["payload_bytes"] if deltas else None,
            "seed_over_wire": _ratio(seed["total_s"], wire["seconds"]),
@@ -749,7 +753,7 @@ def _megatron(kind, ranks, ep, steps, lr, seq, reps, timeout, tp=1, pp=1):
            # per rank: growth at the seed's peak over the model's bytes (rank 0: with the receiver's copy)
            "seed_peak_over_model": [_ratio(r["seed_peak_bytes"], size["bytes"]) for r in res], "exact": True}
     _say(f"megatron: seed {out['seed_s']:.3f} s ({out['seed_over_wire']} x wire; export-only seed "
-         f"{out['export_seed_s']} s), delta "
+         f"{out['export_seed_s']} s; reading the stream {out['seed_read_over_export_read']} x the export's), delta "
          f"{delta_s if delta_s is None else round(delta_s, 3)} s ({out['delta_over_wire']} x wire), changed "
          f"{out['changed_fraction']}, receiver == export bit for bit")
     return out
@@ -1146,6 +1150,7 @@ def main(argv: list[str]) -> dict:
                                               "delta_pause_over_wire", "trainer_seed_peak_over_model",
                                               "engine_seed_peak_over_bucket")} if two else None,
         "megatron": {k: result["megatron"][k] for k in ("model", "params", "seed_s", "export_seed_s", "delta_s",
+                                                        "seed_read_over_export_read",
                                                         "changed_fraction", "seed_over_wire", "delta_over_wire",
                                                         "seed_held_over_model", "seed_peak_over_model")}
         | {"wire_s": result["megatron"]["wire"]["seconds"]} if result.get("megatron") else None,
