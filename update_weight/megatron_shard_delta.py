@@ -389,7 +389,7 @@ class MegatronShardDelta(BridgeExportSource):
         for task, pack in zip(self.tasks(), packed):
             k, shift = planner.param(task.param_weight, world)
 
-            def probe(weight, module, mapping=task.mapping, shift=shift):
+            def probe(weight, module, mapping=task.mapping):
                 return self._probe_conversion(mapping, weight, module, rank, world)
 
             task = dataclasses.replace(task, mapping=_OnePassMapping(task.mapping, rank, shift, probe if not pack else None))
