@@ -137,13 +137,12 @@ class BitwiseDiff:
                                                         for i in group], self.batch_words):
                         batches.append(self._absorb_flat(pairs, group[lo:hi], adjacent))
             for width, members in batch.items():
-                facts = None
+                olds, news = [pairs[i][0] for i in members], [pairs[i][1] for i in members]
                 if new_ptrs:  # (then every member's facts are known: the addresses need no tensor call)
-                    facts = ([known[i].words for i in members], [known[i].ptr for i in members],
-                             [new_ptrs[i] for i in members])
-                counts, idx, bits, old_bits = native.changed_batch(
-                    [pairs[i][0] for i in members], [pairs[i][1] for i in members], 8 // width, absorb=True,
-                    facts=facts)
+                    batches.append(self.absorb_known(olds, news, [known[i] for i in members],
+                                                     [new_ptrs[i] for i in members], members))
+                    continue
+                counts, idx, bits, old_bits = native.changed_batch(olds, news, 8 // width, absorb=True)
                 batches.append(Absorbed(members, counts, idx, bits, old_bits))
         except BaseException:
             for (old, _), done in zip(pairs, out):
@@ -155,14 +154,15 @@ class BitwiseDiff:
         return batches, out
 
     def absorb_known(self, olds: list[torch.Tensor], news: list[torch.Tensor], known: list[KernelFacts],
-                     new_ptrs: list[int]) -> "Absorbed":
+                     new_ptrs: list[int], members: list[int] | None = None) -> "Absorbed":
         """:meth:`absorb_batched` of pairs the caller found ready for the host kernel (present) in one
         element width: each ``old``'s facts ``known``, each new tensor host memory of its shape and
-        dtype, contiguous, at ``new_ptrs`` (8-byte aligned). One batch; all or nothing."""
+        dtype, contiguous, at ``new_ptrs`` (8-byte aligned). One batch (``members``: the pairs'
+        positions in the caller's list, 0.. by default); all or nothing."""
         counts, idx, bits, old_bits = native.changed_batch(
             olds, news, 8 // known[0].width, absorb=True,
             facts=([k.words for k in known], [k.ptr for k in known], new_ptrs))
-        return Absorbed(list(range(len(olds))), counts, idx, bits, old_bits)
+        return Absorbed(list(range(len(olds))) if members is None else members, counts, idx, bits, old_bits)
 
     def _batchable(self, snap: torch.Tensor, new: torch.Tensor) -> bool:
         """A host tensor the kernel (present: the caller asked) scans whole in 64-bit words: same

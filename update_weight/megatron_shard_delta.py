@@ -384,7 +384,6 @@ class MegatronShardDelta(BridgeExportSource):
         rank, world = self._rank(), self._world()
         planner = _Planner(self, rank)
         bridge = self.bridge._model_bridge
-        of_task: dict[int, tuple[int | None, int]] = {}  # id(task) -> (local param k, id shift)
         tasks = []
         for task, pack in zip(self.tasks(), packed):
             k, shift = planner.param(task.param_weight, world)
@@ -392,16 +391,15 @@ class MegatronShardDelta(BridgeExportSource):
             def probe(weight, module, mapping=task.mapping):
                 return self._probe_conversion(mapping, weight, module, rank, world)
 
-            task = dataclasses.replace(task, mapping=_OnePassMapping(task.mapping, rank, shift, probe if not pack else None))
-            of_task[id(task)] = (k, shift)
-            tasks.append(task)
+            tasks.append(dataclasses.replace(
+                task, mapping=_OnePassMapping(task.mapping, rank, k, shift, probe if not pack else None)))
         split: dict[str, tuple[torch.Tensor, int | None, int]] = {}  # hf name -> (ids, k, shift)
         real_modify = bridge.maybe_modify_converted_hf_weight
         own = vars(bridge).get("maybe_modify_converted_hf_weight")
 
         def modify(task, converted, hf_state):  # after Bridge's own modification: values and ids apart
-            k, shift = of_task[id(task)]
             mapping = task.mapping
+            k, shift = mapping.k, mapping.shift
             out = {}
             try:
                 got = real_modify(task, converted, hf_state) or {}
@@ -582,8 +580,9 @@ class _OnePassMapping:
     bits``, int64); with it, the values convert as they are and ``probe`` converts the ids right after
     (kept in :attr:`ids`). Every other attribute is the real mapping's."""
 
-    def __init__(self, real, rank: int, shift: int, probe=None):
-        self.real, self.rank, self.shift, self.probe = real, rank, shift, probe
+    def __init__(self, real, rank: int, k: int | None, shift: int, probe=None):
+        #: ``k``: the task's local parameter in the plan (None where this rank holds none)
+        self.real, self.rank, self.k, self.shift, self.probe = real, rank, k, shift, probe
         self.ids: dict | None = None
 
     def megatron_to_hf(self, weight, module):
