@@ -31,7 +31,7 @@ from . import collectives
 from .auth import load_secret
 from .channel import Channel
 from .collectives import TrainerGroups
-from .digest import Digest, differs, scan_many
+from .digest import Digest, add_texts, differs, tensor_texts
 from .engines import EngineClient, as_engine
 from .errors import DeltaSyncError, GatherError, UpdateInFlight, with_kept
 from .gather import Ordered, PatchGather
@@ -503,13 +503,15 @@ class WeightSync:
         else:  # the snapshots digested together (a sweep names hundreds of a 30B-A3B's ~19k, verify all)
             chosen = list(self.store.snapshots()) if only is None else \
                 [(n, snap) for n in only if (snap := self.store.snapshot_of(n)) is not None]
-            mine = {name: d.hex() for (name, _), (d, _) in zip(chosen, scan_many([(t, 0, None) for _, t in chosen]))}
-        parts = collectives.all_gather_object(mine, self.groups.host_group) if self.world > 1 else [mine]
-        sums: dict[str, Digest] = {}
-        for part in parts:  # an owner's whole tensor, or shares that add up
+            mine = dict(zip([n for n, _ in chosen], tensor_texts([t for _, t in chosen])))
+        if self.world == 1:
+            return mine if only is None else {k: v for k, v in mine.items() if k in only}
+        shares: dict[str, list[str]] = {}
+        for part in collectives.all_gather_object(mine, self.groups.host_group):  # whole tensors, or shares
             for k, v in part.items():
-                sums[k] = sums.get(k, Digest()) + Digest.parse(v)
-        return {k: d.hex() for k, d in sums.items() if only is None or k in only}
+                shares.setdefault(k, []).append(v)
+        names = [k for k in shares if only is None or k in only]
+        return dict(zip(names, add_texts([shares[k] for k in names])))
 
     def verify(self, names: list[str] | None = None) -> dict[str, str]:
         """Compare engines' per-tensor digests with the trainer snapshot (collective): every tensor,

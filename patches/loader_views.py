@@ -1003,25 +1003,32 @@ def _run_slices(seg: Segment, flat: torch.Tensor, src: torch.Tensor, start: int
 
 
 def digest_views(views: list[LoaderView], params: dict[str, torch.Tensor]) -> list[tuple[Digest, int]]:
-    """:func:`digest_view` of each of ``views``: the contiguous segments of host parameters as rows
+    """:func:`digest_view` of each of ``views`` (:func:`view_digests`, as digests)."""
+    table, counts = view_digests(views, params)
+    return [(Digest.of_residues(sums), count) for sums, count in zip(table.tolist(), counts)]
+
+
+def view_digests(views: list[LoaderView], params: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+    """Digest lanes, (views, lanes) int64 on the host, and held element counts of
+    :func:`digest_view` for each of ``views``: the contiguous segments of host parameters as rows
     of the digest kernel read in one scan (a drift sweep or a verify names thousands of tensors:
-    no host round trip or tensor view per tensor), any other view through :func:`digest_view`."""
-    out: list[tuple[Digest, int] | None] = [None] * len(views)
-    rows, owner = [], []
+    no host round trip, tensor view or digest object per tensor), any other view through
+    :func:`view_sums`."""
+    rows, owner, others = [], [], []
     extents: dict[str, tuple[int, int] | None] = {}
     as_rows = rows_supported()
     for k, view in enumerate(views):
         made = _view_rows(view, params, extents) if as_rows else None
         if made is None:
-            out[k] = digest_view(view, params)
+            others.append(k)
             continue
         rows += made
         owner += [k] * len(made)
-    if rows:
-        for k, sums in enumerate(sum_rows(scan_rows_table(rows), owner, len(views)).tolist()):
-            if out[k] is None:
-                out[k] = (Digest.of_residues(sums[:-1]), sum(seg.numel for seg in views[k].segments))
-    return out  # type: ignore[return-value]
+    table = sum_rows(scan_rows_table(rows), owner, len(views))[:, :len(PRIMES)] if rows else \
+        torch.zeros(len(views), len(PRIMES), dtype=torch.int64)
+    for k in others:
+        table[k] = view_sums(views[k], params)[0].cpu()  # (a host round trip each)
+    return table, [sum(seg.numel for seg in view.segments) for view in views]
 
 
 def _view_rows(view: LoaderView, params: dict[str, torch.Tensor], extents: dict) -> list[tuple[int, ...]] | None:

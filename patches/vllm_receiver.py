@@ -36,6 +36,7 @@ shape). Names whose loader is not a plain strided copy go through vLLM's own loa
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -45,7 +46,7 @@ import torch
 from delta_sync import accelerator
 from delta_sync.auth import Verifier
 from delta_sync.channel import Channel
-from delta_sync.digest import digest_tensor
+from delta_sync.digest import digest_tensor, digest_texts
 from delta_sync.errors import DeltaSyncError, LayoutNotSupported, NeedsSeed, PatchValidationError
 from delta_sync.options import is_int
 from delta_sync.patch import DTYPES, Patch
@@ -54,7 +55,7 @@ from delta_sync.transfer import BULK_KINDS, ReceivedUpdate, receive_update
 from .bulk_apply import BulkWrite, covered
 from .delta_apply import DeltaPlan, ParamTable, apply_delta, layout_of, plan_delta, routes_for
 from .engine_options import EngineOptions
-from .loader_views import LoaderView, digest_views, probe_views, stage_routed
+from .loader_views import LoaderView, probe_views, stage_routed, view_digests
 from .receiver_guard import ReceiverGuard
 
 log = logging.getLogger(__name__)
@@ -422,8 +423,9 @@ class DeltaSyncReceiver:
             if drift:  # what the loader wrote changed behind the updates: no kept value vouches for it
                 out["loader_drift"] = drift
             viewed = [name for name in wanted if name in self.views]
-            for name, (digest, count) in zip(viewed, digest_views([self.views[n] for n in viewed], params)):
-                d[name] = [digest.hex(), count, int(torch.Size(self.views[name].shape).numel())]
+            table, counts = view_digests([self.views[n] for n in viewed], params)
+            for name, text, count in zip(viewed, digest_texts(table), counts):
+                d[name] = [text, count, math.prod(self.views[name].shape)]
             for name in wanted:
                 if name not in self.views and name in self.fallback_values:  # what vLLM's loader was given
                     held = self.fallback_values[name]

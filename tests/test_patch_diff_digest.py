@@ -1081,6 +1081,39 @@ def test_a_buckets_digest_texts_made_and_read_together_equal_one_by_one():
         assert dg.parse_texts(bad) is None, bad
 
 
+def test_verify_digests_written_and_summed_together_equal_one_by_one(monkeypatch):
+    """What a verify compares, made in bulk: the texts of many whole tensors (host rows in one
+    scan; a strided, a float16 and, without the kernel, every tensor through the torch path) are
+    each tensor's :meth:`Digest.hex`; shares' texts add up to the whole's; engine workers' reports
+    combine as the digests would (one worker: whole or inconsistent; several: shares summed,
+    replicas agreeing, anything else inconsistent)."""
+    import delta_sync.digest as dg
+    g = torch.Generator().manual_seed(6)
+    tensors = [torch.randn(n, generator=g).to(dt) for n, dt in
+               [(5, torch.bfloat16), (4096, torch.float32), (0, torch.bfloat16), (300, torch.float16)]]
+    tensors.append(torch.randn(40, 30, generator=g).to(torch.bfloat16).t())  # strided: the torch path
+    want = [dg.digest_tensor(t).hex() for t in tensors]
+    assert dg.tensor_texts(tensors) == want
+    with monkeypatch.context() as m:
+        m.setattr(native, "kernel", lambda: None)
+        assert dg.tensor_texts(tensors) == want
+    assert dg.tensor_texts([]) == []
+    whole = tensors[1]
+    shares = [dg.digest_range(whole[a:b], a).hex() for a, b in [(0, 1000), (1000, 1001), (1001, 4096)]]
+    assert dg.add_texts([shares, [want[0]], shares[:1]]) == [want[1], want[0], shares[0]]
+    with pytest.raises(ValueError, match="not a digest"):
+        dg.add_texts([[shares[0], "zz" * 8]])
+    one = {"digests": {"a": [want[0], 5, 5], "b": [shares[0], 1000, 4096]}}
+    assert dg.combine_reports([one]) == {"a": want[0], "b": "inconsistent"}
+    workers = [{"digests": {"w": [shares[0], 1000, 4096], "r": [want[0], 5, 5], "x": [want[0], 5, 5],
+                            "y": [shares[0], 1000, 4096]}},
+               {"digests": {"w": [shares[1], 1, 4096], "r": [want[0], 5, 5], "x": [want[3], 5, 5]}},
+               {"digests": {"w": [shares[2], 3095, 4096], "r": [want[0], 5, 5]}}]
+    assert dg.combine_reports(workers) == {"w": want[1], "r": want[0], "x": "inconsistent", "y": "inconsistent"}
+    assert dg.differs("e", workers, {"w": want[1], "r": want[0]}) is None
+    assert "2 tensor(s) differ, first 'x' (digest mismatch)" in dg.differs("e", workers, {"x": want[0], "z": want[0]})
+
+
 def test_device_path_digests_many_ranges_with_one_sync(monkeypatch):
     """The torch-op digest (device tensors) of many ranges: small ones folded together in shared
     rows, large ones alone, cut in chunks; each range gets the host kernel's digest, count and
