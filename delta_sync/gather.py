@@ -203,14 +203,28 @@ def _section(held: list[tuple[torch.Tensor, bool]]) -> torch.Tensor:
     return torch.cat([t for t, _ in held])
 
 
+#: runs of at least this many elements on average are cut out and joined, a copy each; shorter
+#: ones are gathered through positions worked out per element (a MoE's few-element tensors)
+CUT_RUN_ELEMENTS = 128
+
+
 def _segments(src: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """``src``'s segments ``[starts[k], starts[k] + counts[k])`` one after another (one gather; a
-    view where they lie back to back already)."""
+    """``src``'s segments ``[starts[k], starts[k] + counts[k])`` one after another: a view where
+    they lie back to back already, else segments that follow each other in ``src`` taken as one
+    run, and the runs joined (one copy each where they are long, one gather where short)."""
     total = int(counts.sum())
     first = int(starts[0])
     if bool((starts == first + _exclusive(counts)).all()):
         return src.narrow(0, first, total)
-    pos = torch.repeat_interleave(starts - _exclusive(counts), counts) + torch.arange(total)
+    new_run = torch.ones(len(counts), dtype=torch.bool)
+    new_run[1:] = starts[1:] != starts[:-1] + counts[:-1]
+    at = new_run.nonzero().squeeze(1)
+    run_starts = starts[at]
+    run_counts = torch.diff(_exclusive(counts)[at], append=torch.tensor([total]))
+    if total >= CUT_RUN_ELEMENTS * len(at):
+        return torch.cat([src.narrow(0, a, n) for a, n in zip(run_starts.tolist(), run_counts.tolist())])
+    pos = torch.repeat_interleave(run_starts - _exclusive(run_counts), run_counts, output_size=total) + \
+        torch.arange(total)
     return src[pos.to(src.device)]
 
 

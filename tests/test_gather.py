@@ -282,3 +282,24 @@ def test_a_failure_in_a_round_ends_the_stream_on_every_rank():
         assert out[3] == ("failed", [0]), out  # the destination without room: every rank told, none blocked
         assert out[4][0] == "ok"
     assert results[0][0][4][1] == len(_expected(4, 3))
+
+
+@pytest.mark.parametrize("cut", [0, 1 << 30, 128])
+def test_segments_joined_in_order_whichever_way_they_are_copied(monkeypatch, cut):
+    """Rank 0 joins each batch's segments out of the gathered sections: back to back (a view),
+    runs of segments that follow each other, out of order, empty ones; cut out run by run
+    (``cut`` 0) or gathered through positions (``cut`` huge), the same elements in the same order."""
+    import delta_sync.gather as gather
+    monkeypatch.setattr(gather, "CUT_RUN_ELEMENTS", cut)
+    g = torch.Generator().manual_seed(cut % 97)
+    src = torch.randn(5000, generator=g).to(torch.bfloat16)
+    layouts = [[(0, 10), (10, 5), (15, 300)],  # back to back: a view
+               [(400, 7), (407, 0), (407, 900), (20, 3), (23, 5), (3000, 1)],  # runs, a jump back, an empty one
+               [(int(a), int(n)) for a, n in zip(torch.randint(0, 4000, (60,), generator=g),
+                                                 torch.randint(0, 900, (60,), generator=g))]]
+    for layout in layouts:
+        starts = torch.tensor([a for a, _ in layout])
+        counts = torch.tensor([n for _, n in layout])
+        got = gather._segments(src, starts, counts)
+        want = torch.cat([src[a:a + n] for a, n in layout])
+        assert torch.equal(int_view(got), int_view(want)), layout
