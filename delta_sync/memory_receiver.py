@@ -12,6 +12,7 @@ from typing import Iterable
 
 import torch
 
+from . import native
 from .channel import Channel
 from .digest import digest_tensor
 from .errors import EngineError, NeedsSeed
@@ -90,10 +91,18 @@ class MemoryReceiver:
         upd, self._staged = self._staged, None
         if upd is None:
             return
+        rows: list[tuple] = []  # sparse patches of host tensors: written by the host kernel together
         for p in upd.patches:
             if p.name not in self.tensors:
                 self.tensors[p.name] = torch.empty(p.shape, dtype=p.dtype)
+            flat = self.tensors[p.name].view(-1)
+            if not p.dense and native.movable(flat, p.indices, p.values):
+                rows.append((flat, p.indices, 0, p.values, None))
+                continue
+            native.move_rows(rows)  # (in order: what came before this patch first)
+            rows = []
             apply_patch(self.tensors[p.name], p)
+        native.move_rows(rows)
         self.version = upd.version
         if upd.kind != "delta":
             self.needs_seed = False
