@@ -551,7 +551,9 @@ def entry_patches(bucket: Bucket, kept: str | None = None, check_dense: bool = T
         bucket.table = TableSlice.parse(h["table"], catalog, bucket.indices, bucket.values, where, kept)
         check_table(bucket.table, kept)
     tiling = _Tiling(bucket, kept)
-    out = [(e, tiling.patch(i, e)) for i, e in enumerate(h["entries"])]
+    out = tiling.dense_patches()
+    if out is None:
+        out = [(e, tiling.patch(i, e)) for i, e in enumerate(h["entries"])]
     tiling.check_covered()
     if check_dense:  # the bucket's dense ranges digested together (one device sync), checked in order
         dense = [(e, p) for e, p in out if p.indices is None]
@@ -629,6 +631,44 @@ class _Tiling:
             return Patch(name, shape, DTYPES[e["dtype"]], indices, vals)
         self._check_dense(i, e, name, shape)
         return Patch(name, shape, DTYPES[e["dtype"]], None, vals)
+
+    def dense_patches(self) -> list[tuple[dict, Patch]] | None:
+        """:meth:`patch` of every entry of a bucket of dense entries only (a seed's), checked as
+        lists: known dtypes, integer counts, offsets and starts, value offsets that tile the
+        buffers in order, ranges inside their shapes, a digest each. None, having taken nothing,
+        where any of that fails or an entry was received in place: the caller then reads entry by
+        entry, which names what is wrong."""
+        es, b = self.bucket.header["entries"], self.bucket
+        if self.val_views is None or b.sources or self.used_idx or any(self.used.values()):
+            return None
+        try:
+            if any(e["encoding"] != "dense" or type(e["digest"]) is not str for e in es):
+                return None
+            dts = [e["dtype"] for e in es]
+            counts, offsets, starts = ([e[k] for e in es] for k in ("count", "value_offset", "start"))
+            shapes = [tuple(e["shape"]) for e in es]
+        except (KeyError, TypeError):
+            return None
+        ints = {type(x) for x in itertools.chain(counts, offsets, starts, *shapes)}
+        if not set(dts) <= DTYPES.keys() or not ints <= {int}:
+            return None
+        tiles: dict[str, int] = {}
+        for dt, n, vo in zip(dts, counts, offsets):
+            if vo != tiles.get(dt, 0):
+                return None
+            tiles[dt] = vo + n
+        numels = list(map(math.prod, shapes))
+        if tiles != {k: n for k, n in self.json_values.items() if n or k in tiles} or \
+                any(st < 0 or st + n > m for st, n, m in zip(starts, counts, numels)) or \
+                any(min(sh, default=0) < 0 for sh in shapes):
+            return None
+        key, where = b.key, self.where
+        for i, e in enumerate(es):
+            e["_where"], e["_key"], e["_at"] = where, key, i
+        self.used.update(tiles)
+        vals = [self.val_views[i] for i in range(len(es))]
+        return list(zip(es, map(Patch, [e.get("name", "<unnamed>") for e in es], shapes, map(DTYPES.get, dts),
+                                itertools.repeat(None), vals)))
 
     def _values(self, i: int, e: dict, name: str) -> torch.Tensor:
         vals_all = self.bucket.values.get(e["dtype"])

@@ -86,7 +86,8 @@ class DigestKey:
         self.p = p.view(-1).contiguous()
         self._on: dict[torch.device, tuple[torch.Tensor, ...]] = {}
         self._int8: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # :meth:`int8_columns`, per device
-        self._pads: dict[int, list[tuple[int, ...]]] = {}  # pad blocks drawn so far
+        self._pads: dict[int, torch.Tensor] = {}  # pad blocks drawn so far
+        self._pad_tuples: dict[int, list[tuple[int, ...]]] = {}  # and as tuples, for :meth:`_pad`
 
     @classmethod
     def derive(cls, secret: bytes, nonce: str) -> "DigestKey":
@@ -103,6 +104,13 @@ class DigestKey:
         per digest: a seed bucket's header carries thousands), block ``i // PAD_BLOCK`` keyed by
         the seed and its number."""
         b, at = divmod(i, PAD_BLOCK)
+        block = self._pad_tuples.get(b)
+        if block is None:
+            block = self._pad_tuples[b] = [tuple(r) for r in self._block(b).tolist()]
+        return block[at]
+
+    def _block(self, b: int) -> torch.Tensor:
+        """Pad block ``b`` as a (PAD_BLOCK, lanes) int64 tensor (drawn once per key)."""
         block = self._pads.get(b)
         if block is None:
             raw = hashlib.shake_256(b"delta-sync/digest-pads\0" + self.seed + b.to_bytes(8, "little")
@@ -110,15 +118,26 @@ class DigestKey:
             words = array.array("H", raw)  # little-endian 16-bit words, on any host
             if sys.byteorder == "big":
                 words.byteswap()
-            block = self._pads[b] = [tuple(words[k:k + _LANES]) for k in range(0, len(words), _LANES)]
-        return block[at]
+            block = self._pads[b] = (torch.frombuffer(bytearray(words.tobytes()), dtype=torch.int16)
+                                     .to(torch.int64) & 0xFFFF).view(PAD_BLOCK, _LANES)
+        return block
+
+    def pads(self, positions: list[int]) -> torch.Tensor:
+        """(n, lanes) int64: :meth:`pad` of each header position, as numbers (positions that lie
+        close together, a bucket's entries, from whole blocks at once)."""
+        if not positions:
+            return torch.zeros(0, _LANES, dtype=torch.int64)
+        lo, hi = min(positions) // PAD_BLOCK, max(positions) // PAD_BLOCK
+        if hi - lo >= len(positions) // PAD_BLOCK + 8:  # scattered: pad by pad
+            return torch.tensor([self._pad(i) for i in positions], dtype=torch.int64).view(-1, _LANES)
+        rows = torch.cat([self._block(b) for b in range(lo, hi + 1)])
+        return rows[torch.tensor(positions, dtype=torch.int64) - lo * PAD_BLOCK]
 
     def masked_table(self, sums: torch.Tensor, positions: list[int]) -> torch.Tensor:
         """:meth:`masked` of many digests at once, as numbers: ``sums`` (n, >= lanes) int64 lane
         residues (a kernel's output rows) plus the pads of header ``positions``, mod the primes
         (:func:`digest_texts` writes them as a header's texts, :func:`parse_texts` reads those)."""
-        pads = torch.tensor([self._pad(i) for i in positions], dtype=torch.int64).view(-1, _LANES)
-        return (sums[:, :_LANES] + pads) % self.p
+        return (sums[:, :_LANES] + self.pads(positions)) % self.p
 
     def masked(self, digest: "Digest", i: int) -> str:
         """``(digest + self.pad(i)).hex()``: what the ``i``-th digest of a header says, in one step

@@ -167,6 +167,68 @@ def test_receiver_refuses_malformed_bucket_entries(field, match):
         entry_patches(bucket, kept="engine on v4")
 
 
+def _dense_bucket():
+    """One good seed bucket of dense entries only, of two dtypes, under a channel's key."""
+    from delta_sync.bucket import BucketPacker
+    from delta_sync.digest import DigestKey
+    from delta_sync.patch import Patch
+
+    g = torch.Generator().manual_seed(3)
+    packer = BucketPacker(5, "seed", 1 << 20)
+    packer.keys = lambda nonce: DigestKey.derive(b"k" * 32, nonce)
+    return next(packer.pack([Patch.full(n, torch.randn(s, generator=g).to(dt)) for n, s, dt in
+                             [("a", (3, 4), torch.bfloat16), ("b", (5,), torch.float32), ("c", (2, 2), torch.bfloat16)]]))
+
+
+@pytest.mark.parametrize("field,match", [
+    (None, None), ("unknown dtype", "unknown dtype"), ("unknown encoding", "unknown encoding"),
+    ("value offset outside the buffer", "outside the bfloat16 value buffer"),
+    ("entries that do not tile the buffer", "tile the value buffer"),
+    ("dense range outside its tensor", r"dense range \[5, 17\) outside 12"),
+    ("dense entry without a digest", "without a digest"), ("negative shape", "invalid shape"),
+    ("values that do not match the digest", "digest")])
+def test_a_dense_bucket_read_as_lists_equals_entry_by_entry_and_refuses_alike(monkeypatch, field, match):
+    """A seed's bucket of dense entries is read as whole lists (no round of checks per entry);
+    it gives what reading entry by entry gives, and a malformed field makes it read entry by
+    entry, which refuses naming what is wrong."""
+    from delta_sync.bucket import _Tiling, entry_patches
+
+    def read(bucket):
+        return [(e["_at"], p.name, p.shape, p.dtype, p.values.view(torch.uint8).tolist())
+                for e, p in entry_patches(bucket, check_dense=False)]
+
+    bucket = _dense_bucket()
+    bucket.header["checksum"] = None
+    a, b, c = bucket.header["entries"]
+    if field is None:
+        assert _Tiling(bucket, None).dense_patches() is not None
+        got = read(bucket)
+        monkeypatch.setattr(_Tiling, "dense_patches", lambda self: None)
+        assert got == read(_dense_bucket()) and [g[1] for g in got] == ["a", "b", "c"]
+        return
+    if field == "unknown dtype":
+        c["dtype"] = "complex32"
+    elif field == "unknown encoding":
+        b["encoding"] = "rle"
+    elif field == "value offset outside the buffer":
+        c["value_offset"] = 10_000
+    elif field == "entries that do not tile the buffer":
+        c["value_offset"] += 1
+        c["count"] -= 1
+    elif field == "dense range outside its tensor":
+        a["start"] = 5
+    elif field == "dense entry without a digest":
+        b["digest"] = None
+    elif field == "negative shape":
+        c["shape"] = [-2, -2]
+    elif field == "values that do not match the digest":
+        bucket.values["bfloat16"][-1] += 1
+    if field != "values that do not match the digest":  # (values are the digest check's, after the read)
+        assert _Tiling(bucket, None).dense_patches() is None
+    with pytest.raises(DeltaSyncError, match=match):
+        entry_patches(bucket, kept="engine on v4")
+
+
 @pytest.mark.parametrize("raw", [b"{not json", b'{"version": 1, "seq": 0}', b'{"version": 1, "se', b"[]"])
 def test_receiver_refuses_malformed_or_truncated_headers(raw):
     from delta_sync.bucket import parse_header

@@ -222,6 +222,67 @@ def test_a_seed_bucket_of_ranges_of_several_rows_and_of_none_checks_each_against
     BulkWrite(_StandInReceiver(model, views)).apply_bucket(entry_patches(alone, check_dense=False))
 
 
+@pytest.mark.parametrize("case", ["whole", "split", "seen", "dtype", "shape", "outside"])
+def test_a_seed_bucket_of_whole_tensors_written_at_once_as_range_by_range(monkeypatch, case):
+    """A bucket of whole tensors new to the update, through whole-tensor views, is checked and
+    made rows as lists; its writes, digests and bookkeeping are those of the range-by-range path.
+    A tensor split across buckets, one written before in this update, a parameter of another
+    dtype or a shape other than the seeded one go range by range, which names what is wrong."""
+    from delta_sync.bucket import BucketPacker, entry_patches
+    from delta_sync.digest import DigestKey
+    from delta_sync.errors import DeltaSyncError
+    from delta_sync.patch import Patch
+    from patches.bulk_apply import BulkWrite
+    from patches.loader_views import LoaderView, Segment
+
+    def run(whole_rows: bool):
+        model = torch.nn.Module()
+        model.a = torch.nn.Parameter(torch.zeros(52, dtype=torch.float32 if case == "dtype" else torch.bfloat16),
+                                     requires_grad=False)
+        model.b = torch.nn.Parameter(torch.zeros(48, dtype=torch.bfloat16), requires_grad=False)
+        views = {"x": LoaderView("x", (2, 40), torch.bfloat16, [Segment("a", (40,), 0, (1,), 12, (1,)),
+                                                                Segment("b", (40,), 40, (1,), 4, (1,))]),
+                 "y": LoaderView("y", (3, 4), torch.bfloat16, [Segment("a", (12,), 0, (1,), 0, (1,))]),
+                 "z": LoaderView("z", (4,), torch.bfloat16, [Segment("b", (4,), 0, (1,), 0, (1,))])}
+        if case == "outside":
+            views["z"] = LoaderView("z", (4,), torch.bfloat16, [Segment("b", (4,), 0, (1,), 46, (1,))])
+        g = torch.Generator().manual_seed(4)
+        state = {n: torch.randn(v.shape, generator=g).bfloat16() for n, v in views.items()}
+        packer = BucketPacker(1, "seed", 64 if case == "split" else 1 << 20)
+        packer.keys = lambda nonce: DigestKey.derive(b"k" * 32, nonce)
+        buckets = list(packer.pack([Patch.full(n, t) for n, t in state.items()]))
+        receiver = _StandInReceiver(model, views)
+        if case == "shape":
+            receiver.shapes["y"] = ((12,), torch.bfloat16)
+        writer = BulkWrite(receiver)
+        if not whole_rows:
+            monkeypatch.setattr(BulkWrite, "_whole_rows", lambda self, entries: None)
+        if case == "seen":
+            writer.done["z"] = writer.numel["z"] = 4  # (written once already)
+        for bucket in buckets:
+            writer.apply_bucket(entry_patches(bucket, check_dense=False))
+        monkeypatch.undo()
+        return state, model, writer, receiver
+
+    if case in ("dtype", "shape", "seen", "outside"):
+        match = {"dtype": "arrives as torch.bfloat16 but the engine holds it as torch.float32",
+                 "shape": "differ from the seeded", "seen": "starts at 0, expected", "outside": "outside its storage"}
+        with pytest.raises(DeltaSyncError, match=match[case]):
+            run(True)
+        return
+    made, real = [], BulkWrite._whole_rows
+    monkeypatch.setattr(BulkWrite, "_whole_rows", lambda self, entries: made.append(real(self, entries)) or made[-1])
+    state, model, writer, receiver = run(True)
+    assert [m is not None for m in made] == ([True] if case == "whole" else [False] * len(made)) and made
+    _, model2, writer2, receiver2 = run(False)
+    bits = lambda m: torch.cat([m.a, m.b]).view(torch.int16)  # noqa: E731
+    assert torch.equal(bits(model), bits(model2))
+    assert torch.equal(model.a[12:].view(torch.int16), state["x"].view(-1)[:40].view(torch.int16))
+    assert torch.equal(model.b[:4].view(torch.int16), state["z"].view(torch.int16))
+    assert (writer.done, writer.numel, receiver.shapes) == (writer2.done, writer2.numel, receiver2.shapes)
+    assert writer.done == {"x": 80, "y": 12, "z": 4} and (len(writer.r.shapes) == 3)
+
+
 class OddLoaders(torch.nn.Module):
     """Loaders that write parameters in ways a strided-copy view cannot replay."""
 

@@ -1075,6 +1075,9 @@ def test_a_buckets_digest_texts_made_and_read_together_equal_one_by_one():
     texts = dg.digest_texts(key.masked_table(sums, positions))
     assert texts == [key.masked(dg.Digest.of_residues(tuple(r[:4])), i) for r, i in zip(sums.tolist(), positions)]
     assert torch.equal(dg.parse_texts(texts), key.masked_table(sums, positions))
+    scattered = [7, 40 * dg.PAD_BLOCK + 1, 3, dg.CHECKSUM_PADS + 2]  # pad by pad, not whole blocks
+    assert dg.digest_texts(key.masked_table(sums[:4], scattered)) == \
+        [key.masked(dg.Digest.of_residues(tuple(r[:4])), i) for r, i in zip(sums[:4].tolist(), scattered)]
     assert dg.parse_texts([]).shape == (0, 4)
     for bad in (texts[:1] + [texts[1][:-1]], texts[:1] + ["zz" * 8], [None], texts[:1] + ["00 1" * 4], [12],
                 texts[:1] + ["ABCDEF0123456789"]):  # (upper case: Digest.hex writes lower, a text compare refuses it)
