@@ -124,7 +124,8 @@ def _bucket():
 
 
 def _break(field: str, bucket) -> None:
-    sparse, dense = bucket.header["entries"]
+    """Break ``field`` of ``bucket``'s first entry or of its last, a dense one."""
+    sparse, dense = bucket.header["entries"][0], bucket.header["entries"][-1]
     if field == "unknown dtype":
         sparse["dtype"] = "complex32"
     elif field == "unknown encoding":
@@ -142,6 +143,8 @@ def _break(field: str, bucket) -> None:
         sparse["count"] = 2
     elif field == "values that do not match the digest":
         bucket.values["bfloat16"][-1] += 1
+    elif field == "negative shape":
+        dense["shape"] = [-d for d in dense["shape"]]
     else:
         raise AssertionError(field)
 
@@ -168,7 +171,8 @@ def test_receiver_refuses_malformed_bucket_entries(field, match):
 
 
 def _dense_bucket():
-    """One good seed bucket of dense entries only, of two dtypes, under a channel's key."""
+    """One good seed bucket of dense entries only, of two dtypes, under a channel's key (the last
+    one as :func:`_bucket`'s dense entry)."""
     from delta_sync.bucket import BucketPacker
     from delta_sync.digest import DigestKey
     from delta_sync.patch import Patch
@@ -177,7 +181,7 @@ def _dense_bucket():
     packer = BucketPacker(5, "seed", 1 << 20)
     packer.keys = lambda nonce: DigestKey.derive(b"k" * 32, nonce)
     return next(packer.pack([Patch.full(n, torch.randn(s, generator=g).to(dt)) for n, s, dt in
-                             [("a", (3, 4), torch.bfloat16), ("b", (5,), torch.float32), ("c", (2, 2), torch.bfloat16)]]))
+                             [("b", (5,), torch.float32), ("c", (2, 2), torch.bfloat16), ("a", (3, 4), torch.bfloat16)]]))
 
 
 @pytest.mark.parametrize("field,match", [
@@ -199,30 +203,13 @@ def test_a_dense_bucket_read_as_lists_equals_entry_by_entry_and_refuses_alike(mo
 
     bucket = _dense_bucket()
     bucket.header["checksum"] = None
-    a, b, c = bucket.header["entries"]
     if field is None:
         assert _Tiling(bucket, None).dense_patches() is not None
         got = read(bucket)
         monkeypatch.setattr(_Tiling, "dense_patches", lambda self: None)
-        assert got == read(_dense_bucket()) and [g[1] for g in got] == ["a", "b", "c"]
+        assert got == read(_dense_bucket()) and [g[1] for g in got] == ["b", "c", "a"]
         return
-    if field == "unknown dtype":
-        c["dtype"] = "complex32"
-    elif field == "unknown encoding":
-        b["encoding"] = "rle"
-    elif field == "value offset outside the buffer":
-        c["value_offset"] = 10_000
-    elif field == "entries that do not tile the buffer":
-        c["value_offset"] += 1
-        c["count"] -= 1
-    elif field == "dense range outside its tensor":
-        a["start"] = 5
-    elif field == "dense entry without a digest":
-        b["digest"] = None
-    elif field == "negative shape":
-        c["shape"] = [-2, -2]
-    elif field == "values that do not match the digest":
-        bucket.values["bfloat16"][-1] += 1
+    _break(field, bucket)
     if field != "values that do not match the digest":  # (values are the digest check's, after the read)
         assert _Tiling(bucket, None).dense_patches() is None
     with pytest.raises(DeltaSyncError, match=match):
