@@ -140,11 +140,12 @@ class BulkWrite:
             copies: list[tuple[dict, Patch, list]] = []
             rows: list[tuple[dict, Patch, list]] = []
             whole = self.r.holds_whole_tensors() and rows_supported()  # (rows: the host kernel's)
-            at_once = self._whole_rows(entries) if whole else None
-            if at_once is not None:
-                rows = at_once
-            else:
-                for entry, p in entries:
+            at_once = (self._whole_rows(entries) if whole else None) or {}
+            for k, (entry, p) in enumerate(entries):
+                made = at_once.get(k)
+                if made is not None:
+                    rows.append(made)
+                else:
                     self._write_range(entry, p, placed, copies, rows if whole else None)
             # ranges received in place, and the copies into whole-tensor views made in the pass that
             # digests them: one scan for the bucket, spread over the threads; checked in order after
@@ -173,32 +174,29 @@ class BulkWrite:
         finally:
             self.apply_s += time.perf_counter() - t0
 
-    def _whole_rows(self, entries: list[tuple[dict, Patch]]) -> list[tuple[dict, Patch, list]] | None:
-        """:meth:`_write_range`'s rows for a bucket of whole tensors new to this update, checked
-        as lists (a 30B-A3B seed has ~19k ranges: a round of calls each was ~5 us): every range
-        holds a whole tensor, on the host, whose view holds it in contiguous runs of host
-        parameters of its dtype, its shape the seeded one. None, having changed nothing, for any
-        other bucket: the caller then writes range by range, naming what is wrong."""
-        if not entries:
+    def _whole_rows(self, entries: list[tuple[dict, Patch]]) -> dict[int, tuple[dict, Patch, list]] | None:
+        """:meth:`_write_range`'s rows, by position, for the ranges of a bucket that hold whole
+        tensors new to this update (all but the one or two a bucket's bounds cut), checked as
+        lists (a 30B-A3B seed has ~19k ranges: a round of calls each was ~5 us): on the host, each
+        view holds its tensor in contiguous runs of host parameters of its dtype, its shape the
+        seeded one. None, having changed nothing, where any of that fails: the caller then writes
+        range by range, naming what is wrong."""
+        at = [k for k, (e, p) in enumerate(entries) if e["start"] == 0 and not e.get("_placed") and p.count == p.numel]
+        if not at:
             return None
-        names = [p.name for _, p in entries]
+        chosen = [entries[k] for k in at]
+        names = [p.name for _, p in chosen]
         views = list(map(self.r.views.get, names))
         if None in views or len(set(names)) != len(names) or not self.done.keys().isdisjoint(names):
             return None
         runs = [v.runs for v in views]
-        if None in runs or any(e.get("_placed") or e["start"] != 0 for e, _ in entries):
-            return None
-        metas = [(p.shape, p.dtype) for _, p in entries]
+        metas = [(p.shape, p.dtype) for _, p in chosen]
         known = self.r.shapes
-        if any(k is not None and k != m for k, m in zip(map(known.get, names), metas)):
+        if None in runs or any(k is not None and k != m for k, m in zip(map(known.get, names), metas)) or \
+                not all(p.values.is_cpu and p.values.is_contiguous() for _, p in chosen):
             return None
-        numels = [p.numel for _, p in entries]
-        if [p.count for _, p in entries] != numels or not all(p.values.is_cpu and p.values.is_contiguous()
-                                                              for _, p in entries):
-            return None
-        params = {param for r in runs for param, _, _, _ in r}
         dtypes, extents = self._dtypes, {}
-        for param in params:
+        for param in {param for r in runs for param, _, _, _ in r}:
             if param not in dtypes:
                 dtypes[param] = self.params()[param].dtype
             extents[param] = self._extent(param)
@@ -206,13 +204,14 @@ class BulkWrite:
                 return None
         if any(dtypes[param] != dt for r, (_, dt) in zip(runs, metas) for param, _, _, _ in r):
             return None
-        out = []
-        for (entry, p), r, (_, dt) in zip(entries, runs, metas):
+        out = {}
+        for k, (entry, p), r, (_, dt) in zip(at, chosen, runs, metas):
             spec = row_spec(dt)
             size, src = spec[0], p.values.data_ptr()
-            out.append((entry, p, [range_row(src + src_offset * size, numel, src_offset, spec,
-                                             run_address(extents[param], param, dst_offset, numel, size))
-                                   for param, src_offset, numel, dst_offset in r if numel]))
+            out[k] = (entry, p, [range_row(src + src_offset * size, numel, src_offset, spec,
+                                           run_address(extents[param], param, dst_offset, numel, size))
+                                 for param, src_offset, numel, dst_offset in r if numel])
+        numels = [p.count for _, p in chosen]
         self.done.update(zip(names, numels))
         self.numel.update(zip(names, numels))
         known.update(zip(names, metas))
