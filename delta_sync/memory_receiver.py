@@ -91,18 +91,20 @@ class MemoryReceiver:
         upd, self._staged = self._staged, None
         if upd is None:
             return
-        rows: list[tuple] = []  # sparse patches of host tensors: written by the host kernel together
-        for p in upd.patches:
+        sparse = []  # written by the host kernel together where it can take them all (a tensor's
+        for p in upd.patches:  # patches in one delta touch disjoint elements: any order will do)
             if p.name not in self.tensors:
                 self.tensors[p.name] = torch.empty(p.shape, dtype=p.dtype)
-            flat = self.tensors[p.name].view(-1)
-            if not p.dense and native.movable(flat, p.indices, p.values):
-                rows.append((flat, p.indices, 0, p.values, None))
-                continue
-            native.move_rows(rows)  # (in order: what came before this patch first)
-            rows = []
-            apply_patch(self.tensors[p.name], p)
-        native.move_rows(rows)
+            if p.dense:
+                apply_patch(self.tensors[p.name], p)
+            else:
+                sparse.append(p)
+        rows = [(self.tensors[p.name].view(-1), p.indices, 0, p.values, None) for p in sparse]
+        if native.movable_rows(rows):
+            native.move_rows(rows, checked=True)
+        else:
+            for p in sparse:
+                apply_patch(self.tensors[p.name], p)
         self.version = upd.version
         if upd.kind != "delta":
             self.needs_seed = False
