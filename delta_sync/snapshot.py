@@ -226,14 +226,7 @@ class SnapshotStore:
         bases = list(map(self._base.__getitem__, names))
         out: list[Patch | PatchBatch | None] = [None] * len(items)
         b = self.differ.absorb_known(bases, news, known, ptrs)
-        # (as _diff does for a batch, on the lists at hand: every member is its own item)
-        self._undo.append((replace(b, new=None), bases))
-        self._staged.update(dict.fromkeys(names, _IN_BATCH))
-        if batched:
-            self._batch(b, _Members(names, news, news, facts, range(len(items))), out)
-        else:
-            for k, (idx, bits, _) in enumerate(b.parts()):
-                out[k] = self._sparse_or_full(items[k], news[k], idx, bits)
+        self._take([(b, _Members(names, news, news, facts, range(len(items))), bases)], batched, out)
         return out
 
     def _diff(self, items: list[tuple[str, torch.Tensor]], diffs: list[tuple[int, torch.Tensor]],
@@ -249,22 +242,33 @@ class SnapshotStore:
             for (i, new), got in zip(diffs, single):
                 if got is not None:
                     self._staged[items[i][0]] = _Staged(tuple(new.shape), undo=(got[0], got[2]))
-        for b in batches:  # the undo keeps the old bits, not the new ones the patches carry
-            self._undo.append((replace(b, new=None), [pairs[k][0] for k in b.members]))
-            self._staged.update(dict.fromkeys([items[diffs[k][0]][0] for k in b.members], _IN_BATCH))
+        taken = []
+        for b in batches:
+            at = [diffs[k][0] for k in b.members]
+            taken.append((b, _Members([items[i][0] for i in at], [diffs[k][1] for k in b.members],
+                                      [items[i][1] for i in at], [facts[k] for k in b.members], at),
+                          [pairs[k][0] for k in b.members]))
+        self._take(taken, batched, out)
         if alone:
             for (i, new), got in zip(diffs, single):
                 if got is not None:
                     out[i] = self._sparse_or_full(items[i], new, got[0], got[1])
-        for b in batches:
+
+    def _take(self, batches: list[tuple[Absorbed, "_Members", list[torch.Tensor]]], batched: bool, out: list
+              ) -> None:
+        """Kernel batches of advanced snapshots ``(batch, its members, their snapshots)``: every
+        batch's undo kept (the old bits, not the new ones the patches carry) and its names marked
+        staged before any patch is made, then each batch's patches into ``out`` (one
+        :class:`PatchBatch` per dtype with ``batched``, else a patch per member)."""
+        for b, m, bases in batches:
+            self._undo.append((replace(b, new=None), bases))
+            self._staged.update(dict.fromkeys(m.names, _IN_BATCH))
+        for b, m, _ in batches:
             if batched:
-                at = [diffs[k][0] for k in b.members]
-                self._batch(b, _Members([items[i][0] for i in at], [diffs[k][1] for k in b.members],
-                                        [items[i][1] for i in at], [facts[k] for k in b.members], at), out)
+                self._batch(b, m, out)
             else:
-                for k, (idx, bits, _) in zip(b.members, b.parts()):
-                    i, new = diffs[k]
-                    out[i] = self._sparse_or_full(items[i], new, idx, bits)
+                for k, (idx, bits, _) in enumerate(b.parts()):
+                    out[m.at[k]] = self._sparse_or_full((m.names[k], m.given[k]), m.news[k], idx, bits)
 
     @staticmethod
     def _sparse_or_full(item: tuple[str, torch.Tensor], new: torch.Tensor, idx: torch.Tensor, bits: torch.Tensor
