@@ -16,13 +16,13 @@ from typing import Protocol
 import torch
 
 from delta_sync.bucket import check_dense_entry
-from delta_sync.digest import (Digest, parse_texts, range_row, row_spec, rows_supported, scan_many, scan_range,
-                               scan_rows_table, sum_rows)
+from delta_sync.digest import (Digest, parse_texts, row_spec, rows_supported, scan_many, scan_range, scan_rows_table,
+                               sum_rows)
 from delta_sync.errors import DeltaSyncError, PatchValidationError
 from delta_sync.patch import DTYPES, Patch
 
 from .loader_views import (apply_dense_range, dense_range_copies, dense_range_rows, dense_range_target,
-                           param_extent, run_address)
+                           param_extent)
 
 
 class WorkerWeights(Protocol):
@@ -195,22 +195,16 @@ class BulkWrite:
         if None in runs or any(k is not None and k != m for k, m in zip(map(known.get, names), metas)) or \
                 not all(p.values.is_cpu and p.values.is_contiguous() for _, p in chosen):
             return None
-        dtypes, extents = self._dtypes, {}
+        dtypes = self._dtypes
         for param in {param for r in runs for param, _, _, _ in r}:
             if param not in dtypes:
                 dtypes[param] = self.params()[param].dtype
-            extents[param] = self._extent(param)
-            if extents[param] is None:
+            if self._extent(param) is None:
                 return None
         if any(dtypes[param] != dt for r, (_, dt) in zip(runs, metas) for param, _, _, _ in r):
             return None
-        out = {}
-        for k, (entry, p), r, (_, dt) in zip(at, chosen, runs, metas):
-            spec = row_spec(dt)
-            size, src = spec[0], p.values.data_ptr()
-            out[k] = (entry, p, [range_row(src + src_offset * size, numel, src_offset, spec,
-                                           run_address(extents[param], param, dst_offset, numel, size))
-                                 for param, src_offset, numel, dst_offset in r if numel])
+        out = {k: (entry, p, dense_range_rows(r, self._extent, p.values, 0, row_spec(dt)))
+               for k, (entry, p), r, (_, dt) in zip(at, chosen, runs, metas)}
         numels = [p.count for _, p in chosen]
         self.done.update(zip(names, numels))
         self.numel.update(zip(names, numels))
