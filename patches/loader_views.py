@@ -964,11 +964,11 @@ def dense_range_rows(runs: tuple[tuple[str, int, int, int], ...], target, values
         if extent is None:
             return None
         rows.append(range_row(src + (lo - start) * size, hi - lo, lo, spec,
-                              run_address(extent, param, dst_offset + lo - src_offset, hi - lo, size)))
+                              _run_address(extent, param, dst_offset + lo - src_offset, hi - lo, size)))
     return rows
 
 
-def run_address(extent: tuple[int, int], param: str, first: int, count: int, size: int, where: str = "") -> int:
+def _run_address(extent: tuple[int, int], param: str, first: int, count: int, size: int, where: str = "") -> int:
     """The address of element ``first`` of parameter ``param`` (:func:`param_extent` ``extent``,
     ``size`` bytes an element), refusing a run of ``count`` elements from there that leaves its storage."""
     address, room = extent
@@ -1000,12 +1000,6 @@ def _run_slices(seg: Segment, flat: torch.Tensor, src: torch.Tensor, start: int
     if lo >= hi:
         return None
     return flat.narrow(0, seg.dst_offset + lo - seg.src_offset, hi - lo), src.narrow(0, lo - start, hi - lo), lo
-
-
-def digest_views(views: list[LoaderView], params: dict[str, torch.Tensor]) -> list[tuple[Digest, int]]:
-    """:func:`digest_view` of each of ``views`` (:func:`view_digests`, as digests)."""
-    table, counts = view_digests(views, params)
-    return [(Digest.of_residues(sums), count) for sums, count in zip(table.tolist(), counts)]
 
 
 def view_digests(views: list[LoaderView], params: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
@@ -1045,7 +1039,7 @@ def _view_rows(view: LoaderView, params: dict[str, torch.Tensor], extents: dict)
         if extent is None:
             return None
         spec = row_spec(param.dtype)
-        rows.append(range_row(run_address(extent, seg.param, seg.dst_offset, seg.numel, spec[0], f"{view.name!r}: "),
+        rows.append(range_row(_run_address(extent, seg.param, seg.dst_offset, seg.numel, spec[0], f"{view.name!r}: "),
                               seg.numel, seg.src_offset, spec))
     return rows
 

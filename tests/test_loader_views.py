@@ -5,7 +5,7 @@ import types
 import pytest
 import torch
 
-from delta_sync.digest import digest_tensor, scan_many
+from delta_sync.digest import Digest, digest_tensor, scan_many
 from patches.loader_views import (UndoLog, apply_dense, apply_dense_range, apply_sparse, digest_view, probe_views,
                                   read_through)
 
@@ -151,7 +151,7 @@ def test_many_views_digested_together_equal_one_by_one():
     """A sweep's or a verify's digests of many views (contiguous segments read as kernel rows in one
     scan, strided and transposed ones one by one, views of no segment) equal :func:`digest_view`
     of each, counts included; a segment outside its parameter's storage is refused."""
-    from patches.loader_views import LoaderView, Segment, digest_views
+    from patches.loader_views import LoaderView, Segment, view_digests
 
     g = torch.Generator().manual_seed(8)
     model = FusedStandIn()
@@ -161,11 +161,13 @@ def test_many_views_digested_together_equal_one_by_one():
         apply_dense(views[n], params, t, None)
     some = [views["q"], views["cols"], views["k"], views["tr"], LoaderView("none", (3,), torch.float32),
             views["k"]]
-    assert digest_views(some, params) == [digest_view(v, params) for v in some]
-    assert digest_views([], params) == []
+    table, counts = view_digests(some, params)
+    assert [(Digest.of_residues(tuple(r)), n) for r, n in zip(table.tolist(), counts)] == \
+        [digest_view(v, params) for v in some]
+    assert view_digests([], params)[0].shape == (0, 4) and view_digests([], params)[1] == []
     outside = LoaderView("outside", (40,), torch.float32, [Segment("qk", (40,), 0, (1,), 10, (1,))])
     with pytest.raises(ValueError, match="outside its storage"):
-        digest_views([views["q"], outside], params)
+        view_digests([views["q"], outside], params)
 
 
 class _StandInReceiver:
