@@ -213,11 +213,10 @@ class BucketPacker:
         room = self.bucket_bytes
         for p in patches:
             if type(p) is Patch and p.indices is None:  # (a seed's ~19k tensors at 30B-A3B: inline)
-                n = p.values.numel()
-                nbytes = n * p.values.element_size()
+                n, per = p.values.numel(), p.values.element_size()
                 dname = DTYPE_NAMES.get(p.dtype)
-                if n and dname is not None and fill.nbytes + nbytes <= room:
-                    fill.add_whole(p, dname, n, nbytes)  # whole, into the bucket being filled
+                if n and dname is not None and fill.nbytes + n * per <= room:
+                    fill.add(p, dname, per, 0, n)  # whole, into the bucket being filled
                     continue
             if isinstance(p, PatchBatch):
                 yield from self._pack_batch(fill, p)
@@ -468,16 +467,6 @@ class _Filling:
             self.indices += take
         self.values[dname] = self.values.get(dname, 0) + take
         self.nbytes += take * per
-
-    def add_whole(self, p: Patch, dname: str, n: int, nbytes: int) -> None:
-        """:meth:`add` of dense ``p``'s ``n`` elements (``nbytes`` on the wire), all of them."""
-        vo = self.values.get(dname, 0) - self.t_vals.get(dname, 0)
-        entry = {"name": p.name, "dtype": dname, "shape": list(p.shape), "encoding": "dense", "count": n,
-                 "start": 0, "index_offset": self.indices - self.t_idx, "value_offset": vo}
-        self.entries.append(entry)
-        self.parts.append((entry, p, 0, n))
-        self.values[dname] = self.values.get(dname, 0) + n
-        self.nbytes += nbytes
 
     def add_table(self, p: Patch, tid: int, dname: str, per: int, done: int, take: int) -> None:
         """Elements ``[done, done + take)`` of sparse ``p``, catalogued as ``tid``, into the table."""
