@@ -105,6 +105,17 @@ class Arena:
         self.device = torch.device(device)
         self.buf: torch.Tensor | None = None
 
+    def in_use(self) -> bool:
+        """Does anything still hold a view of what was carved last (a delta's staged bucket)? True
+        where torch cannot tell (its storage use count is a private call)."""
+        if self.buf is None:
+            return False
+        try:
+            # the buffer itself and the storage object made for this call; each live view adds one
+            return torch._C._storage_Use_Count(self.buf.untyped_storage()._cdata) > 2
+        except (AttributeError, RuntimeError):
+            return True
+
     def carve(self, wants: list[tuple[torch.dtype, int]]) -> list[torch.Tensor]:
         """One 1-D tensor of ``n`` elements of ``dtype`` per ``(dtype, n)``, aligned, from this arena."""
         offsets, total = [], 0

@@ -191,6 +191,72 @@ def test_in_process_channel_carries_updates_bit_for_bit():
     sender.close()
 
 
+def _in_arenas(chan: Channel, t: torch.Tensor) -> bool:
+    return any(a.buf is not None and a.buf.data_ptr() <= t.data_ptr() < a.buf.data_ptr() + a.buf.numel()
+               for a in chan.arenas())
+
+
+def test_a_host_receivers_deltas_land_in_the_memory_its_channel_kept():
+    """A host channel keeps two buckets' arenas between updates (fresh pages faulted on first touch
+    made the first delta after a seed 3-5x slower than the next): a delta's buckets land there
+    while nothing holds them, the rest in buffers of their own. A staged delta someone still holds
+    when the next update (delta or seed) arrives keeps its values: that update gets new memory."""
+    def receiver(chan):
+        recon, seen = {}, {}
+        assert len(chan.arenas()) == 0  # (made by the first update)
+
+        def apply(patches):
+            for p in patches:
+                if p.name not in recon:
+                    recon[p.name] = torch.empty(p.shape, dtype=p.dtype)
+                apply_patch(recon[p.name], p)
+
+        def write(entries):  # a bulk bucket's ranges, as they arrive
+            for e, p in entries:
+                if p.name not in recon:
+                    recon[p.name] = torch.empty(p.shape, dtype=p.dtype)
+                recon[p.name].view(-1)[int(e["start"]):int(e["start"]) + p.count].copy_(p.values)
+
+        receive_update(chan, bulk_sink=write)  # v0: a seed, streamed through the arenas
+        held = receive_update(chan)  # v1, held past its update
+        before = [p.values.clone() for p in held.patches]
+        seen["v1_in_arenas"] = [_in_arenas(chan, p.values) for p in held.patches]
+        seen["v1_buckets"] = held.buckets
+        apply(held.patches)
+        upd = receive_update(chan)  # v2 arrives while v1 is held
+        seen["v1_kept_by_v2"] = all(torch.equal(int_view(p.values), int_view(b)) for p, b in zip(held.patches, before))
+        seen["v2_in_arenas"] = any(_in_arenas(chan, p.values) for p in upd.patches)
+        apply(upd.patches)
+        held = upd = None
+        held = receive_update(chan)  # v3: nothing held, into the arenas again
+        seen["v3_in_arenas"] = any(_in_arenas(chan, p.values) for p in held.patches)
+        before = [p.values.clone() for p in held.patches]
+        apply(held.patches)
+        receive_update(chan, bulk_sink=write)  # v4: a seed, while v3 is held
+        seen["v3_kept_by_seed"] = all(torch.equal(int_view(p.values), int_view(b))
+                                      for p, b in zip(held.patches, before))
+        seen["arenas"] = len(chan.arenas())
+        chan.close()
+        return recon, seen
+
+    sender, futs = _local_ranks(2, "tok-arenas", receiver)
+    store = SnapshotStore(rank=0, world_size=1)
+    for v in range(5):
+        state = model_at(v)
+        if v == 4:
+            store.reset()
+        kind = "seed" if store.version is None else "delta"
+        send_update(sender, v, kind, [store.prepare(n, state[n]) for n, _, _ in SPECS], bucket_bytes=8192)
+        store.commit(v)
+    recon, seen = futs[0].result(timeout=60)
+    sender.close()
+    assert seen["v1_buckets"] > 2 and any(seen["v1_in_arenas"]) and not all(seen["v1_in_arenas"])
+    assert seen["v1_kept_by_v2"] and seen["v2_in_arenas"]
+    assert seen["v3_in_arenas"] and seen["v3_kept_by_seed"] and seen["arenas"] == 2
+    for n, t in model_at(4).items():
+        assert torch.equal(int_view(recon[n]), int_view(t)), n
+
+
 def _forge(words: torch.Tensor, at: int, d: int = 4096) -> None:
     """Add ``+d, -2d, +d`` to three neighbouring 16-bit words: every lane of a digest whose weight
     is affine in the position (and both of its sums) stays put."""
