@@ -21,6 +21,7 @@
  *   returns    entries written, flat indices strictly increasing
  */
 #include <stdint.h>
+#include <string.h>
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
@@ -468,4 +469,45 @@ int64_t sparse_order_bounds(const int32_t *idx, int64_t n, int64_t nentries, con
         }
     }
     return -1;
+}
+
+/* A delta's changed elements in checkpoint coordinates (the Megatron fast path), in two passes
+ * that touch each changed element once, whatever the number of parameters and runs.
+ *
+ * run_slices: run r of a parameter covers its local flat offsets [start[r], end[r]); the
+ * parameter's changed offsets are the `cnt[param[r]]` int32 at `idx_ptr[param[r]]`, increasing.
+ * Writes lo[r], the first of them at or after start[r], and n[r], how many fall in the run.
+ */
+static int64_t lower_bound32(const int32_t *a, int64_t n, int64_t v) {
+    int64_t lo = 0, hi = n;
+    while (lo < hi) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        if ((int64_t)a[mid] < v) lo = mid + 1; else hi = mid;
+    }
+    return lo;
+}
+
+void run_slices(int64_t nruns, const int64_t *param, const int64_t *start, const int64_t *end,
+                const int64_t *idx_ptr, const int64_t *cnt, int64_t *lo, int64_t *n) {
+    for (int64_t r = 0; r < nruns; ++r) {
+        const int32_t *idx = (const int32_t *)(intptr_t)idx_ptr[param[r]];
+        const int64_t m = cnt[param[r]];
+        lo[r] = lower_bound32(idx, m, start[r]);
+        n[r] = lower_bound32(idx, m, end[r]) - lo[r];
+    }
+}
+
+/* gather_runs: rows of (int32 offsets address, values address, count, shift), in output order;
+ * each row's offsets plus its shift go to out_idx (int32) and its values (`width` bytes each) to
+ * out_val, one row after the other. */
+void gather_runs(int64_t nrows, const int64_t *rows, int64_t width, int32_t *out_idx, char *out_val) {
+    for (int64_t k = 0; k < nrows; ++k) {
+        const int64_t *r = rows + 4 * k;
+        const int32_t *src = (const int32_t *)(intptr_t)r[0];
+        const int64_t n = r[2], shift = r[3];
+        for (int64_t i = 0; i < n; ++i) out_idx[i] = (int32_t)((int64_t)src[i] + shift);
+        memcpy(out_val, (const char *)(intptr_t)r[1], (size_t)(n * width));
+        out_idx += n;
+        out_val += n * width;
+    }
 }

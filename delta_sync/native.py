@@ -129,6 +129,10 @@ def load(path: Path) -> ctypes.CDLL:
                          ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64)]
     lib.move_rows.restype = ctypes.c_int64
     lib.move_rows.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(ctypes.c_int64)]
+    lib.run_slices.restype = None
+    lib.run_slices.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 7
+    lib.gather_runs.restype = None
+    lib.gather_runs.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
     lib.sparse_order_bounds.restype = ctypes.c_int64
     lib.sparse_order_bounds.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                                         ctypes.c_void_p]
@@ -510,3 +514,27 @@ def put_back(old: torch.Tensor, idx: torch.Tensor, prev: torch.Tensor) -> None:
     (any dtype of their width, any device)."""
     if idx.numel():
         old.reshape(-1).view(prev.dtype).index_copy_(0, idx.to(torch.int64), prev)
+
+
+def run_slices(param: torch.Tensor, start: torch.Tensor, end: torch.Tensor, offsets: list[torch.Tensor]
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run ``r`` covers offsets ``[start[r], end[r])`` of parameter ``param[r]``, whose changed offsets
+    are ``offsets[param[r]]`` (contiguous int32 host tensors, increasing): where its changes begin
+    among them and how many there are, ``(lo, n)`` (int64, one per run). All int64 host tensors."""
+    ptrs = torch.tensor([o.data_ptr() for o in offsets], dtype=torch.int64)
+    cnt = torch.tensor([o.numel() for o in offsets], dtype=torch.int64)
+    lo, n = torch.empty_like(start), torch.empty_like(start)
+    kernel().run_slices(start.numel(), param.data_ptr(), start.data_ptr(), end.data_ptr(), ptrs.data_ptr(),
+                        cnt.data_ptr(), lo.data_ptr(), n.data_ptr())
+    return lo, n
+
+
+def gather_runs(rows: torch.Tensor, width: int, total: int, values_dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``(int32 offsets address, values address, count, shift)`` (an int64 ``[R, 4]`` host
+    tensor; ``total``: the counts' sum): every row's offsets plus its shift and its values
+    (``width`` bytes each), one row after the other, as ``(int32 indices, values)``."""
+    idx = torch.empty(total, dtype=torch.int32)
+    vals = torch.empty(total, dtype=values_dtype)
+    kernel().gather_runs(rows.shape[0], rows.data_ptr(), width, idx.data_ptr(), vals.data_ptr())
+    return idx, vals

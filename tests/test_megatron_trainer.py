@@ -38,9 +38,9 @@ def _train_and_sync(rank, world, port, path, tp, steps, transport, pp=1, ep=1):
                # (its one-pass seed packs the parameters of up to 8k elements, converts larger ones
                # then their probes)
                "fast": MegatronShardDelta(trainer.bridge, trainer.model, packed_max_elements=8192),
-               # the fast path with every change located among its runs element by element (what a
-               # parameter of many runs takes), not run by run; its map learned in a probe pass before
-               # the seed's export, the other's in the export itself (one pass)
+               # the fast path with no parameter's runs kept as a short host list (what a parameter of
+               # many runs has): its digests go run by run or element by element; its map learned in a
+               # probe pass before the seed's export, the other's in the export itself (one pass)
                "fast, per element": MegatronShardDelta(trainer.bridge, trainer.model, one_pass=False)}
     # the load itself is exact: before training, the export is the checkpoint (row-parallel
     # weights used to load wrong at TP>1 over gloo, silently)
@@ -70,7 +70,7 @@ def _train_and_sync(rank, world, port, path, tp, steps, transport, pp=1, ep=1):
             if k == "fast, per element":
                 for runs in source._runs or []:
                     runs.few = None
-    fast_ready = sources["fast"].ready() and any(r.few is not None for r in sources["fast"]._runs)  # run by run
+    fast_ready = sources["fast"].ready() and any(r.few is not None for r in sources["fast"]._runs)  # (digests)
     # the one-pass map and the probe pass's: the same runs on every rank
     maps = [(src._plan_names, [[x.tolist() for x in (r.local, r.length, r.seq, r.target)] for r in src._runs])
             for src in (sources["fast"], sources["fast, per element"])]
@@ -99,7 +99,7 @@ def test_trainer_reconstruction_equals_independent_export(kind, world, tp, pp, e
     assert all(r[6] for r in results), "the one-pass map differs from the probe pass's (or took one way only)"
     assert all(r[3] == [] for r in results)  # every rank loaded exactly
     assert rounds and min(rounds) > 1, rounds  # the small-bucket deltas were gathered in rounds
-    assert all(r[4] for r in results), "the fast path did not switch on (see the log), or mapped nothing run by run"
+    assert all(r[4] for r in results), "the fast path did not switch on (see the log), or kept no short run list"
     assert [k for k, _, _ in kinds["reference"]] == ["seed", "delta", "delta"]
     assert all(0 < c < total for _, c, total in kinds["reference"][1:]), kinds
     assert kinds["fast"] == kinds["fast, per element"] == kinds["reference"]
@@ -277,8 +277,8 @@ def _nan_in_parameter(trainer, fragment: str):
 @contextlib.contextmanager
 def _diff_fails_on(rank: int, bad_rank: int):
     """The shard diff of a non-sender rank raises (the fast path's counterpart of a failed conversion)
-    while mapping its second changed shard to checkpoint coordinates, after every shard snapshot of
-    that rank advanced: the rollback must put them back for the next delta."""
+    while mapping its changes to checkpoint coordinates, after every shard snapshot of that rank
+    advanced: the rollback must put them back for the next delta."""
     from update_weight import megatron_shard_delta
 
     from .test_sender_failures import ExportFailure
@@ -286,18 +286,15 @@ def _diff_fails_on(rank: int, bad_rank: int):
     if rank != bad_rank:
         yield
         return
-    real, calls = megatron_shard_delta._locate, []
+    real = megatron_shard_delta._map_changes
 
     def broken(*args, **kwargs):
-        calls.append(1)
-        if len(calls) > 1:
-            raise ExportFailure(f"shard diff failed on rank {rank}")
-        return real(*args, **kwargs)
-    megatron_shard_delta._locate = broken
+        raise ExportFailure(f"shard diff failed on rank {rank}")
+    megatron_shard_delta._map_changes = broken
     try:
         yield
     finally:
-        megatron_shard_delta._locate = real
+        megatron_shard_delta._map_changes = real
 
 
 def _failures_on_megatron(rank, world, port, path, fast):

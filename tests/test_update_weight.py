@@ -110,65 +110,80 @@ def test_owned_runs_are_maximal(chunk, monkeypatch):
     assert begin.tolist() == [5] and length.tolist() == [10] and target.tolist() == [0]
 
 
-def test_runs_know_when_a_delta_needs_no_sort():
-    """A parameter whose runs all map into one checkpoint tensor, in checkpoint order, hands its
-    changed elements over as found (local order); a transposed or fused one is sorted."""
+def _mapped_one_by_one(runs_list, found, position):
+    """What the run table must give: every changed offset of every parameter looked up among its
+    own runs, element by element, as ``{export position: (checkpoint indices, bits)}`` in checkpoint
+    order."""
     import torch
 
-    from update_weight.megatron_shard_delta import _order
-
-    local, length = torch.tensor([0, 4, 8]), torch.tensor([4, 4, 4])
-
-    def order(seq, target):
-        got = _order(local, length, torch.tensor(seq), torch.tensor(target))
-        return got["single"], got["ascending"]
-    assert order([5, 5, 5], [0, 10, 20]) == (5, frozenset({5}))
-    assert order([5, 5, 5], [20, 10, 0]) == (5, frozenset())  # rows reversed
-    assert order([5, 5, 5], [0, 2, 20]) == (5, frozenset())  # runs overlap in the checkpoint
-    assert order([1, 2, 1], [0, 0, 4]) == (None, frozenset({1, 2}))  # fused: q and k halves
+    out = {}
+    for runs, (idx, bits) in zip(runs_list, found):
+        for o, b in zip(idx.tolist(), bits.tolist()):
+            for loc, ln, s, tgt in zip(runs.local.tolist(), runs.length.tolist(), runs.seq.tolist(),
+                                       runs.target.tolist()):
+                if loc <= o < loc + ln:
+                    out.setdefault(position[s], []).append((tgt + o - loc, b))
+    return {p: (torch.tensor([t for t, _ in sorted(v)]), torch.tensor([b for _, b in sorted(v)]))
+            for p, v in sorted(out.items())}
 
 
-def test_few_runs_map_changes_as_the_per_element_lookup_does():
-    """A parameter of few runs maps a delta's changed offsets run by run (slices of the changed
-    offsets, one add each): the same checkpoint indices and bits, per tensor, as locating every
-    change among the runs, changes outside every run (another rank's elements) dropped."""
+@pytest.mark.parametrize("way", ["host-kernel", "torch-ops"])
+def test_a_delta_maps_every_parameters_changes_in_one_pass(way, monkeypatch):
+    """A rank's changed offsets of all its parameters go through one table of runs: the checkpoint
+    indices and bits per tensor, tensors in export order, each one's indices increasing, are what
+    looking every offset up among its own parameter's runs gives; offsets outside every run
+    (another rank's elements) are dropped; fused q/k/v-like runs whose checkpoint order differs
+    from the local one are put in order (their runs are sorted, not their elements). Four host
+    reads in all, however many parameters; the host's two kernel calls give what a device's torch
+    operations do."""
     import torch
 
-    from update_weight.megatron_shard_delta import _FEW_RUNS, _by_runs, _locate, _order, _place, _run_cuts
+    from update_weight import megatron_shard_delta
+    from update_weight.megatron_shard_delta import _FEW_RUNS, _few, _map_changes, _place, _run_table
+
+    if way == "torch-ops":
+        monkeypatch.setattr(megatron_shard_delta.native, "kernel", lambda: None)
+    else:
+        assert megatron_shard_delta.native.kernel() is not None
 
     g = torch.Generator().manual_seed(0)
-    # fused q/k/v-like blocks with gaps (elements owned elsewhere): runs in local order
-    local = torch.tensor([0, 100, 250, 300, 520])
-    length = torch.tensor([100, 50, 50, 200, 80])
-    seq = torch.tensor([7, 8, 7, 9, 8])
-    target = torch.tensor([0, 500, 100, 40, 550])
-    param = torch.zeros(600, dtype=torch.bfloat16)
-    runs = _place(param, local, length, seq, target, **_order(local, length, seq, target))
-    assert runs.few is not None and len(runs.few[1]) == 5 and runs.few[1][1] == (100, 50, 500, 8)
-    idx = torch.randperm(600, generator=g)[:150].sort().values.to(torch.int32)
-    bits = torch.randint(-2**15, 2**15, (150,), generator=g, dtype=torch.int16)
-    got = _by_runs(runs.few, idx, bits, _run_cuts([(runs.few, idx)])[0])
-    inside, tgt, seqs = _locate(runs, idx.long())
-    want = {s: (tgt[inside & (seqs == s)], bits[inside & (seqs == s)]) for s in (7, 8, 9)}
-    assert sorted(got) == sorted(s for s, (t, _) in want.items() if t.numel())
-    for s, (t, b) in got.items():
-        assert t.dtype == torch.int32 and torch.equal(t.long(), want[s][0]) and torch.equal(b, want[s][1])
-    assert _by_runs(runs.few, idx[:0], bits[:0], _run_cuts([(runs.few, idx[:0])])[0]) == {}
-    # a delta cuts every parameter's changes at its runs' bounds with one host read in all (on a
-    # device, each read waits for it)
+    # fused q/k/v-like blocks with gaps (elements owned elsewhere), runs in local order; then a
+    # whole tensor; then a parameter whose rows land reversed in its checkpoint tensor
+    specs = [(torch.tensor([0, 100, 250, 300, 520]), torch.tensor([100, 50, 50, 200, 80]),
+              torch.tensor([7, 8, 7, 9, 8]), torch.tensor([0, 500, 100, 40, 550]), 600),
+             (torch.tensor([0]), torch.tensor([64]), torch.tensor([2]), torch.tensor([0]), 64),
+             (torch.tensor([0, 10, 20]), torch.tensor([10, 10, 10]), torch.tensor([3, 3, 3]),
+              torch.tensor([20, 10, 0]), 30)]
+    runs_list = [_place(torch.zeros(n, dtype=torch.bfloat16), local, length, seq, target,
+                        few=_few(local, length, seq, target)) for local, length, seq, target, n in specs]
+    assert runs_list[0].few[1] == (100, 50, 500, 8)
+    position = {2: 0, 3: 4, 7: 1, 8: 3, 9: 2}  # plan index -> export position
+    pos_of = torch.tensor([position.get(i, 0) for i in range(10)])
+    table = _run_table(runs_list, [0, 1, 2], pos_of)
+    found = []
+    for _, _, _, _, n in specs:
+        idx = torch.randperm(n, generator=g)[:n // 3].sort().values.to(torch.int32)
+        found.append((idx, torch.randint(-2**15, 2**15, (idx.numel(),), generator=g, dtype=torch.int16)))
     reads = []
     real = torch.Tensor.tolist
     torch.Tensor.tolist = lambda self: reads.append(1) or real(self)
     try:
-        cuts = _run_cuts([(runs.few, idx), (runs.few, idx[:40]), (runs.few, idx[::3].contiguous())])
+        idx, bits, seqs, counts = _map_changes(table, found)
     finally:
         torch.Tensor.tolist = real
-    assert len(reads) == 1 and len(cuts) == 3
-    assert cuts[1] == torch.searchsorted(idx[:40], runs.few[0]).tolist()
-    assert _by_runs(runs.few, idx, bits, cuts[0]).keys() == got.keys()
-    many = torch.arange(_FEW_RUNS + 1) * 2  # more runs than that: the per-element lookup
+    assert len(reads) == 1  # (besides a nonzero, a flag and a sum)
+    want = _mapped_one_by_one(runs_list, found, position)
+    assert seqs == list(want) and counts == [t.numel() for t, _ in want.values()]
+    assert idx.dtype == torch.int32
+    assert torch.equal(idx.long(), torch.cat([t for t, _ in want.values()]))
+    assert torch.equal(bits, torch.cat([b for _, b in want.values()]).to(torch.int16))
+    empty = [(i[:0], b[:0]) for i, b in found]
+    assert _map_changes(table, empty) is None
+    outside = [(torch.tensor([160, 170], dtype=torch.int32), torch.ones(2, dtype=torch.int16)), empty[1], empty[2]]
+    assert _map_changes(table, outside) is None  # offsets 150..249 belong to no run here
+    many = torch.arange(_FEW_RUNS + 1) * 2  # more runs than that: digested element by element
     ones = torch.ones_like(many)
-    assert _order(many, ones, ones, many)["few"] is None
+    assert _few(many, ones, ones, many) is None
 
 
 def test_probe_ids_are_int32_where_every_rank_fits_and_name_their_rank():

@@ -18,10 +18,12 @@ over each converted tensor (no sort of its elements).
 
 Each rank keeps, per local parameter, the *runs* of owned elements that are contiguous in both
 coordinates (``local_start, length, tensor, checkpoint_start``) and a bf16 snapshot of that
-parameter. A delta is then: bitwise diff of the local parameter against its snapshot (the same
-diff as the reference path), ``searchsorted`` of the changed offsets into the runs, one patch per
-checkpoint tensor. Memory: one snapshot of the parameters this rank owns elements of (about
-model / (TP x PP x EP)), plus the runs (a few per row).
+parameter. A delta is then: bitwise diff of the local parameters against their snapshots (the
+same diff as the reference path), one ``searchsorted`` of every changed offset among the runs of
+all of them, kept as one patch batch per dtype (counts per checkpoint tensor, indices, values):
+a few operations per rank, whatever the count of parameters or tensors. Memory: one snapshot of
+the parameters this rank owns elements of (about model / (TP x PP x EP)), plus the runs (a few
+per row).
 
 The map is checked bit for bit against the reference export during the seed that builds it: every
 owned element must equal the exported tensor's element at its mapped position, and every exported
@@ -34,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import logging
 import operator
 import threading
@@ -43,14 +46,14 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from delta_sync import collectives
+from delta_sync import collectives, native
 from delta_sync.accelerator import read_back
 from delta_sync.collectives import TrainerGroups
 from delta_sync.diff import BitwiseDiff, int_view, restore
 from delta_sync.errors import DeltaSyncError
 from delta_sync.digest import Digest, digest_elements, scan_many
 from delta_sync.gather import Ordered
-from delta_sync.patch import Patch
+from delta_sync.patch import Patch, PatchBatch
 
 from .megatron_source import BridgeExportSource
 
@@ -79,14 +82,9 @@ class _Runs:
     length: torch.Tensor  # int64 [R]
     seq: torch.Tensor  # int64 [R] position of the checkpoint tensor in the export order
     target: torch.Tensor  # int64 [R] checkpoint flat index of the run's first element
-    #: the one checkpoint tensor every run maps into, or None (a fused qkv / gate-up parameter)
-    single: int | None = None
-    #: checkpoint tensors whose runs, taken in local order, also ascend in the checkpoint: changed
-    #: elements found in local order are then already in checkpoint order (no sort)
-    ascending: frozenset = frozenset()
     #: a parameter of few runs (at most ``_FEW_RUNS``: whole tensors, gate/up halves, q/k/v blocks):
-    #: ``(int32 [2R] run starts and ends on its device, [(local, length, target, seq)] on the host)``
-    few: tuple[torch.Tensor, list[tuple[int, int, int, int]]] | None = None
+    #: ``[(local, length, target, seq)]`` on the host, for digests run by run with no device read
+    few: list[tuple[int, int, int, int]] | None = None
 
 
 class MegatronShardDelta(BridgeExportSource):
@@ -117,6 +115,7 @@ class MegatronShardDelta(BridgeExportSource):
         self._plan_index: dict[str, int] = {}  # name -> its index in _plan_names
         self._params_of: dict[int, list[int]] = {}  # plan index -> local params holding some of it
         self._runs: list[_Runs] | None = None  # None: not planned yet, or the plan failed
+        self._tables: list[_RunTable] | None = None  # the runs as a delta maps changes with them
         self._planned = False
         self._problem: str | None = None  # why the fast path is off, on this rank
         self._aliases: dict[str, list[str]] = {}  # tensor -> exported copies (tied lm_head)
@@ -184,6 +183,7 @@ class MegatronShardDelta(BridgeExportSource):
             log.warning("delta-sync fast path off, deltas use the reference export: %s",
                         self._problem or "another rank could not map its shards")
         self._position = {n: i for i, n in enumerate(self._names)}
+        self._tables = None  # (positions and runs as this seed left them)
         # the shard snapshots are taken at commit: they must hold what the engines hold, and then
         # the copy runs after the engines resumed (the parameters keep their values while update
         # runs), not inside the seed's pause window
@@ -195,46 +195,53 @@ class MegatronShardDelta(BridgeExportSource):
         return (self._plan_ok or self._one_pass_seed) and not self._off and not self._snap_failed
 
     def local_patches(self) -> list[Ordered]:
-        per_seq: dict[int, list[tuple[torch.Tensor, torch.Tensor, bool]]] = {}  # (targets, bits, in order)
         # every shard snapshot advances in the diff's pass (one batch: a few host-kernel calls for all
         # of them); rollback puts the old bits back
         found = self.differ.absorb_many([(self._snap[k], runs.param.detach()) for k, runs in enumerate(self._runs)])
         self._undo = {k: (idx, old) for k, (idx, _, old) in enumerate(found) if idx.numel()}
-        few = [k for k, runs in enumerate(self._runs) if runs.few is not None and found[k][0].numel()]
-        cuts = dict(zip(few, _run_cuts([(self._runs[k].few, found[k][0]) for k in few])))
-        for k, runs in enumerate(self._runs):
-            idx, bits, _ = found[k]
-            if idx.numel() == 0:
-                continue
-            if runs.few is not None:
-                for s, (target, got) in _by_runs(runs.few, idx, bits, cuts[k]).items():
-                    per_seq.setdefault(s, []).append((target, got, s in runs.ascending))
-                continue
-            pos = idx.to(torch.int64)
-            inside, target, seqs = _locate(runs, pos)
-            if not bool(inside.all()):  # elements another rank owns, or padding
-                pos, bits, target, seqs = pos[inside], bits[inside], target[inside], seqs[inside]
-            if pos.numel() == 0:
-                continue
-            if runs.single is not None:  # most parameters map into one checkpoint tensor
-                per_seq.setdefault(runs.single, []).append((target, bits, runs.single in runs.ascending))
-                continue
-            for s in torch.unique(seqs).tolist():
-                sel = seqs == s
-                per_seq.setdefault(s, []).append((target[sel], bits[sel], s in runs.ascending))
-        out = []
-        for s, parts in per_seq.items():
-            name = self._plan_names[s]
-            if len(parts) == 1 and parts[0][2]:  # one parameter's share, already in checkpoint order
-                target, bits = parts[0][0], parts[0][1]
-            else:
-                target = torch.cat([t for t, _, _ in parts])
-                order = torch.argsort(target)
-                target, bits = target[order], torch.cat([b for _, b, _ in parts])[order]
-            idx, vals = target.to(torch.int32), bits.view(self._dtypes[name])
-            for n in [name, *self._aliases.get(name, [])]:
-                out.append(Ordered(self._position[n], Patch(n, self._shapes[n], self._dtypes[n], idx, vals)))
+        out: list[Ordered] = []
+        for table in self._run_tables():
+            got = _map_changes(table, [found[k][:2] for k in table.params])
+            if got is not None:
+                out += self._batches(*got)
         return sorted(out, key=lambda o: o.seq)
+
+    def _run_tables(self) -> list["_RunTable"]:
+        """This rank's runs as one table per element width and device (made at the first delta after
+        each seed: the export positions come with the seed)."""
+        if self._tables is None:
+            pos_of = torch.tensor([self._position[n] for n in self._plan_names], dtype=torch.int64)
+            groups: dict[tuple, list[int]] = {}
+            for k, runs in enumerate(self._runs):
+                groups.setdefault((runs.param.element_size(), runs.param.device), []).append(k)
+            self._tables = [_run_table(self._runs, ks, pos_of) for ks in groups.values()]
+        return self._tables
+
+    def _batches(self, idx: torch.Tensor, bits: torch.Tensor, seqs: list[int], counts: list[int]) -> list[Ordered]:
+        """Mapped changes (:func:`_map_changes`) as one :class:`PatchBatch` per dtype, its tensors in
+        export order (the gather orders the ranks' batches by it); a tied copy (``lm_head``) as a
+        patch of its own that shares its source's buffers."""
+        names = [self._names[p] for p in seqs]
+        dtypes = [self._dtypes[n] for n in names]
+        out = []
+        for dt in dict.fromkeys(dtypes):
+            if len(dtypes) > 1 and any(d is not dt for d in dtypes):  # (several dtypes of one width: rare)
+                ks = [k for k, d in enumerate(dtypes) if d is dt]
+                keep = torch.repeat_interleave(torch.tensor([d is dt for d in dtypes], device=idx.device),
+                                               torch.tensor(counts, device=idx.device))
+                b = PatchBatch([names[k] for k in ks], [self._shapes[names[k]] for k in ks], dt,
+                               [counts[k] for k in ks], idx[keep], bits[keep].view(dt), [seqs[k] for k in ks])
+            else:
+                b = PatchBatch(names, [self._shapes[n] for n in names], dt, counts, idx, bits.view(dt), seqs)
+            out.append(Ordered(b.seqs[0], b))
+        if self._aliases:
+            at = dict(zip(names, itertools.accumulate(counts, initial=0)))
+            for name, aliases in self._aliases.items():
+                if name in at:
+                    k = names.index(name)
+                    i, v = idx.narrow(0, at[name], counts[k]), bits.narrow(0, at[name], counts[k]).view(dtypes[k])
+                    out += [Ordered(self._position[a], Patch(a, self._shapes[a], dtypes[k], i, v)) for a in aliases]
+        return out
 
     def commit(self) -> None:
         if self._seed_ok:  # a seed (or full update) just committed: new shard snapshots, taken now
@@ -276,7 +283,7 @@ class MegatronShardDelta(BridgeExportSource):
         for k, runs in enumerate(self._runs or []):
             snap = int_view(self._snap[k])
             if runs.few is not None:  # few runs: one contiguous digest each, chosen on the host
-                for loc, ln, tgt, s in runs.few[1]:
+                for loc, ln, tgt, s in runs.few:
                     if chosen is None or s in chosen:
                         add(loc, tgt, ln, s)
                 continue
@@ -782,7 +789,7 @@ def _owned_runs(ids: torch.Tensor, mine: torch.Tensor | bool, base: int = 0
 def _build_runs(param: torch.Tensor, plist) -> _Runs:
     """The runs of one parameter's owned elements, in local order, on its device."""
     host = _host_runs(plist)
-    return _place(param, *host, **_order(*host))
+    return _place(param, *host, few=_few(*host))
 
 
 def _host_runs(plist) -> tuple[torch.Tensor, ...]:
@@ -796,63 +803,119 @@ def _host_runs(plist) -> tuple[torch.Tensor, ...]:
     return local[order], length[order], seq[order], target[order]
 
 
-def _place(param: torch.Tensor, local, length, seq, target, **order) -> _Runs:
-    """The runs on the parameter's device: where the diffs they map are computed. ``order``: what
-    :func:`_order` found on the host copy (without it, every delta sorts their targets)."""
+def _place(param: torch.Tensor, local, length, seq, target, few=None) -> _Runs:
+    """The runs on the parameter's device, where the diffs they map are computed (``few``: see
+    :attr:`_Runs.few`)."""
     dev = param.device
-    if order.get("few") is not None:
-        bounds, runs = order["few"]
-        order = {**order, "few": (bounds.to(dev), runs)}
-    return _Runs(param, local.to(dev), length.to(dev), seq.to(dev), target.to(dev), **order)
+    return _Runs(param, local.to(dev), length.to(dev), seq.to(dev), target.to(dev), few)
 
 
-def _order(local, length, seq, target) -> dict:
-    """``single`` and ``ascending`` of :class:`_Runs`, from host runs in local order."""
-    seqs = torch.unique(seq).tolist()
-    ascending = []
-    for s in seqs:
-        sel = seq == s
-        t, n = target[sel], length[sel]
-        if bool((t[1:] >= t[:-1] + n[:-1]).all()):
-            ascending.append(s)
-    few = None
-    if 0 < local.numel() <= _FEW_RUNS and int((local + length).max()) < 2**31:  # int32 bounds, as the diff's
-        few = (torch.stack([local, local + length], 1).reshape(-1).to(torch.int32),
-               list(zip(local.tolist(), length.tolist(), target.tolist(), seq.tolist())))
-    return {"single": seqs[0] if len(seqs) == 1 else None, "ascending": frozenset(ascending), "few": few}
+def _few(local, length, seq, target) -> list[tuple[int, int, int, int]] | None:
+    """:attr:`_Runs.few` of host runs in local order."""
+    if 0 < local.numel() <= _FEW_RUNS:
+        return list(zip(local.tolist(), length.tolist(), target.tolist(), seq.tolist()))
+    return None
 
 
-def _locate(runs: _Runs, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For local flat offsets ``pos`` (increasing): which fall inside an owned run, their checkpoint
-    flat index and their tensor's export position. Torch ops on one device, no host round trip."""
-    r = (torch.searchsorted(runs.local, pos, right=True) - 1).clamp_(min=0)
-    start = runs.local.take(r)
-    inside = (pos >= start) & (pos < start + runs.length.take(r))
-    return inside, runs.target.take(r) + (pos - start), runs.seq.take(r)
+@dataclass
+class _RunTable:
+    """The owned runs of this rank's parameters of one element width and device, as one table: a
+    delta's changed elements of all of them map to checkpoint coordinates in a few operations,
+    whatever the number of parameters or checkpoint tensors. Run ``r`` covers local flat offsets
+    ``[start[r], end[r])`` of parameter ``param[r]`` (runs grouped by parameter, in order)."""
+
+    params: list[int]  # the parameters (positions among the source's runs), in table order
+    base: torch.Tensor  # int64 [P]: where each parameter's offsets start when all are laid end to end
+    param: torch.Tensor  # int64 [R]: each run's parameter (a position in ``params``)
+    start: torch.Tensor  # int64 [R]
+    end: torch.Tensor  # int64 [R]
+    key: torch.Tensor  # int64 [R]: its checkpoint tensor's export position << 32 | its first checkpoint index
+    shift: torch.Tensor  # int64 [R]: checkpoint index - local offset, for each of its elements
 
 
-def _run_cuts(items: list[tuple[tuple[torch.Tensor, list], torch.Tensor]]) -> list[list[int]]:
-    """Per ``(few runs, changed local offsets)`` (increasing): where each run's bounds fall among the
-    offsets (``searchsorted``), for every parameter at once: one host read in all, not one per
-    parameter (each is a wait for the device)."""
-    return read_back([torch.searchsorted(idx, bounds.to(idx.dtype)) for (bounds, _), idx in items])
+def _run_table(runs: list[_Runs], params: list[int], pos_of: torch.Tensor) -> _RunTable:
+    """:class:`_RunTable` of ``runs[k]`` for ``k`` in ``params`` (one device), ``pos_of``: each plan
+    index's export position."""
+    dev = runs[params[0]].param.device
+    base = list(itertools.accumulate((runs[k].param.numel() for k in params), initial=0))[:-1]
+    start, length, target, seq = (torch.cat([getattr(runs[k], f) for k in params])
+                                  for f in ("local", "length", "target", "seq"))
+    sizes = [runs[k].local.numel() for k in params]
+    param = torch.repeat_interleave(torch.arange(len(params), device=dev), torch.tensor(sizes, device=dev),
+                                    output_size=sum(sizes))
+    return _RunTable(params, torch.tensor(base, dtype=torch.int64, device=dev), param, start, start + length,
+                     pos_of.to(dev).take(seq).bitwise_left_shift_(32).add_(target), target - start)
 
 
-def _by_runs(few: tuple[torch.Tensor, list[tuple[int, int, int, int]]], idx: torch.Tensor, bits: torch.Tensor,
-             cuts: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """:func:`_locate` for a parameter of few runs (:attr:`_Runs.few`): changed local offsets
-    ``idx`` (increasing) and their ``bits`` per checkpoint tensor, as ``(checkpoint flat indices,
-    bits)`` in local order. Each run's changes are a slice of ``idx`` (``cuts``: where the runs'
-    bounds fall among them, see :func:`_run_cuts`), shifted by one add: no per-element lookup of
-    runs. Changes outside every run (elements another rank owns) fall between the slices."""
-    _, runs = few
-    parts: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-    for r, (local, _, target, s) in enumerate(runs):
-        lo, hi, shift = cuts[2 * r], cuts[2 * r + 1], target - local
-        if lo < hi:
-            parts.setdefault(s, []).append((idx[lo:hi] + shift if shift else idx[lo:hi], bits[lo:hi]))
-    return {s: ((torch.cat([t for t, _ in sl]), torch.cat([b for _, b in sl])) if len(sl) > 1 else sl[0])
-            for s, sl in parts.items()}
+def _map_changes(table: _RunTable, found: list[tuple[torch.Tensor, torch.Tensor]]
+                 ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]] | None:
+    """The changes ``found[i]`` (int32 local flat offsets, increasing, and their bits) of the
+    table's parameter ``i``, in checkpoint coordinates: ``(int32 flat indices, bits, export
+    positions, counts)``, each tensor's changes together and increasing, tensors in export order;
+    changes outside every run (elements another rank owns, padding) dropped; None where none is left.
+
+    A run's changes are a slice of its parameter's (both increase): the runs' bounds are searched
+    among them, the runs that hold some are put in checkpoint order (a sort of runs, not of
+    elements, where a parameter's runs do not follow it: fused q/k/v), and each slice moves by its
+    run's shift. On the host two kernel calls copy each change once; elsewhere a few torch
+    operations over all of them. Four host reads in all, however many parameters and tensors."""
+    if not any(f[0].numel() for f in found):
+        return None
+    host = native.kernel() is not None and table.start.device.type == "cpu" and all(
+        i.dtype is torch.int32 and i.is_contiguous() and b.is_contiguous() and b.device.type == "cpu"
+        for i, b in found)
+    if host:
+        lo, n = native.run_slices(table.param, table.start, table.end, [i for i, _ in found])
+    else:
+        at = _laid_end_to_end(table, [i for i, _ in found])
+        lo, n = _run_slices(table, at)
+    live = n.nonzero().squeeze(1)
+    if live.numel() == 0:
+        return None
+    key, lo, n = table.key.take(live), lo.take(live), n.take(live)
+    if live.numel() > 1 and not bool((key[1:] > key[:-1]).all()):
+        key, order = torch.sort(key)
+        lo, n, live = lo.take(order), n.take(order), live.take(order)
+    total = int(n.sum())
+    if host:
+        bits0 = found[0][1]
+        width = bits0.element_size()
+        param = table.param.take(live)
+        rows = torch.stack([torch.tensor([i.data_ptr() for i, _ in found], dtype=torch.int64).take(param) + lo * 4,
+                            torch.tensor([b.data_ptr() for _, b in found], dtype=torch.int64).take(param) + lo * width,
+                            n, table.shift.take(live)], 1)
+        idx, bits = native.gather_runs(rows.contiguous(), width, total, bits0.dtype)
+    else:
+        idx, bits = _gather_runs(table, at, torch.cat([b for _, b in found]), live, lo, n, total)
+    seqs, inverse = torch.unique_consecutive(key.bitwise_right_shift(32), return_inverse=True)
+    counts = torch.zeros(seqs.numel(), dtype=torch.int64, device=n.device).index_add_(0, inverse, n)
+    seqs, counts = read_back([seqs, counts])
+    return idx, bits, seqs, counts
+
+
+def _run_slices(table: _RunTable, at: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`native.run_slices` in torch operations (a device's tensors), ``at``: every parameter's
+    changed offsets laid end to end (:func:`_laid_end_to_end`); ``lo`` indexes ``at``."""
+    base = table.base.take(table.param)
+    lo = torch.searchsorted(at, table.start + base)
+    return lo, torch.searchsorted(at, table.end + base) - lo
+
+
+def _laid_end_to_end(table: _RunTable, offsets: list[torch.Tensor]) -> torch.Tensor:
+    """Every parameter's offsets (int64) after :attr:`_RunTable.base`, in one increasing tensor."""
+    sizes = [o.numel() for o in offsets]
+    return torch.cat(offsets).to(torch.int64) + torch.repeat_interleave(
+        table.base, torch.tensor(sizes, dtype=torch.int64, device=table.start.device), output_size=sum(sizes))
+
+
+def _gather_runs(table: _RunTable, at: torch.Tensor, bits: torch.Tensor, live: torch.Tensor, lo: torch.Tensor,
+                 n: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`native.gather_runs` in torch operations: the changes of runs ``live`` (in that order),
+    ``lo`` and ``n`` each one's slice of ``at`` (and of ``bits``, every parameter's laid alike)."""
+    elem = _expand(lo, n, total)
+    base = table.base.take(table.param.take(live))
+    idx = at.take(elem).add_(torch.repeat_interleave(table.shift.take(live) - base, n, output_size=total))
+    return idx.to(torch.int32), bits.take(elem)
 
 
 def _long(length: torch.Tensor) -> bool:
@@ -860,9 +923,10 @@ def _long(length: torch.Tensor) -> bool:
     return bool(length.numel()) and int(length.sum()) >= _LONG_RUNS * length.numel()
 
 
-def _expand(start: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
-    """Every index of the runs ``[start, start + length)``, in order."""
+def _expand(start: torch.Tensor, length: torch.Tensor, total: int | None = None) -> torch.Tensor:
+    """Every index of the runs ``[start, start + length)``, in order (``total``: their lengths' sum,
+    where the caller knows it: no wait for a device to tell)."""
     if start.numel() == 0:
         return start
-    first = torch.repeat_interleave(start - torch.cumsum(length, 0) + length, length)
+    first = torch.repeat_interleave(start - torch.cumsum(length, 0) + length, length, output_size=total)
     return first + torch.arange(first.numel(), device=start.device)
