@@ -186,6 +186,39 @@ def test_a_delta_maps_every_parameters_changes_in_one_pass(way, monkeypatch):
     assert _few(many, ones, ones, many) is None
 
 
+def test_mapped_changes_go_out_as_one_batch_per_dtype_and_tied_copies_share_them():
+    """A rank's mapped changes leave as one PatchBatch per dtype (tensors in export order, as the
+    gather needs), split where tensors of one width differ in dtype; the tied ``lm_head`` copy of
+    the embedding goes as a patch of its own at its own position, sharing the embedding's
+    buffers."""
+    import torch
+
+    from update_weight.megatron_shard_delta import MegatronShardDelta
+
+    src = MegatronShardDelta.__new__(MegatronShardDelta)
+    src._names = ["model.embed_tokens.weight", "a.weight", "b.weight", "lm_head.weight", "c.weight"]
+    src._position = {n: i for i, n in enumerate(src._names)}
+    src._shapes = {n: (4, 4) for n in src._names}
+    src._dtypes = {n: torch.bfloat16 for n in src._names}
+    src._dtypes["b.weight"] = torch.float16  # one width, another dtype
+    src._aliases = {"model.embed_tokens.weight": ["lm_head.weight"]}
+    idx = torch.tensor([1, 5, 0, 2, 3, 7, 9, 15], dtype=torch.int32)
+    bits = torch.arange(8, dtype=torch.int16)
+    out = src._batches(idx, bits, [0, 1, 2, 4], [2, 1, 2, 3])  # embed, a, b, c
+    assert sorted(o.seq for o in out) == [0, 2, 3]  # each batch at its first tensor's position
+    batches = {o.patch.dtype: o for o in out if hasattr(o.patch, "names")}
+    bf16, f16 = batches[torch.bfloat16].patch, batches[torch.float16].patch
+    assert bf16.names == ["model.embed_tokens.weight", "a.weight", "c.weight"] and bf16.seqs == [0, 1, 4]
+    assert bf16.counts == [2, 1, 3] and bf16.indices.tolist() == [1, 5, 0, 7, 9, 15]
+    assert bf16.values.view(torch.int16).tolist() == [0, 1, 2, 5, 6, 7]
+    assert f16.names == ["b.weight"] and f16.seqs == [2] and f16.indices.tolist() == [2, 3]
+    assert f16.values.dtype == torch.float16 and f16.values.view(torch.int16).tolist() == [3, 4]
+    tied = [o for o in out if not hasattr(o.patch, "names")]
+    assert len(tied) == 1 and tied[0].seq == 3 and tied[0].patch.name == "lm_head.weight"
+    assert tied[0].patch.indices.tolist() == [1, 5] and tied[0].patch.values.view(torch.int16).tolist() == [0, 1]
+    assert tied[0].patch.indices.data_ptr() == idx.data_ptr()  # the embedding's buffers, no copy
+
+
 def test_probe_ids_are_int32_where_every_rank_fits_and_name_their_rank():
     """A probe id is ``rank << shift | offset``: int32 while the last rank's ids fit (half of what
     Bridge gathers), int64 beyond; ownership is read from ids with one min/max where a tensor came

@@ -228,7 +228,7 @@ class MegatronShardDelta(BridgeExportSource):
             if len(dtypes) > 1 and any(d is not dt for d in dtypes):  # (several dtypes of one width: rare)
                 ks = [k for k, d in enumerate(dtypes) if d is dt]
                 keep = torch.repeat_interleave(torch.tensor([d is dt for d in dtypes], device=idx.device),
-                                               torch.tensor(counts, device=idx.device))
+                                               torch.tensor(counts, device=idx.device), output_size=idx.numel())
                 b = PatchBatch([names[k] for k in ks], [self._shapes[names[k]] for k in ks], dt,
                                [counts[k] for k in ks], idx[keep], bits[keep].view(dt), [seqs[k] for k in ks])
             else:
