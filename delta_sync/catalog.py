@@ -19,9 +19,11 @@ by id without a Python object per tensor (:class:`TableSlice`). A receiver whose
 
 from __future__ import annotations
 
+import array
 import base64
 import copy as _copy
 import hashlib
+import itertools
 import math
 
 import torch
@@ -32,6 +34,7 @@ from .patch import DTYPES, Patch
 
 #: dtype names by the code a catalogue stores them as
 CODES = tuple(DTYPES)
+_CODE = {d: c for c, d in enumerate(CODES)}
 
 
 class Catalog:
@@ -39,13 +42,17 @@ class Catalog:
 
     def __init__(self, names: list[str], shapes: list[tuple[int, ...]], dtypes: list[str]):
         self.names, self.shapes, self.dtypes = names, shapes, dtypes
-        self.ids = {n: i for i, n in enumerate(names)}
+        self.ids = dict(zip(names, range(len(names))))
+        self.numel = torch.tensor(list(map(math.prod, shapes)), dtype=torch.int64)
+        self.codes = torch.tensor(list(map(_CODE.__getitem__, dtypes)), dtype=torch.int64)
+        # names (their lengths, then their text), shapes (their ranks, then their dimensions) and
+        # dtypes, each hashed whole: no Python step per tensor (~19k at 30B-A3B)
         h = hashlib.blake2b(digest_size=12)
-        for n, s, d in zip(names, shapes, dtypes):
-            h.update(f"{n}|{','.join(map(str, s))}|{d}\n".encode())
+        for ints in (map(len, names), map(len, shapes), itertools.chain.from_iterable(shapes)):
+            h.update(array.array("q", ints).tobytes())
+        h.update("".join(names).encode())
+        h.update(self.codes.numpy().tobytes())
         self.fingerprint = h.hexdigest()
-        self.numel = torch.tensor([math.prod(s) for s in shapes], dtype=torch.int64)
-        self.codes = torch.tensor([CODES.index(d) for d in dtypes], dtype=torch.int64)
 
     def __len__(self) -> int:
         return len(self.names)
@@ -70,15 +77,13 @@ class CatalogBuilder:
         self._buckets.append([(e["name"], e["shape"], e["dtype"]) for e in entries])
 
     def build(self) -> Catalog:
-        names, shapes, dtypes, seen = [], [], [], set()
+        first: dict[str, tuple] = {}  # each name's first entry (a tensor split over buckets comes again)
         for entries in self._buckets:
             for name, shape, dname in entries:
-                if name not in seen:
-                    seen.add(name)
-                    names.append(name)
-                    shapes.append(tuple(int(d) for d in shape))
-                    dtypes.append(dname)
-        return Catalog(names, shapes, dtypes)
+                if name not in first:
+                    first[name] = (shape, dname)
+        shapes, dtypes = zip(*first.values()) if first else ((), ())
+        return Catalog(list(first), [tuple(map(int, s)) for s in shapes], list(dtypes))
 
 
 def encode_table(catalog: Catalog, ids: list[int], counts: list[int]) -> dict:

@@ -112,6 +112,18 @@ def _sparse(name: str, idx: list[int], value: float = 1.0) -> Patch:
                  torch.full((len(idx),), value, dtype=torch.bfloat16))
 
 
+
+def test_a_catalogues_fingerprint_tells_apart_names_shapes_and_dtypes():
+    """Both ends compare catalogues by fingerprint: moving a character between names, a dimension
+    between shapes, swapping shapes or changing a dtype gives another one; the same lists the same."""
+    bf = ["bfloat16", "bfloat16"]
+    cats = [Catalog(["ab", "c"], [(2,), (3,)], bf), Catalog(["a", "bc"], [(2,), (3,)], bf),
+            Catalog(["ab", "c"], [(2, 1), (3,)], bf), Catalog(["ab", "c"], [(2,), (1, 3)], bf),
+            Catalog(["ab", "c"], [(2,), (3,)], ["bfloat16", "float16"]), Catalog(["ab", "c"], [(3,), (2,)], bf),
+            Catalog(["ab", "c"], [(23,), ()], bf)]
+    assert len({c.fingerprint for c in cats}) == len(cats)
+    assert Catalog(["ab", "c"], [(2,), (3,)], bf).fingerprint == cats[0].fingerprint
+
 @pytest.mark.parametrize("checks", ["host kernel", "torch ops"])
 def test_a_table_checks_its_entries_and_names_the_tensor(checks, monkeypatch):
     """A table's entries get the checks JSON entries get (order, bounds, finiteness), and a failure
