@@ -25,6 +25,7 @@ C compiler is present; the torch-op path is the portable reference and the fallb
 from __future__ import annotations
 
 import itertools
+import operator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -369,10 +370,25 @@ class KernelFacts(NamedTuple):
     ptr: int
 
 
+_ON_HOST = operator.attrgetter("is_cpu")
+
+
 def kernel_facts(snap: torch.Tensor) -> KernelFacts:
     """:class:`KernelFacts` of ``snap`` (see :func:`kernel_width`)."""
     width = kernel_width(snap)
     return KernelFacts(width, snap.numel() * width // 8, snap.data_ptr())
+
+
+def kernel_facts_many(snaps: list[torch.Tensor]) -> list[KernelFacts]:
+    """:func:`kernel_facts` of each of ``snaps``, as whole lists where all are contiguous host
+    tensors (a snapshot store's first delta after a seed: ~19k at 30B-A3B), else one by one."""
+    if not (all(map(_ON_HOST, snaps)) and all(map(torch.Tensor.is_contiguous, snaps))):
+        return list(map(kernel_facts, snaps))
+    sizes, numels = list(map(torch.Tensor.element_size, snaps)), list(map(torch.Tensor.numel, snaps))
+    ptrs = list(map(torch.Tensor.data_ptr, snaps))
+    widths = [s if not p & 7 and n * s % 8 == 0 and s in native.WORD_WIDTHS else 0
+              for s, n, p in zip(sizes, numels, ptrs)]
+    return [KernelFacts(w, n * w // 8, p) for w, n, p in zip(widths, numels, ptrs)]
 
 
 def kernel_width(snap: torch.Tensor) -> int:

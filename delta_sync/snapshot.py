@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 
 from . import native
-from .diff import Absorbed, BitwiseDiff, KernelFacts, kernel_facts, restore, word_aligned
+from .diff import Absorbed, BitwiseDiff, KernelFacts, kernel_facts, kernel_facts_many, restore, word_aligned
 from .errors import PatchValidationError
 from .patch import DTYPE_NAMES, INT32_MAX, Patch, PatchBatch, check_indexable, dtype_name
 
@@ -211,7 +211,9 @@ class SnapshotStore:
             return None
         names, news = list(map(_NAME, items)), list(map(_TENSOR, items))
         facts = list(map(self._facts.get, names))
-        if None in facts or any(map(_GRAD, news)) or not all(map(_ON_HOST, news)):
+        if None in facts:  # (the first delta after a seed: its snapshots' facts, worked out together)
+            facts = self._facts_of(names, facts)
+        if facts is None or any(map(_GRAD, news)) or not all(map(_ON_HOST, news)):
             return None
         known = [f.kernel for f in facts]
         width = known[0].width
@@ -228,6 +230,20 @@ class SnapshotStore:
         b = self.differ.absorb_known(bases, news, known, ptrs)
         self._take([(b, _Members(names, news, news, facts, range(len(items))), bases)], batched, out)
         return out
+
+    def _facts_of(self, names: list[str], facts: list["_Facts | None"]) -> list["_Facts"] | None:
+        """``facts`` (of ``names``) with the missing ones worked out from their snapshots together and
+        kept; None where one of them has no snapshot (the general path then decides)."""
+        missing = [k for k, f in enumerate(facts) if f is None]
+        lacking = [names[k] for k in missing]
+        if not self._base.keys() >= set(lacking):  # (a set test: ``None in`` a list of tensors calls == on each)
+            return None
+        bases = list(map(self._base.__getitem__, lacking))
+        new = list(map(_Facts, kernel_facts_many(bases), map(tuple, map(_SHAPE, bases)), map(_DTYPE, bases)))
+        self._facts.update(zip(lacking, new))
+        for k, f in zip(missing, new):
+            facts[k] = f
+        return facts
 
     def _diff(self, items: list[tuple[str, torch.Tensor]], diffs: list[tuple[int, torch.Tensor]],
               pairs: list[tuple[torch.Tensor, torch.Tensor]], facts: list["_Facts"], batched: bool, out: list) -> None:

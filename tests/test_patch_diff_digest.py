@@ -368,6 +368,22 @@ def test_a_snapshots_kernel_facts_are_forgotten_when_it_is_replaced():
     assert {n: f.kernel.width for n, f in store._facts.items()} == {}
 
 
+def test_kernel_facts_of_many_snapshots_equal_each_ones_own():
+    """A store's first delta after a seed works out its snapshots' kernel facts together: the same
+    width, words and address as one by one, for word-aligned and misaligned views, sizes that are
+    not whole words, 4-byte and 1-byte elements and (one by one then) a strided view."""
+    from delta_sync.diff import kernel_facts, kernel_facts_many
+
+    flat = torch.zeros(64, dtype=torch.bfloat16)
+    snaps = [flat[:8], flat[4:12], flat[1:9], flat[8:14], torch.zeros(6, dtype=torch.float32),
+             torch.zeros(5, dtype=torch.float32), torch.zeros(16, dtype=torch.uint8)]
+    got = kernel_facts_many(snaps)
+    assert got == list(map(kernel_facts, snaps))
+    assert [f.width for f in got] == [2, 2, 0, 0, 4, 0, 0]
+    strided = flat.view(8, 8)[:, :4]
+    assert kernel_facts_many([*snaps, strided]) == [*got, kernel_facts(strided)]
+
+
 def _patches(out):
     """``name -> (indices, value bits)`` of a prepare_many's output, batches split per tensor."""
     got = {}
