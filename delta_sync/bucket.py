@@ -106,16 +106,17 @@ class Arena:
         self.device = torch.device(device)
         self.buf: torch.Tensor | None = None
 
-    def in_use(self) -> bool:
-        """Does anything still hold a view of what was carved last (a delta's staged bucket)? True
-        where torch cannot tell (its storage use count is a private call)."""
+    def in_use(self) -> bool | None:
+        """Does anything still hold a view of what was carved last (a delta's staged bucket)? None
+        where torch cannot tell (its storage use count is a private call): then no delta is
+        received into an arena, and bulk updates reuse them as they always did."""
         if self.buf is None:
             return False
         try:
             # the buffer itself and the storage object made for this call; each live view adds one
             return torch._C._storage_Use_Count(self.buf.untyped_storage()._cdata) > 2
         except (AttributeError, RuntimeError):
-            return True
+            return None
 
     def carve(self, wants: list[tuple[torch.dtype, int]]) -> list[torch.Tensor]:
         """One 1-D tensor of ``n`` elements of ``dtype`` per ``(dtype, n)``, aligned, from this arena."""

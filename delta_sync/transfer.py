@@ -283,7 +283,7 @@ def _prefetch(channel: Channel, slots: _Slots, streamed: bool = True,
     def arena_for(h: dict, arena: Arena) -> Arena | None:
         if h.get("kind") in BULK_KINDS:
             return arena if streamed else None
-        return arena if slots.kept and not arena.in_use() else None
+        return arena if slots.kept and arena.in_use() is False else None
 
     def run():
         try:

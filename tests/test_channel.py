@@ -257,6 +257,49 @@ def test_a_host_receivers_deltas_land_in_the_memory_its_channel_kept():
         assert torch.equal(int_view(recon[n]), int_view(t)), n
 
 
+def test_without_torchs_use_count_deltas_get_buffers_of_their_own_and_seeds_keep_the_arenas(monkeypatch):
+    """Whether a view of an arena is still held comes from a private torch call; where it is
+    missing no delta is received into an arena (nobody can tell it is free), and bulk updates keep
+    reusing the same two arenas as they did before deltas could use them."""
+    monkeypatch.delattr(torch._C, "_storage_Use_Count")
+
+    def receiver(chan):
+        recon, seen = {}, {"delta_in_arenas": False}
+
+        def write(entries):
+            for e, p in entries:
+                if p.name not in recon:
+                    recon[p.name] = torch.empty(p.shape, dtype=p.dtype)
+                recon[p.name].view(-1)[int(e["start"]):int(e["start"]) + p.count].copy_(p.values)
+
+        receive_update(chan, bulk_sink=write)
+        seen["bufs"] = [a.buf for a in chan.arenas()]
+        for _ in range(2):
+            upd = receive_update(chan)
+            seen["delta_in_arenas"] |= any(_in_arenas(chan, p.values) for p in upd.patches)
+            for p in upd.patches:
+                apply_patch(recon[p.name], p)
+        receive_update(chan, bulk_sink=write)
+        seen["same_arenas"] = all(a.buf is b for a, b in zip(chan.arenas(), seen.pop("bufs")))
+        chan.close()
+        return recon, seen
+
+    sender, futs = _local_ranks(2, "tok-no-count", receiver)
+    store = SnapshotStore(rank=0, world_size=1)
+    for v in range(4):
+        state = model_at(v)
+        if v == 3:
+            store.reset()
+        kind = "seed" if store.version is None else "delta"
+        send_update(sender, v, kind, [store.prepare(n, state[n]) for n, _, _ in SPECS], bucket_bytes=8192)
+        store.commit(v)
+    recon, seen = futs[0].result(timeout=60)
+    sender.close()
+    assert not seen["delta_in_arenas"] and seen["same_arenas"]
+    for n, t in model_at(3).items():
+        assert torch.equal(int_view(recon[n]), int_view(t)), n
+
+
 def _forge(words: torch.Tensor, at: int, d: int = 4096) -> None:
     """Add ``+d, -2d, +d`` to three neighbouring 16-bit words: every lane of a digest whose weight
     is affine in the position (and both of its sums) stays put."""
