@@ -13,7 +13,7 @@ from delta_sync.diff import int_view
 from delta_sync.digest import digest_tensor
 from delta_sync.errors import ChannelError
 from delta_sync.gather import Ordered, PatchGather
-from delta_sync.patch import apply_patch
+from delta_sync.patch import Patch, apply_patch
 from delta_sync.snapshot import SnapshotStore
 from delta_sync.transfer import BucketSender, UpdateAborted, receive_update, send_update
 from launchers.ranks import run_ranks
@@ -196,58 +196,70 @@ def _in_arenas(chan: Channel, t: torch.Tensor) -> bool:
                for a in chan.arenas())
 
 
+class _Rebuilt:
+    """A receiver's model rebuilt from a seed's ranges as they arrive, then a delta's patches."""
+
+    def __init__(self):
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def _at(self, p: Patch) -> torch.Tensor:
+        if p.name not in self.tensors:
+            self.tensors[p.name] = torch.empty(p.shape, dtype=p.dtype)
+        return self.tensors[p.name]
+
+    def write(self, entries) -> None:  # a bulk bucket's ranges (``bulk_sink``)
+        for e, p in entries:
+            self._at(p).view(-1)[int(e["start"]):int(e["start"]) + p.count].copy_(p.values)
+
+    def apply(self, patches) -> None:
+        for p in patches:
+            apply_patch(self._at(p), p)
+
+
+def _seed_deltas_seed(sender: Channel, versions: int) -> None:
+    """Versions ``0 .. versions-1`` of :func:`model_at` in 8 KiB buckets: a seed, deltas, a seed."""
+    store = SnapshotStore(rank=0, world_size=1)
+    for v in range(versions):
+        state = model_at(v)
+        if v == versions - 1:
+            store.reset()
+        kind = "seed" if store.version is None else "delta"
+        send_update(sender, v, kind, [store.prepare(n, state[n]) for n, _, _ in SPECS], bucket_bytes=8192)
+        store.commit(v)
+
+
 def test_a_host_receivers_deltas_land_in_the_memory_its_channel_kept():
     """A host channel keeps two buckets' arenas between updates (fresh pages faulted on first touch
     made the first delta after a seed 3-5x slower than the next): a delta's buckets land there
     while nothing holds them, the rest in buffers of their own. A staged delta someone still holds
     when the next update (delta or seed) arrives keeps its values: that update gets new memory."""
     def receiver(chan):
-        recon, seen = {}, {}
+        model, seen = _Rebuilt(), {}
         assert len(chan.arenas()) == 0  # (made by the first update)
-
-        def apply(patches):
-            for p in patches:
-                if p.name not in recon:
-                    recon[p.name] = torch.empty(p.shape, dtype=p.dtype)
-                apply_patch(recon[p.name], p)
-
-        def write(entries):  # a bulk bucket's ranges, as they arrive
-            for e, p in entries:
-                if p.name not in recon:
-                    recon[p.name] = torch.empty(p.shape, dtype=p.dtype)
-                recon[p.name].view(-1)[int(e["start"]):int(e["start"]) + p.count].copy_(p.values)
-
-        receive_update(chan, bulk_sink=write)  # v0: a seed, streamed through the arenas
+        receive_update(chan, bulk_sink=model.write)  # v0: a seed, streamed through the arenas
         held = receive_update(chan)  # v1, held past its update
         before = [p.values.clone() for p in held.patches]
         seen["v1_in_arenas"] = [_in_arenas(chan, p.values) for p in held.patches]
         seen["v1_buckets"] = held.buckets
-        apply(held.patches)
+        model.apply(held.patches)
         upd = receive_update(chan)  # v2 arrives while v1 is held
         seen["v1_kept_by_v2"] = all(torch.equal(int_view(p.values), int_view(b)) for p, b in zip(held.patches, before))
         seen["v2_in_arenas"] = any(_in_arenas(chan, p.values) for p in upd.patches)
-        apply(upd.patches)
+        model.apply(upd.patches)
         held = upd = None
         held = receive_update(chan)  # v3: nothing held, into the arenas again
         seen["v3_in_arenas"] = any(_in_arenas(chan, p.values) for p in held.patches)
         before = [p.values.clone() for p in held.patches]
-        apply(held.patches)
-        receive_update(chan, bulk_sink=write)  # v4: a seed, while v3 is held
+        model.apply(held.patches)
+        receive_update(chan, bulk_sink=model.write)  # v4: a seed, while v3 is held
         seen["v3_kept_by_seed"] = all(torch.equal(int_view(p.values), int_view(b))
                                       for p, b in zip(held.patches, before))
         seen["arenas"] = len(chan.arenas())
         chan.close()
-        return recon, seen
+        return model.tensors, seen
 
     sender, futs = _local_ranks(2, "tok-arenas", receiver)
-    store = SnapshotStore(rank=0, world_size=1)
-    for v in range(5):
-        state = model_at(v)
-        if v == 4:
-            store.reset()
-        kind = "seed" if store.version is None else "delta"
-        send_update(sender, v, kind, [store.prepare(n, state[n]) for n, _, _ in SPECS], bucket_bytes=8192)
-        store.commit(v)
+    _seed_deltas_seed(sender, 5)
     recon, seen = futs[0].result(timeout=60)
     sender.close()
     assert seen["v1_buckets"] > 2 and any(seen["v1_in_arenas"]) and not all(seen["v1_in_arenas"])
@@ -264,35 +276,20 @@ def test_without_torchs_use_count_deltas_get_buffers_of_their_own_and_seeds_keep
     monkeypatch.delattr(torch._C, "_storage_Use_Count")
 
     def receiver(chan):
-        recon, seen = {}, {"delta_in_arenas": False}
-
-        def write(entries):
-            for e, p in entries:
-                if p.name not in recon:
-                    recon[p.name] = torch.empty(p.shape, dtype=p.dtype)
-                recon[p.name].view(-1)[int(e["start"]):int(e["start"]) + p.count].copy_(p.values)
-
-        receive_update(chan, bulk_sink=write)
-        seen["bufs"] = [a.buf for a in chan.arenas()]
+        model, seen = _Rebuilt(), {"delta_in_arenas": False}
+        receive_update(chan, bulk_sink=model.write)
+        bufs = [a.buf for a in chan.arenas()]
         for _ in range(2):
             upd = receive_update(chan)
             seen["delta_in_arenas"] |= any(_in_arenas(chan, p.values) for p in upd.patches)
-            for p in upd.patches:
-                apply_patch(recon[p.name], p)
-        receive_update(chan, bulk_sink=write)
-        seen["same_arenas"] = all(a.buf is b for a, b in zip(chan.arenas(), seen.pop("bufs")))
+            model.apply(upd.patches)
+        receive_update(chan, bulk_sink=model.write)
+        seen["same_arenas"] = all(a.buf is b for a, b in zip(chan.arenas(), bufs))
         chan.close()
-        return recon, seen
+        return model.tensors, seen
 
     sender, futs = _local_ranks(2, "tok-no-count", receiver)
-    store = SnapshotStore(rank=0, world_size=1)
-    for v in range(4):
-        state = model_at(v)
-        if v == 3:
-            store.reset()
-        kind = "seed" if store.version is None else "delta"
-        send_update(sender, v, kind, [store.prepare(n, state[n]) for n, _, _ in SPECS], bucket_bytes=8192)
-        store.commit(v)
+    _seed_deltas_seed(sender, 4)
     recon, seen = futs[0].result(timeout=60)
     sender.close()
     assert not seen["delta_in_arenas"] and seen["same_arenas"]
