@@ -19,11 +19,9 @@ by id without a Python object per tensor (:class:`TableSlice`). A receiver whose
 
 from __future__ import annotations
 
-import array
 import base64
 import copy as _copy
 import hashlib
-import itertools
 import math
 
 import torch
@@ -45,13 +43,10 @@ class Catalog:
         self.ids = dict(zip(names, range(len(names))))
         self.numel = torch.tensor(list(map(math.prod, shapes)), dtype=torch.int64)
         self.codes = torch.tensor(list(map(_CODE.__getitem__, dtypes)), dtype=torch.int64)
-        # names (their lengths, then their text), shapes (their ranks, then their dimensions) and
-        # dtypes, each hashed whole: no Python step per tensor (~19k at 30B-A3B)
+        # "name|d0,d1|dtype\n" per tensor (what engines and trainers of every version compare)
         h = hashlib.blake2b(digest_size=12)
-        for ints in (map(len, names), map(len, shapes), itertools.chain.from_iterable(shapes)):
-            h.update(array.array("q", ints).tobytes())
-        h.update("".join(names).encode())
-        h.update(self.codes.numpy().tobytes())
+        for n, s, d in zip(names, shapes, dtypes):
+            h.update(f"{n}|{','.join(map(str, s))}|{d}\n".encode())
         self.fingerprint = h.hexdigest()
 
     def __len__(self) -> int:
