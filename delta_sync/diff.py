@@ -386,9 +386,13 @@ def kernel_facts_many(snaps: list[torch.Tensor]) -> list[KernelFacts]:
         return list(map(kernel_facts, snaps))
     sizes, numels = list(map(torch.Tensor.element_size, snaps)), list(map(torch.Tensor.numel, snaps))
     ptrs = list(map(torch.Tensor.data_ptr, snaps))
-    widths = [s if not p & 7 and n * s % 8 == 0 and s in native.WORD_WIDTHS else 0
-              for s, n, p in zip(sizes, numels, ptrs)]
+    widths = list(map(_scan_width, sizes, numels, ptrs))
     return [KernelFacts(w, n * w // 8, p) for w, n, p in zip(widths, numels, ptrs)]
+
+
+def _scan_width(size: int, numel: int, ptr: int) -> int:
+    """:func:`kernel_width` of a contiguous host tensor of ``numel`` elements of ``size`` bytes at ``ptr``."""
+    return size if not ptr & 7 and numel * size % 8 == 0 and size in native.WORD_WIDTHS else 0
 
 
 def kernel_width(snap: torch.Tensor) -> int:
@@ -396,9 +400,9 @@ def kernel_width(snap: torch.Tensor) -> int:
     8-byte word, a whole number of words, a width it takes) as the old side of a pair whose new
     side shares its shape, dtype and device and also starts on a word, contiguous; 0 where it
     does not."""
-    size = snap.element_size()
-    return size if (snap.is_cpu and not snap.data_ptr() & 7 and snap.numel() * size % 8 == 0
-                    and size in native.WORD_WIDTHS and snap.is_contiguous()) else 0
+    if not (snap.is_cpu and snap.is_contiguous()):
+        return 0
+    return _scan_width(snap.element_size(), snap.numel(), snap.data_ptr())
 
 
 def restore(snapshot: torch.Tensor, indices: torch.Tensor, old_bits: torch.Tensor) -> None:

@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 
 from . import native
-from .diff import Absorbed, BitwiseDiff, KernelFacts, kernel_facts, kernel_facts_many, restore, word_aligned
+from .diff import Absorbed, BitwiseDiff, KernelFacts, kernel_facts_many, restore, word_aligned
 from .errors import PatchValidationError
 from .patch import DTYPE_NAMES, INT32_MAX, Patch, PatchBatch, check_indexable, dtype_name
 
@@ -91,6 +91,11 @@ class _Facts(NamedTuple):
     kernel: KernelFacts
     shape: tuple[int, ...]
     dtype: torch.dtype
+
+
+def _facts_of_snapshots(snaps: list[torch.Tensor]) -> list[_Facts]:
+    """Each snapshot's :class:`_Facts` (its kernel facts worked out together)."""
+    return list(map(_Facts, kernel_facts_many(snaps), map(tuple, map(_SHAPE, snaps)), map(_DTYPE, snaps)))
 
 
 #: a tensor of one of the delta's kernel batches: its undo is the batch's (``SnapshotStore._undo``)
@@ -170,7 +175,7 @@ class SnapshotStore:
             if base is not None:  # (its snapshot's dtype and size were checked when it was made)
                 fact = known.get(name)
                 if fact is None:
-                    fact = known[name] = _Facts(kernel_facts(base), tuple(base.shape), base.dtype)
+                    fact = known[name] = _facts_of_snapshots([base])[0]
                 if new.shape != fact.shape or new.dtype is not fact.dtype:
                     raise PatchValidationError(
                         name, f"shape/dtype changed from {fact.shape}/{fact.dtype} to "
@@ -239,7 +244,7 @@ class SnapshotStore:
         if not self._base.keys() >= set(lacking):  # (a set test: ``None in`` a list of tensors calls == on each)
             return None
         bases = list(map(self._base.__getitem__, lacking))
-        new = list(map(_Facts, kernel_facts_many(bases), map(tuple, map(_SHAPE, bases)), map(_DTYPE, bases)))
+        new = _facts_of_snapshots(bases)
         self._facts.update(zip(lacking, new))
         for k, f in zip(missing, new):
             facts[k] = f
