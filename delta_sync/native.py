@@ -516,13 +516,11 @@ def put_back(old: torch.Tensor, idx: torch.Tensor, prev: torch.Tensor) -> None:
         old.reshape(-1).view(prev.dtype).index_copy_(0, idx.to(torch.int64), prev)
 
 
-def run_slices(param: torch.Tensor, start: torch.Tensor, end: torch.Tensor, offsets: list[torch.Tensor]
+def run_slices(param: torch.Tensor, start: torch.Tensor, end: torch.Tensor, ptrs: torch.Tensor, cnt: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run ``r`` covers offsets ``[start[r], end[r])`` of parameter ``param[r]``, whose changed offsets
-    are ``offsets[param[r]]`` (contiguous int32 host tensors, increasing): where its changes begin
-    among them and how many there are, ``(lo, n)`` (int64, one per run). All int64 host tensors."""
-    ptrs = torch.tensor([o.data_ptr() for o in offsets], dtype=torch.int64)
-    cnt = torch.tensor([o.numel() for o in offsets], dtype=torch.int64)
+    are the ``cnt[param[r]]`` int32 at address ``ptrs[param[r]]`` (increasing): where its changes
+    begin among them and how many there are, ``(lo, n)`` (one per run). All int64 host tensors."""
     lo, n = torch.empty_like(start), torch.empty_like(start)
     kernel().run_slices(start.numel(), param.data_ptr(), start.data_ptr(), end.data_ptr(), ptrs.data_ptr(),
                         cnt.data_ptr(), lo.data_ptr(), n.data_ptr())

@@ -865,7 +865,9 @@ def _map_changes(table: _RunTable, found: list[tuple[torch.Tensor, torch.Tensor]
         i.dtype is torch.int32 and i.is_contiguous() and b.is_contiguous() and b.device.type == "cpu"
         for i, b in found)
     if host:
-        lo, n = native.run_slices(table.param, table.start, table.end, [i for i, _ in found])
+        idx_at = torch.tensor([i.data_ptr() for i, _ in found], dtype=torch.int64)
+        lo, n = native.run_slices(table.param, table.start, table.end, idx_at,
+                                  torch.tensor([i.numel() for i, _ in found], dtype=torch.int64))
     else:
         at = _laid_end_to_end(table, [i for i, _ in found])
         lo, n = _run_slices(table, at)
@@ -881,7 +883,7 @@ def _map_changes(table: _RunTable, found: list[tuple[torch.Tensor, torch.Tensor]
         bits0 = found[0][1]
         width = bits0.element_size()
         param = table.param.take(live)
-        rows = torch.stack([torch.tensor([i.data_ptr() for i, _ in found], dtype=torch.int64).take(param) + lo * 4,
+        rows = torch.stack([idx_at.take(param) + lo * 4,
                             torch.tensor([b.data_ptr() for _, b in found], dtype=torch.int64).take(param) + lo * width,
                             n, table.shift.take(live)], 1)
         idx, bits = native.gather_runs(rows.contiguous(), width, total, bits0.dtype)
