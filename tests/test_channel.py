@@ -216,8 +216,11 @@ class _Rebuilt:
             apply_patch(self._at(p), p)
 
 
-def _seed_deltas_seed(sender: Channel, versions: int) -> None:
-    """Versions ``0 .. versions-1`` of :func:`model_at` in 8 KiB buckets: a seed, deltas, a seed."""
+def _seed_deltas_seed(token: str, receiver, versions: int) -> dict:
+    """Versions ``0 .. versions-1`` of :func:`model_at` in 8 KiB buckets (a seed, deltas, a seed) to
+    ``receiver(chan)`` on a thread, which returns ``(its rebuilt tensors, what it saw)``: what it saw,
+    once its tensors equal the last version bit for bit."""
+    sender, futs = _local_ranks(2, token, receiver)
     store = SnapshotStore(rank=0, world_size=1)
     for v in range(versions):
         state = model_at(v)
@@ -226,6 +229,11 @@ def _seed_deltas_seed(sender: Channel, versions: int) -> None:
         kind = "seed" if store.version is None else "delta"
         send_update(sender, v, kind, [store.prepare(n, state[n]) for n, _, _ in SPECS], bucket_bytes=8192)
         store.commit(v)
+    recon, seen = futs[0].result(timeout=60)
+    sender.close()
+    for n, t in model_at(versions - 1).items():
+        assert torch.equal(int_view(recon[n]), int_view(t)), n
+    return seen
 
 
 def test_a_host_receivers_deltas_land_in_the_memory_its_channel_kept():
@@ -258,15 +266,10 @@ def test_a_host_receivers_deltas_land_in_the_memory_its_channel_kept():
         chan.close()
         return model.tensors, seen
 
-    sender, futs = _local_ranks(2, "tok-arenas", receiver)
-    _seed_deltas_seed(sender, 5)
-    recon, seen = futs[0].result(timeout=60)
-    sender.close()
+    seen = _seed_deltas_seed("tok-arenas", receiver, 5)
     assert seen["v1_buckets"] > 2 and any(seen["v1_in_arenas"]) and not all(seen["v1_in_arenas"])
     assert seen["v1_kept_by_v2"] and seen["v2_in_arenas"]
     assert seen["v3_in_arenas"] and seen["v3_kept_by_seed"] and seen["arenas"] == 2
-    for n, t in model_at(4).items():
-        assert torch.equal(int_view(recon[n]), int_view(t)), n
 
 
 def test_without_torchs_use_count_deltas_get_buffers_of_their_own_and_seeds_keep_the_arenas(monkeypatch):
@@ -288,13 +291,8 @@ def test_without_torchs_use_count_deltas_get_buffers_of_their_own_and_seeds_keep
         chan.close()
         return model.tensors, seen
 
-    sender, futs = _local_ranks(2, "tok-no-count", receiver)
-    _seed_deltas_seed(sender, 4)
-    recon, seen = futs[0].result(timeout=60)
-    sender.close()
+    seen = _seed_deltas_seed("tok-no-count", receiver, 4)
     assert not seen["delta_in_arenas"] and seen["same_arenas"]
-    for n, t in model_at(3).items():
-        assert torch.equal(int_view(recon[n]), int_view(t)), n
 
 
 def _forge(words: torch.Tensor, at: int, d: int = 4096) -> None:
