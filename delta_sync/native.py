@@ -314,6 +314,27 @@ def sparse_in_order(indices: torch.Tensor, counts: list[int], limits: list[int])
                                         table[1].data_ptr()) < 0
 
 
+@functools.cache
+def _memcmp():
+    try:
+        fn = ctypes.CDLL(None).memcmp
+    except (OSError, AttributeError):  # no C library to ask (the caller compares with torch)
+        return None
+    fn.restype, fn.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    return fn
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Do ``a`` and ``b`` (one dtype) hold the same elements, bit for bit? One ``memcmp`` where both
+    are contiguous host tensors (2x ``torch.equal``'s speed here), else ``torch.equal``."""
+    if a.dtype != b.dtype or a.numel() != b.numel():
+        return False
+    fn = _memcmp() if a.is_cpu and b.is_cpu and a.is_contiguous() and b.is_contiguous() else None
+    if fn is None:
+        return torch.equal(a.reshape(-1), b.reshape(-1))
+    return a.numel() == 0 or fn(a.data_ptr(), b.data_ptr(), a.numel() * a.element_size()) == 0
+
+
 def supports_words(t: torch.Tensor) -> bool:
     """Host tensor whose bytes the word kernels (digest) can read."""
     return t.is_cpu and kernel() is not None  # (is_cpu: no device object per call)

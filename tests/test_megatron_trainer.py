@@ -74,7 +74,7 @@ def _train_and_sync(rank, world, port, path, tp, steps, transport, pp=1, ep=1):
     # the one-pass map and the probe pass's: the same runs on every rank
     maps = [(src._plan_names, [[x.tolist() for x in (r.local, r.length, r.seq, r.target)] for r in src._runs])
             for src in (sources["fast"], sources["fast, per element"])]
-    same_map = bool(maps[0][1]) and maps[0] == maps[1] and all(sources["fast"].one_pass_split)
+    same_map = bool(maps[0][1]) and maps[0] == maps[1] and all(sources["fast"].one_pass_split[:2])
     # an independent full export, consumed by every rank, compared on rank 0 bit for bit
     exported = list(BridgeExportSource(trainer.bridge, trainer.model))
     mismatched = {k: receivers[k].mismatched(exported) if rank == 0 else [] for k in sources}
@@ -82,7 +82,7 @@ def _train_and_sync(rank, world, port, path, tp, steps, transport, pp=1, ep=1):
     for u in updaters.values():
         u.close()
     dist.barrier()
-    return kinds, mismatched, n_tensors, load_errors, fast_ready, rounds, same_map
+    return kinds, mismatched, n_tensors, load_errors, fast_ready, rounds, same_map, sources["fast"].one_pass_split
 
 
 @pytest.mark.parametrize("kind,world,tp,pp,ep,tensors", [
@@ -95,8 +95,11 @@ def test_trainer_reconstruction_equals_independent_export(kind, world, tp, pp, e
     and through the fast path (same changed elements per update, bit for bit)."""
     path = str(build(kind))
     results = run_ranks(_train_and_sync, world, path, tp, 3, "sparse_gloo", pp, ep, timeout=600)
-    kinds, mismatched, n_tensors, load_errors, fast_ready, rounds, _ = results[0]
+    kinds, mismatched, n_tensors, load_errors, fast_ready, rounds, _, _ = results[0]
     assert all(r[6] for r in results), "the one-pass map differs from the probe pass's (or took one way only)"
+    # a MoE's experts are laid out as the first of their kind (layer and expert numbers aside); the
+    # dense model's two layers sit on different stages, so each is its own kind
+    assert all(bool(r[7][2]) == kind.startswith("moe") for r in results), [r[7] for r in results]
     assert all(r[3] == [] for r in results)  # every rank loaded exactly
     assert rounds and min(rounds) > 1, rounds  # the small-bucket deltas were gathered in rounds
     assert all(r[4] for r in results), "the fast path did not switch on (see the log), or kept no short run list"
@@ -107,9 +110,9 @@ def test_trainer_reconstruction_equals_independent_export(kind, world, tp, pp, e
     assert all(r[0] == kinds for r in results)  # every rank reports the same updates
 
 
-def _one_pass_refused(rank, world, port, path):
-    """A seed whose one-pass export meets a conversion that computes (the final norm's adds one), then
-    the seed after it and a delta."""
+def _one_pass_refused(rank, world, port, path, tp, ep, suffix, change):
+    """A seed whose one-pass export meets a changed conversion (of the task named ``...suffix``:
+    ``"add"`` adds one, ``"flip"`` reverses its rows, a move), then the seed after it and a delta."""
     import torch.distributed as dist
 
     from delta_sync.errors import DeltaSyncError
@@ -119,15 +122,15 @@ def _one_pass_refused(rank, world, port, path):
     from update_weight.args import UpdateWeightConfig
     from update_weight.megatron_shard_delta import MegatronShardDelta
 
-    trainer = MegatronTrainer.from_hf(path, tp=2, lr=1e-4)
+    trainer = MegatronTrainer.from_hf(path, tp=tp, ep=ep, lr=1e-4)
     source = MegatronShardDelta(trainer.bridge, trainer.model)
-    task = next(t for t in source.tasks() if t.global_param_name.endswith("final_layernorm.weight"))
+    task = next(t for t in source.tasks() if t.global_param_name.endswith(suffix))
     real = task.mapping.megatron_to_hf
 
-    def computing(weight, module):  # a conversion that adds instead of only moving elements
-        return {name: t + 1 for name, t in real(weight, module).items()}
+    def changed(weight, module):
+        return {name: t + 1 if change == "add" else t.flip(0) for name, t in real(weight, module).items()}
 
-    task.mapping.megatron_to_hf = computing
+    task.mapping.megatron_to_hf = changed
     receiver = MemoryReceiver() if rank == 0 else None
     updater = build_updater(UpdateWeightConfig.of("delta", bucket_bytes=64 << 20), [receiver] if rank == 0 else [])
     try:
@@ -154,12 +157,29 @@ def test_one_pass_seed_with_a_computing_conversion_is_refused_then_the_next_seed
     norm's mapping adds one) garbles them. Every rank refuses that seed alike, naming the tensor, and
     the engine never commits it; the next seed exports the values alone (the map in a probe pass, which
     then disagrees with the export: the fast path stays off) and every later update is exact."""
-    results = run_ranks(_one_pass_refused, 2, str(build("dense")), timeout=600)
+    results = run_ranks(_one_pass_refused, 2, str(build("dense")), 2, 1, "final_layernorm.weight", "add", timeout=600)
     for refused, _, kinds, _, fast in results:
         assert refused is not None and "seed refused" in refused, refused
         assert kinds == ["seed", "delta"] and not fast
     refused, engine_version, _, exact, _ = results[0]
     assert "model.norm.weight" in refused and engine_version is None, (refused, engine_version)
+    assert exact == [[], []]
+
+
+def test_one_pass_seed_refuses_a_task_that_moves_unlike_the_first_of_its_kind():
+    """A one-pass seed learns the map of a task from the first task of its kind (mapping, names but
+    for layer numbers, shapes) and converts its values alone. One whose conversion moves elements
+    otherwise (layer 1's attention output, its rows reversed: a move, not a computation) cannot
+    pass: its values disagree with the shard at the borrowed map, every rank refuses the seed and the
+    engine never commits it; the next seed learns every task's own map in a probe pass, and the fast
+    path serves exact deltas from it."""
+    results = run_ranks(_one_pass_refused, 2, str(build("moe-wide")), 1, 2,
+                        "decoder.layers.1.self_attention.linear_proj.weight", "flip", timeout=600)
+    for refused, _, kinds, _, fast in results:
+        assert refused is not None and "seed refused" in refused, refused
+        assert kinds == ["seed", "delta"] and fast
+    refused, engine_version, _, exact, _ = results[0]
+    assert "model.layers.1.self_attn.o_proj.weight" in refused and engine_version is None, (refused, engine_version)
     assert exact == [[], []]
 
 

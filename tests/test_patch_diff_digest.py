@@ -188,6 +188,25 @@ def test_diff_is_bitwise_not_float(use_native):
     assert p.indices.tolist() == [1, 4]
 
 
+@pytest.mark.parametrize("fallback", [False, True], ids=["memcmp", "torch"])
+def test_same_bytes_is_bitwise(monkeypatch, fallback):
+    """The seed's map check compares bits: one flipped bit anywhere (the last element, a NaN payload,
+    -0 against +0) is a difference, a strided view compares its own elements, and the two ways agree."""
+    if fallback:
+        monkeypatch.setattr(native, "_memcmp", lambda: None)
+    a = torch.randn(1 << 16).to(torch.bfloat16).view(torch.int16)
+    assert native.same_bytes(a, a.clone()) and native.same_bytes(a[:0], a[5:5])
+    for at in (0, 1, a.numel() - 1):
+        b = a.clone()
+        b[at] ^= 1
+        assert not native.same_bytes(a, b), at
+    assert not native.same_bytes(a, a.to(torch.int32)) and not native.same_bytes(a, a[1:])
+    zeros = torch.zeros(8, dtype=torch.bfloat16)
+    assert not native.same_bytes(zeros.view(torch.int16), (-zeros).view(torch.int16))
+    grid = a.view(256, 256)
+    assert native.same_bytes(grid[:, 3], grid.t()[3].clone()) and not native.same_bytes(grid[:, 3], grid[:, 4])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("offset", [0, 1])
 @pytest.mark.parametrize("use_native", [False, True], ids=["torch", "native"])

@@ -14,7 +14,10 @@ PP broadcast, vocab padding dropped). Where several ranks hold the same element 
 at TP>1, data-parallel replicas), the lowest rank is its owner: one code per rank and tensor when
 each rank converted all or none of it from its own shard, an ``all_reduce(MIN)`` per element over
 the host group only for tensors gathered across ranks. Runs are found in a few vectorized passes
-over each converted tensor (no sort of its elements).
+over each converted tensor (no sort of its elements). A task laid out exactly as an earlier one (on
+every rank the same mapping and module class, the same names but for layer and expert numbers, the
+same local parameter shape: a MoE's experts, repeated layers) is not probed in a one-pass seed: its
+map is the earlier task's, which the seed's check below proves or refuses.
 
 Each rank keeps, per local parameter, the *runs* of owned elements that are contiguous in both
 coordinates (``local_start, length, tensor, checkpoint_start``) and a bf16 snapshot of that
@@ -39,6 +42,7 @@ import functools
 import itertools
 import logging
 import operator
+import re
 import threading
 from dataclasses import dataclass
 from typing import Iterator
@@ -100,7 +104,8 @@ class MegatronShardDelta(BridgeExportSource):
         self.one_pass = one_pass
         #: a parameter of at most this many elements converts packed with its ids in a one-pass seed
         self.packed_max_elements = PACKED_MAX_ELEMENTS if packed_max_elements is None else packed_max_elements
-        #: the last one-pass seed's tasks: (converted packed, converted then probed)
+        #: the last one-pass seed's tasks: (converted packed, converted then probed, laid out as an
+        #: earlier task: converted alone)
         self.one_pass_split: tuple[int, int] | None = None
         #: this seed's values come out of the one-pass conversion: checked against every rank's
         #: shards as the map settles, and the seed refused at :meth:`seeded` if any disagrees
@@ -169,15 +174,17 @@ class MegatronShardDelta(BridgeExportSource):
         ok = self._agree(self._runs is not None and self._problem is None)
         one_pass, self._one_pass_seed = self._one_pass_seed, False
         if one_pass and not ok:
-            # the values just streamed came out of the packed conversion, which disagreed with some
-            # rank's shards: they may not be Bridge's export. Refused on every rank alike (agreed);
-            # the next seed converts values alone and learns the map in a probe pass.
+            # the values just streamed came out of the packed conversion, or a task took an earlier
+            # task's map, and they disagreed with some rank's shards: they may not be Bridge's export.
+            # Refused on every rank alike (agreed); the next seed converts values alone and learns
+            # the map in a probe pass.
             self.one_pass, self._planned, self._runs, self._seed_ok = False, False, None, False
             raise DeltaSyncError(
                 "seed refused: the shard map learned in the seed's own export disagrees with the trainer's "
                 f"shards ({self._problem or 'on another rank'}), so the values sent may not be Bridge's export "
-                "(a conversion that computes rather than moves?); send a seed again: it exports the values "
-                "alone and learns the map in a separate probe pass")
+                "(a conversion that computes rather than moves, or one that moves unlike the first task of "
+                "its kind, whose map it took?); send a seed again: it exports the values alone and learns "
+                "each task's map in a separate probe pass")
         if not ok and not self._warned:
             self._warned = True
             log.warning("delta-sync fast path off, deltas use the reference export: %s",
@@ -374,6 +381,28 @@ class MegatronShardDelta(BridgeExportSource):
             return None
         return _ONE_PASS_DTYPES[code.bit_length() - 1], [not x for x in large.tolist()]
 
+    def _templates(self, tasks: list) -> list[int | None]:
+        """Per task, the first earlier task its conversion lays out exactly as (None if none): on
+        every rank the same mapping class, module class, name patterns (layer and expert numbers
+        aside) and local parameter (shape, dtype, device; or none held). Such a task moves the same
+        elements of its parameter to the same places of its outputs, so its map is the earlier one's
+        and its values convert alone: a 30B-A3B's 48 x 128 experts are learned from one layer's
+        first. Collective: one all-gather of an int32 per task. What makes the same key on every
+        rank and still converts otherwise is caught where each tensor's values are checked against
+        its owner's shard, which refuses the seed (the next one then probes every task)."""
+        if not tasks:
+            return []
+        first: dict[tuple, int] = {}
+        kinds = torch.tensor([first.setdefault(_layout_key(t), i) for i, t in enumerate(tasks)], dtype=torch.int32)
+        if dist.is_initialized():
+            group = self._host_group()
+            every = torch.empty(dist.get_world_size(group) * len(tasks), dtype=torch.int32)
+            collectives.all_gather_into_tensor(every, kinds, group)
+            kinds = every.view(-1, len(tasks)).t()
+        seen: dict[tuple, int] = {}
+        return [None if (t := seen.setdefault(tuple(col), i)) == i else t
+                for i, col in enumerate(kinds.reshape(len(tasks), -1).tolist())]
+
     def _plan_in_export(self, dtype: torch.dtype, packed: list[bool]) -> Iterator[tuple[str, torch.Tensor]]:
         """Bridge's export of the seed, learning the map in the same pass over its tasks. A task whose
         parameter is small (``packed``) goes in as one int64 per element, its probe id (``rank << shift
@@ -381,46 +410,68 @@ class MegatronShardDelta(BridgeExportSource):
         comes out split into the values (yielded, as the export would) and the ids (the map): Bridge's
         per-task collectives, which bound a model of many small tensors, are paid once. A large one
         converts its values, then its probe right after (whose gathers move no bytes): packed, its
-        gathers would move 8 bytes per element instead of 2, which bounds a model of large tensors.
+        gathers would move 8 bytes per element instead of 2, which bounds a model of large tensors. A
+        task laid out as an earlier one (:meth:`_templates`) converts its values alone and takes that
+        task's map, output by output.
 
         A conversion that computes instead of moving would garble a packed task's values and ids: as
         each window of tensors settles its owners, every rank compares the values it owns with its
-        own shards, and :meth:`seeded` refuses the seed if any differs (collective, like the export)."""
+        own shards, and :meth:`seeded` refuses the seed if any differs (collective, like the export):
+        so does a task that converts unlike the earlier task whose map it took."""
         self._planned, self._one_pass_seed = True, True
-        self.one_pass_split = (sum(packed), len(packed) - sum(packed))
         rank, world = self._rank(), self._world()
-        planner = _Planner(self, rank)
+        templates = self._templates(self.tasks())
+        shared = {t for t in templates if t is not None}
+        first = [p for p, t in zip(packed, templates) if t is None]
+        self.one_pass_split = (sum(first), len(first) - sum(first), len(packed) - len(first))
+        planner = _Planner(self, rank, shared)
         bridge = self.bridge._model_bridge
         tasks = []
-        for task, pack in zip(self.tasks(), packed):
+        for i, (task, pack, t) in enumerate(zip(self.tasks(), packed, templates)):
             k, shift = planner.param(task.param_weight, world)
 
             def probe(weight, module, mapping=task.mapping):
                 return self._probe_conversion(mapping, weight, module, rank, world)
 
-            tasks.append(dataclasses.replace(
-                task, mapping=_OnePassMapping(task.mapping, rank, k, shift, probe if not pack else None)))
-        split: dict[str, tuple[torch.Tensor, int | None, int]] = {}  # hf name -> (ids, k, shift)
+            tasks.append(dataclasses.replace(task, mapping=_OnePassMapping(
+                task.mapping, rank, k, shift, i, probe if not pack and t is None else None, t)))
+        #: hf name -> (ids or None where laid out as an earlier task, k, shift, (template task, position))
+        split: dict[str, tuple[torch.Tensor | None, int | None, int, tuple[int, int]]] = {}
+        numels: dict[int, list[int | None]] = {}  # a task later tasks are laid out as -> its outputs' sizes
         real_modify = bridge.maybe_modify_converted_hf_weight
         own = vars(bridge).get("maybe_modify_converted_hf_weight")
 
         def modify(task, converted, hf_state):  # after Bridge's own modification: values and ids apart
             mapping = task.mapping
-            k, shift = mapping.k, mapping.shift
+            k, shift, t = mapping.k, mapping.shift, mapping.template
             out = {}
             try:
                 got = real_modify(task, converted, hf_state) or {}
+                if t is not None:  # laid out as task t: its ids, position by position
+                    sizes = numels.get(t)
+                    if sizes is None or len(sizes) != len(got) or any(
+                            n is not None and n != v.numel() for n, v in zip(sizes, got.values())):
+                        planner.problem = planner.problem or (
+                            f"{next(iter(got), task.global_param_name)} converted unlike the earlier task of its "
+                            "mapping, names and shapes")
+                        return got
+                    split.update((name, (None, k, shift, (t, j)))
+                                 for j, (name, n) in enumerate(zip(got, sizes)) if n is not None)
+                    return got
                 if mapping.probe is not None:  # values as they are, the ids from the probe converted after them
-                    ids = real_modify(task, mapping.ids or {}, {}) or {}
-                    out = got
-                    split.update((name, (ids[name], k, shift)) for name in got if name in ids)
-                    return out
-                for name, both in got.items():
-                    out[name], ids = _unpack(both, dtype)
-                    if ids is None:
-                        planner.problem = planner.problem or f"{name} converted to {both.dtype}, not int64"
-                        continue
-                    split[name] = (ids, k, shift)
+                    probed = real_modify(task, mapping.ids or {}, {}) or {}
+                    out, ids = got, [probed.get(name) for name in got]
+                else:
+                    out, ids = {}, []
+                    for name, both in got.items():
+                        out[name], got_ids = _unpack(both, dtype)
+                        ids.append(got_ids)
+                        if got_ids is None:
+                            planner.problem = planner.problem or f"{name} converted to {both.dtype}, not int64"
+                split.update((name, (x, k, shift, (mapping.index, j)))
+                             for j, (name, x) in enumerate(zip(out, ids)) if x is not None)
+                if mapping.index in shared:
+                    numels[mapping.index] = [None if x is None else x.numel() for x in ids]
             finally:  # mappings cache the (shape, dtype) they broadcast: forget the packed ones
                 _clear_caches(mapping.real)
                 mapping.ids = None
@@ -432,7 +483,7 @@ class MegatronShardDelta(BridgeExportSource):
                     self.model, self.bridge.hf_pretrained, cpu=True, show_progress=False, conversion_tasks=tasks):
                 got = split.pop(name, None)
                 if got is not None:
-                    planner.add(name, got[0], got[1], got[2], values=values)
+                    planner.add(name, got[0], got[1], got[2], values=values, layout=got[3])
                 yield name, values
         finally:
             if own is None:
@@ -525,18 +576,23 @@ class MegatronShardDelta(BridgeExportSource):
 class _Planner:
     """The shard map as converted tensors' ids arrive (a probe pass, or the seed's one-pass export):
     each window of tensors has its owners settled in one exchange of codes, this rank's runs noted,
-    and, where the values came with the ids, the values this rank owns compared with its shards."""
+    and, where the values came with the ids, the values this rank owns compared with its shards. A
+    tensor laid out as an earlier task's output (``layout``: that task and the output's position)
+    comes without ids and takes that output's owners and runs, kept for the tasks in ``shared``."""
 
-    def __init__(self, source: "MegatronShardDelta", rank: int):
-        self.source, self.rank = source, rank
+    def __init__(self, source: "MegatronShardDelta", rank: int, shared: set[int] = frozenset()):
+        self.source, self.rank, self.shared = source, rank, shared
         self.params: list[torch.Tensor] = []
         self.pieces: dict[int, list] = {}  # local param k -> [(run starts, lengths, plan index, targets)]
         self.names: list[str] = []
         self.seen: set[str] = set()
         self.problem: str | None = None
-        # converted, owner not yet settled: (name, plan index, ids, local param k or None, id shift, values)
+        # converted, owner not yet settled: (name, plan index, ids or None, local param k or None, id
+        # shift, values, layout)
         self.window: list[tuple] = []
         self.held = 0
+        #: (task, output position) -> (whether this rank owns all / some / none of it, its runs)
+        self.layouts: dict[tuple[int, int], tuple] = {}
 
     def param(self, weight: torch.Tensor | None, world: int) -> tuple[int | None, int]:
         """``(k, id shift)`` of a task's local parameter (``(None, 0)`` where this rank holds none)."""
@@ -545,7 +601,8 @@ class _Planner:
         self.params.append(weight)
         return len(self.params) - 1, _id_layout(weight.numel(), world)[0]
 
-    def add(self, name: str, ids: torch.Tensor, k: int | None, shift: int, values: torch.Tensor | None = None) -> None:
+    def add(self, name: str, ids: torch.Tensor | None, k: int | None, shift: int, values: torch.Tensor | None = None,
+            layout: tuple[int, int] | None = None) -> None:
         if name in self.seen:
             self.problem = self.problem or f"{name} converted twice"
             seq = None  # still settled with the others: every rank takes part in the same exchanges
@@ -553,22 +610,35 @@ class _Planner:
             self.seen.add(name)
             self.names.append(name)
             seq = len(self.names) - 1
-        ids = ids.reshape(-1).to("cpu")
-        self.window.append((name, seq, ids, k, shift, values))
-        self.held += ids.numel() * ids.element_size() + (values.numel() * values.element_size() if values is not None else 0)
+        if ids is not None:
+            ids = ids.reshape(-1).to("cpu")
+            self.held += ids.numel() * ids.element_size()
+        self.window.append((name, seq, ids, k, shift, values, layout))
+        self.held += values.numel() * values.element_size() if values is not None else 0
         if len(self.window) >= _OWNER_WINDOW or self.held >= _OWNER_WINDOW_BYTES:
             self.settle()
 
     def settle(self) -> None:
-        """Owners of the window's tensors, their runs noted: one exchange of codes for all of them."""
+        """Owners of the window's tensors, their runs noted: one exchange of codes for all of them
+        (those laid out as an earlier output take its owners: the same on every rank)."""
         window = self.window
-        owned = self.source._owned_many([(ids, k is not None, shift) for _, _, ids, k, shift, _ in window], self.rank)
-        for (name, seq, ids, k, shift, values), mine in zip(window, owned):
+        owned = iter(self.source._owned_many([(ids, k is not None, shift) for _, _, ids, k, shift, _, _ in window
+                                              if ids is not None], self.rank))
+        for name, seq, ids, k, shift, values, layout in window:
+            if ids is None:
+                mine, runs = self.layouts.get(layout, (None, None))
+            else:
+                mine = next(owned)
+                # a rank owns only what it probed: ids name a task's own parameter
+                runs = None if mine is None or mine is False or k is None else \
+                    _owned_runs(ids, mine, base=self.rank << shift)
+                if layout is not None and layout[0] in self.shared:
+                    self.layouts[layout] = (mine, runs)
             if mine is None:
                 self.problem = self.problem or f"no owner for some elements of {name}"
-            if seq is None or mine is None or mine is False or k is None:
-                continue  # a rank owns only what it probed: ids name a task's own parameter
-            local, length, target = _owned_runs(ids, mine, base=self.rank << shift)
+            if seq is None or runs is None:
+                continue
+            local, length, target = runs
             if not length.numel():
                 continue  # a parameter keeps a snapshot only if it owns some element
             self.pieces.setdefault(k, []).append((local, length, seq, target))
@@ -582,22 +652,26 @@ class _Planner:
 
 
 class _OnePassMapping:
-    """A task's mapping in a one-pass seed (:meth:`MegatronShardDelta._plan_in_export`): without
-    ``probe``, the parameter goes through the real conversion packed with its ids (``id << 32 | value
-    bits``, int64); with it, the values convert as they are and ``probe`` converts the ids right after
-    (kept in :attr:`ids`). Every other attribute is the real mapping's."""
+    """A task's mapping in a one-pass seed (:meth:`MegatronShardDelta._plan_in_export`), task ``index``
+    of the plan. Laid out as an earlier task (``template``), the values convert alone (the ids are the
+    template's); else with ``probe`` the values convert as they are and ``probe`` converts the ids
+    right after (kept in :attr:`ids`); else the parameter goes through the real conversion packed with
+    its ids (``id << 32 | value bits``, int64). Every other attribute is the real mapping's."""
 
-    def __init__(self, real, rank: int, k: int | None, shift: int, probe=None):
+    def __init__(self, real, rank: int, k: int | None, shift: int, index: int, probe=None,
+                 template: int | None = None):
         #: ``k``: the task's local parameter in the plan (None where this rank holds none)
         self.real, self.rank, self.k, self.shift, self.probe = real, rank, k, shift, probe
+        self.index, self.template = index, template
         self.ids: dict | None = None
 
     def megatron_to_hf(self, weight, module):
-        if self.probe is None:
+        if self.probe is None and self.template is None:
             return self.real.megatron_to_hf(None if weight is None else _pack(weight, self.rank, self.shift), module)
         values = self.real.megatron_to_hf(weight, module)
-        _clear_caches(self.real)
-        self.ids = self.probe(weight, module)
+        if self.probe is not None:
+            _clear_caches(self.real)
+            self.ids = self.probe(weight, module)
         return values
 
     def __getattr__(self, name):
@@ -613,6 +687,24 @@ PACKED_MAX_ELEMENTS = 1 << 18
 
 #: the parameter dtypes whose bits ride beside a probe id in one int64 (one-pass seeds)
 _ONE_PASS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+#: a layer's or an expert's number in a parameter name (``layers.3.``, ``experts.17.``)
+_NUMBER = re.compile(r"(?<=\.)\d+(?=\.|$)")
+
+
+def _layout_key(task) -> tuple:
+    """What a task's conversion layout depends on, on this rank (:meth:`MegatronShardDelta._templates`)."""
+    def pattern(names):
+        if isinstance(names, dict):
+            return tuple(sorted((k, pattern(v)) for k, v in names.items()))
+        return _NUMBER.sub("#", str(names))
+
+    mapping, weight, module = task.mapping, task.param_weight, task.megatron_module
+    return (type(mapping).__module__, type(mapping).__qualname__,
+            None if module is None else type(module).__qualname__,
+            pattern(mapping.megatron_param), pattern(mapping.hf_param),
+            None if weight is None else (tuple(weight.shape), weight.dtype, weight.device.type))
 
 
 def _pack(weight: torch.Tensor, rank: int, shift: int) -> torch.Tensor:
@@ -651,9 +743,9 @@ def _same_bits(param: torch.Tensor, exported: torch.Tensor, local: torch.Tensor,
     mine, flat = int_view(param.detach()), int_view(exported.detach()).to(param.device)  # one device per comparison
     local, length, target = (x.to(param.device) for x in (local, length, target))
     if _long(length):  # whole rows or tensors: compare run by run, no index expansion
-        return all(torch.equal(mine.narrow(0, lo, n), flat.narrow(0, t, n))
+        return all(native.same_bytes(mine.narrow(0, lo, n), flat.narrow(0, t, n))
                    for lo, t, n in zip(local.tolist(), target.tolist(), length.tolist()))
-    return torch.equal(mine.take(_expand(local, length)), flat.take(_expand(target, length)))
+    return native.same_bytes(mine.take(_expand(local, length)), flat.take(_expand(target, length)))
 
 
 def _id_layout(numel: int, world: int) -> tuple[int, torch.dtype]:
