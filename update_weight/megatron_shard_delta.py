@@ -344,10 +344,10 @@ class MegatronShardDelta(BridgeExportSource):
         self._planned = True
         rank, world = self._rank(), self._world()
         planner = _Planner(self, rank)
-        for task in self.tasks():
+        for i, task in enumerate(self.tasks()):
             k, shift = planner.param(task.param_weight, world)
-            for name, ids in (self._convert_probe(task, rank, world) or {}).items():
-                planner.add(name, ids, k, shift)
+            for j, (name, ids) in enumerate((self._convert_probe(task, rank, world) or {}).items()):
+                planner.add(name, ids, k, shift, layout=(i, j))
         planner.finish()
 
     def _one_pass_layout(self) -> tuple[torch.dtype, list[bool]] | None:
@@ -435,8 +435,9 @@ class MegatronShardDelta(BridgeExportSource):
 
             tasks.append(dataclasses.replace(task, mapping=_OnePassMapping(
                 task.mapping, rank, k, shift, i, probe if not pack and t is None else None, t)))
-        #: hf name -> (ids or None where laid out as an earlier task, k, shift, (template task, position))
-        split: dict[str, tuple[torch.Tensor | None, int | None, int, tuple[int, int]]] = {}
+        #: hf name -> (ids or None where laid out as an earlier task, k, shift, (template task, position),
+        #: its own task)
+        split: dict[str, tuple[torch.Tensor | None, int | None, int, tuple[int, int], int]] = {}
         numels: dict[int, list[int | None]] = {}  # a task later tasks are laid out as -> its outputs' sizes
         real_modify = bridge.maybe_modify_converted_hf_weight
         own = vars(bridge).get("maybe_modify_converted_hf_weight")
@@ -455,7 +456,7 @@ class MegatronShardDelta(BridgeExportSource):
                             f"{next(iter(got), task.global_param_name)} converted unlike the earlier task of its "
                             "mapping, names and shapes")
                         return got
-                    split.update((name, (None, k, shift, (t, j)))
+                    split.update((name, (None, k, shift, (t, j), mapping.index))
                                  for j, (name, n) in enumerate(zip(got, sizes)) if n is not None)
                     return got
                 if mapping.probe is not None:  # values as they are, the ids from the probe converted after them
@@ -468,7 +469,7 @@ class MegatronShardDelta(BridgeExportSource):
                         ids.append(got_ids)
                         if got_ids is None:
                             planner.problem = planner.problem or f"{name} converted to {both.dtype}, not int64"
-                split.update((name, (x, k, shift, (mapping.index, j)))
+                split.update((name, (x, k, shift, (mapping.index, j), mapping.index))
                              for j, (name, x) in enumerate(zip(out, ids)) if x is not None)
                 if mapping.index in shared:
                     numels[mapping.index] = [None if x is None else x.numel() for x in ids]
@@ -483,7 +484,7 @@ class MegatronShardDelta(BridgeExportSource):
                     self.model, self.bridge.hf_pretrained, cpu=True, show_progress=False, conversion_tasks=tasks):
                 got = split.pop(name, None)
                 if got is not None:
-                    planner.add(name, got[0], got[1], got[2], values=values, layout=got[3])
+                    planner.add(name, got[0], got[1], got[2], values=values, layout=got[3], task=got[4])
                 yield name, values
         finally:
             if own is None:
@@ -525,32 +526,32 @@ class MegatronShardDelta(BridgeExportSource):
                 self._params_of.setdefault(s, []).append(k)
 
     def _owned_many(self, converted: list[tuple[torch.Tensor, bool, int]], rank: int
-                    ) -> list[torch.Tensor | bool | None]:
-        """Which elements of each converted tensor (``ids``, whether this rank probed the task, its id
-        shift) this rank owns: each element's owner is the lowest rank that converted it from its own
-        shard (its id names that rank). True / False for all or none, a bool mask when mixed, None
-        when some element has no owner at all.
+                    ) -> list[torch.Tensor | tuple[int, ...] | None]:
+        """Who may own which elements of each converted tensor (``ids``, whether this rank probed the
+        task, its id shift): the ranks (of the host group, in order) that converted all of it from
+        their own shard, as a tuple, when nobody converted only part of it; else a bool mask of the
+        elements this rank owns, each element's owner being the lowest rank that converted it from
+        its own shard (its id names that rank); None when some element has no owner at all.
 
-        Usually one rank converts a whole tensor from its own shard (replicated weights, an expert
-        of its own) and the others none of it from theirs: one code per rank and tensor settles
-        that, all the tensors' codes in one exchange; only a tensor some rank holds partly (a TP
-        all-gather) takes a per-element all-reduce."""
+        Usually ranks convert a tensor whole from their own shard (replicated weights, an expert of
+        their own) or none of it: one code per rank and tensor settles that, all the tensors' codes in
+        one exchange; only a tensor some rank holds partly (a TP all-gather) takes a per-element
+        all-reduce."""
         owns = [_own_mask(ids, rank, shift) if probed else bool(ids.numel() == 0)
                 for ids, probed, shift in converted]  # True / False: all or none, else a mask
         mine = [2 if own is True else 0 if own is False else (1 if bool(own.any()) else 0) for own in owns]
         if not dist.is_initialized():
-            return [True if code == 2 else None for code in mine]
+            return [(0,) if code == 2 else None for code in mine]
         if not converted:
             return []
         group = self._host_group()
         world = dist.get_world_size(group)
         codes = torch.empty(world * len(mine), dtype=torch.int32)
         collectives.all_gather_into_tensor(codes, torch.tensor(mine, dtype=torch.int32), group)
-        out: list[torch.Tensor | bool | None] = []
+        out: list[torch.Tensor | tuple[int, ...] | None] = []
         for (ids, _, _), own, col in zip(converted, owns, codes.view(world, -1).t().tolist()):  # every rank's code
             if 1 not in col:
-                # the lowest rank converting it all from its own shard, or nobody
-                out.append(None if 2 not in col else col.index(2) == dist.get_rank(group))
+                out.append(tuple(r for r, c in enumerate(col) if c == 2) or None)
                 continue
             owner = torch.full(ids.shape, rank if own is True else _NOBODY, dtype=torch.int32)
             if own is not True and own is not False:
@@ -578,21 +579,31 @@ class _Planner:
     each window of tensors has its owners settled in one exchange of codes, this rank's runs noted,
     and, where the values came with the ids, the values this rank owns compared with its shards. A
     tensor laid out as an earlier task's output (``layout``: that task and the output's position)
-    comes without ids and takes that output's owners and runs, kept for the tasks in ``shared``."""
+    comes without ids and takes that output's owners and runs, kept for the tasks in ``shared``.
+
+    A task whose outputs several ranks convert whole from their own shards (data-parallel replicas,
+    replicated norms) goes to the one that owns the fewest elements so far, the highest rank on a
+    tie (rank 0 also gathers, packs and sends): every rank sees every code in the same order, so all
+    agree without a word, and each replica group diffs its share of the replicated weights instead
+    of its lowest rank diffing all of them. All outputs of one task go to one rank: a rank diffs
+    every parameter it owns any element of whole."""
 
     def __init__(self, source: "MegatronShardDelta", rank: int, shared: set[int] = frozenset()):
         self.source, self.rank, self.shared = source, rank, shared
+        self.me = dist.get_rank(source._host_group()) if dist.is_initialized() else 0
         self.params: list[torch.Tensor] = []
         self.pieces: dict[int, list] = {}  # local param k -> [(run starts, lengths, plan index, targets)]
         self.names: list[str] = []
         self.seen: set[str] = set()
         self.problem: str | None = None
         # converted, owner not yet settled: (name, plan index, ids or None, local param k or None, id
-        # shift, values, layout)
+        # shift, values, layout, task)
         self.window: list[tuple] = []
         self.held = 0
-        #: (task, output position) -> (whether this rank owns all / some / none of it, its runs)
+        #: (task, output position) -> (its owners as _owned_many says, elements, its runs were it this rank's)
         self.layouts: dict[tuple[int, int], tuple] = {}
+        self.load: dict[int, int] = {}  # host-group rank -> elements it owns so far
+        self.owner_of: dict[tuple[int, tuple[int, ...]], int] = {}  # (task, whole holders) -> the owner
 
     def param(self, weight: torch.Tensor | None, world: int) -> tuple[int | None, int]:
         """``(k, id shift)`` of a task's local parameter (``(None, 0)`` where this rank holds none)."""
@@ -602,7 +613,7 @@ class _Planner:
         return len(self.params) - 1, _id_layout(weight.numel(), world)[0]
 
     def add(self, name: str, ids: torch.Tensor | None, k: int | None, shift: int, values: torch.Tensor | None = None,
-            layout: tuple[int, int] | None = None) -> None:
+            layout: tuple[int, int] = (-1, 0), task: int | None = None) -> None:
         if name in self.seen:
             self.problem = self.problem or f"{name} converted twice"
             seq = None  # still settled with the others: every rank takes part in the same exchanges
@@ -613,29 +624,39 @@ class _Planner:
         if ids is not None:
             ids = ids.reshape(-1).to("cpu")
             self.held += ids.numel() * ids.element_size()
-        self.window.append((name, seq, ids, k, shift, values, layout))
+        self.window.append((name, seq, ids, k, shift, values, layout, layout[0] if task is None else task))
         self.held += values.numel() * values.element_size() if values is not None else 0
         if len(self.window) >= _OWNER_WINDOW or self.held >= _OWNER_WINDOW_BYTES:
             self.settle()
 
+    def _owner(self, task: int, holders: tuple[int, ...], n: int) -> int:
+        owner = self.owner_of.get((task, holders))
+        if owner is None:
+            owner = self.owner_of[(task, holders)] = min(holders, key=lambda r: (self.load.get(r, 0), -r))
+        self.load[owner] = self.load.get(owner, 0) + n
+        return owner
+
     def settle(self) -> None:
         """Owners of the window's tensors, their runs noted: one exchange of codes for all of them
-        (those laid out as an earlier output take its owners: the same on every rank)."""
+        (those laid out as an earlier output take its codes: the same on every rank)."""
         window = self.window
-        owned = iter(self.source._owned_many([(ids, k is not None, shift) for _, _, ids, k, shift, _, _ in window
+        owned = iter(self.source._owned_many([(ids, k is not None, shift) for _, _, ids, k, shift, *_ in window
                                               if ids is not None], self.rank))
-        for name, seq, ids, k, shift, values, layout in window:
+        for name, seq, ids, k, shift, values, layout, task in window:
             if ids is None:
-                mine, runs = self.layouts.get(layout, (None, None))
+                verdict, n, runs = self.layouts.get(layout, (None, 0, None))
             else:
-                mine = next(owned)
+                verdict, n = next(owned), ids.numel()
                 # a rank owns only what it probed: ids name a task's own parameter
-                runs = None if mine is None or mine is False or k is None else \
-                    _owned_runs(ids, mine, base=self.rank << shift)
-                if layout is not None and layout[0] in self.shared:
-                    self.layouts[layout] = (mine, runs)
-            if mine is None:
+                mine = verdict if isinstance(verdict, torch.Tensor) else isinstance(verdict, tuple) and self.me in verdict
+                runs = _owned_runs(ids, mine, base=self.rank << shift) if mine is not False and k is not None else None
+                if layout[0] in self.shared:
+                    self.layouts[layout] = (verdict, n, runs)
+            if verdict is None:
                 self.problem = self.problem or f"no owner for some elements of {name}"
+                continue
+            if isinstance(verdict, tuple) and self._owner(task, verdict, n) != self.me:
+                continue
             if seq is None or runs is None:
                 continue
             local, length, target = runs
