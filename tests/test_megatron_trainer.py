@@ -82,7 +82,9 @@ def _train_and_sync(rank, world, port, path, tp, steps, transport, pp=1, ep=1):
     for u in updaters.values():
         u.close()
     dist.barrier()
-    return kinds, mismatched, n_tensors, load_errors, fast_ready, rounds, same_map, sources["fast"].one_pass_split
+    fast = sources["fast"]
+    owned = sorted({fast._plan_names[s] for r in fast._runs for s in r.seq.tolist()})
+    return kinds, mismatched, n_tensors, load_errors, fast_ready, rounds, same_map, fast.one_pass_split, owned
 
 
 @pytest.mark.parametrize("kind,world,tp,pp,ep,tensors", [
@@ -95,11 +97,14 @@ def test_trainer_reconstruction_equals_independent_export(kind, world, tp, pp, e
     and through the fast path (same changed elements per update, bit for bit)."""
     path = str(build(kind))
     results = run_ranks(_train_and_sync, world, path, tp, 3, "sparse_gloo", pp, ep, timeout=600)
-    kinds, mismatched, n_tensors, load_errors, fast_ready, rounds, _, _ = results[0]
+    kinds, mismatched, n_tensors, load_errors, fast_ready, rounds, *_ = results[0]
     assert all(r[6] for r in results), "the one-pass map differs from the probe pass's (or took one way only)"
     # a MoE's experts are laid out as the first of their kind (layer and expert numbers aside); the
     # dense model's two layers sit on different stages, so each is its own kind
     assert all(bool(r[7][2]) == kind.startswith("moe") for r in results), [r[7] for r in results]
+    if (tp, pp, ep) == (1, 1, 2):  # attention is replicated over the two EP ranks: each diffs a share of it
+        attention = [{n for n in r[8] if ".self_attn." in n} for r in results]
+        assert all(attention) and not attention[0] & attention[1], attention
     assert all(r[3] == [] for r in results)  # every rank loaded exactly
     assert rounds and min(rounds) > 1, rounds  # the small-bucket deltas were gathered in rounds
     assert all(r[4] for r in results), "the fast path did not switch on (see the log), or kept no short run list"
