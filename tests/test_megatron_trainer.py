@@ -115,6 +115,44 @@ def test_trainer_reconstruction_equals_independent_export(kind, world, tp, pp, e
     assert all(r[0] == kinds for r in results)  # every rank reports the same updates
 
 
+def test_layout_keys_leave_out_layer_and_expert_numbers_only():
+    """Tasks share a layout key when only their layer or expert numbers differ (sequential or
+    grouped experts, a fused mapping's names), never across mapping kinds, modules or shapes."""
+    from types import SimpleNamespace
+
+    import torch.nn as nn
+
+    from update_weight.megatron_shard_delta import _layout_key
+
+    class Mapping:
+        def __init__(self, megatron_param, hf_param):
+            self.megatron_param, self.hf_param = megatron_param, hf_param
+
+    class Other(Mapping):
+        pass
+
+    def key(megatron, hf, shape=(4, 8), mapping=Mapping, module=nn.Linear):
+        return _layout_key(SimpleNamespace(mapping=mapping(megatron, hf), megatron_module=module(1, 1),
+                                           param_weight=torch.empty(shape)))
+
+    seq = key("decoder.layers.3.mlp.experts.local_experts.17.linear_fc1.weight",
+              {"gate": "model.layers.3.mlp.experts.17.gate_proj.weight", "up": "model.layers.3.mlp.experts.17.up_proj.weight"})
+    assert seq == key("decoder.layers.40.mlp.experts.local_experts.5.linear_fc1.weight",
+                      {"gate": "model.layers.40.mlp.experts.5.gate_proj.weight", "up": "model.layers.40.mlp.experts.5.up_proj.weight"})
+    grouped = key("decoder.layers.3.mlp.experts.linear_fc1.weight17", "model.layers.3.mlp.experts.17.down_proj.weight")
+    assert grouped == key("decoder.layers.9.mlp.experts.linear_fc1.weight0", "model.layers.9.mlp.experts.0.down_proj.weight")
+    plain = key("decoder.layers.3.self_attention.linear_proj.weight", "model.layers.3.self_attn.o_proj.weight")
+    assert plain != key("decoder.layers.3.self_attention.linear_proj.weight", "model.layers.3.self_attn.o_proj.weight",
+                        shape=(8, 4))
+    assert plain != key("decoder.layers.3.self_attention.linear_proj.weight", "model.layers.3.self_attn.o_proj.weight",
+                        mapping=Other)
+    assert plain != key("decoder.layers.3.self_attention.linear_proj.weight", "model.layers.3.self_attn.o_proj.weight",
+                        module=nn.Embedding)
+    assert plain != key("decoder.layers.3.mlp.linear_fc2.weight", "model.layers.3.mlp.down_proj.weight")
+    assert key("decoder.layers.3.mlp.linear_fc1.weight", "model.layers.3.mlp.gate_up_proj.weight") != key(
+        "decoder.layers.3.mlp.linear_fc2.weight", "model.layers.3.mlp.gate_up_proj.weight")
+
+
 def _one_pass_refused(rank, world, port, path, tp, ep, suffix, change):
     """A seed whose one-pass export meets a changed conversion (of the task named ``...suffix``:
     ``"add"`` adds one, ``"flip"`` reverses its rows, a move), then the seed after it and a delta."""

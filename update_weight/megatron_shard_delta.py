@@ -710,8 +710,9 @@ PACKED_MAX_ELEMENTS = 1 << 18
 _ONE_PASS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-#: a layer's or an expert's number in a parameter name (``layers.3.``, ``experts.17.``)
-_NUMBER = re.compile(r"(?<=\.)\d+(?=\.|$)")
+#: a layer's or an expert's number in a parameter name (``layers.3.``, ``local_experts.17.``, and
+#: Transformer Engine's grouped experts ``linear_fc1.weight17``)
+_NUMBER = re.compile(r"(?<=\.)\d+(?=\.|$)|(?<=\.weight)\d+$|(?<=\.bias)\d+$")
 
 
 def _layout_key(task) -> tuple:
