@@ -11,9 +11,10 @@ Bridge gathers, else int64: no float64 ever enters a collective, which HCCL lack
 element then names the rank and offset it came from, through
 whatever Bridge does (TP gather, QKV per-group interleave, gate/up halves, expert renumbering,
 PP broadcast, vocab padding dropped). Where several ranks hold the same element (replicated norms
-at TP>1, data-parallel replicas), the lowest rank is its owner: one code per rank and tensor when
-each rank converted all or none of it from its own shard, an ``all_reduce(MIN)`` per element over
-the host group only for tensors gathered across ranks. Runs are found in a few vectorized passes
+at TP>1, data-parallel replicas), one of them owns it: a task its holders each converted whole (one
+code per rank and tensor says so) goes to the holder that owns the fewest elements so far, so
+replicas share the diff; an element of a tensor gathered across ranks goes to the lowest rank
+holding it (an ``all_reduce(MIN)`` per element over the host group, for those tensors only). Runs are found in a few vectorized passes
 over each converted tensor (no sort of its elements). A task laid out exactly as an earlier one (on
 every rank the same mapping and module class, the same names but for layer and expert numbers, the
 same local parameter shape: a MoE's experts, repeated layers) is not probed in a one-pass seed: its
