@@ -580,7 +580,7 @@ class _Planner:
     each window of tensors has its owners settled in one exchange of codes, this rank's runs noted,
     and, where the values came with the ids, the values this rank owns compared with its shards. A
     tensor laid out as an earlier task's output (``layout``: that task and the output's position)
-    comes without ids and takes that output's owners and runs, kept for the tasks in ``shared``.
+    comes without ids and takes that output's holders and runs, kept for the tasks in ``shared``.
 
     A task whose outputs several ranks convert whole from their own shards (data-parallel replicas,
     replicated norms) goes to the one that owns the fewest elements so far, the highest rank on a
