@@ -112,7 +112,6 @@ def _sparse(name: str, idx: list[int], value: float = 1.0) -> Patch:
                  torch.full((len(idx),), value, dtype=torch.bfloat16))
 
 
-
 def test_a_catalogues_fingerprint_tells_apart_names_shapes_and_dtypes():
     """Both ends compare catalogues by fingerprint: moving a character between names, a dimension
     between shapes, swapping shapes or changing a dtype gives another one; the same lists the same."""
@@ -127,6 +126,7 @@ def test_a_catalogues_fingerprint_tells_apart_names_shapes_and_dtypes():
     # would otherwise refuse every delta and reseed at every step
     tied = Catalog(["model.embed_tokens.weight", "lm_head.weight"], [(151936, 1024)] * 2, bf)
     assert tied.fingerprint == "645d442c14e7820350507565"
+
 
 @pytest.mark.parametrize("checks", ["host kernel", "torch ops"])
 def test_a_table_checks_its_entries_and_names_the_tensor(checks, monkeypatch):

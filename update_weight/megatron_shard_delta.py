@@ -14,11 +14,12 @@ PP broadcast, vocab padding dropped). Where several ranks hold the same element 
 at TP>1, data-parallel replicas), one of them owns it: a task its holders each converted whole (one
 code per rank and tensor says so) goes to the holder that owns the fewest elements so far, so
 replicas share the diff; an element of a tensor gathered across ranks goes to the lowest rank
-holding it (an ``all_reduce(MIN)`` per element over the host group, for those tensors only). Runs are found in a few vectorized passes
-over each converted tensor (no sort of its elements). A task laid out exactly as an earlier one (on
-every rank the same mapping and module class, the same names but for layer and expert numbers, the
-same local parameter shape: a MoE's experts, repeated layers) is not probed in a one-pass seed: its
-map is the earlier task's, which the seed's check below proves or refuses.
+holding it (an ``all_reduce(MIN)`` per element over the host group, for those tensors only). Runs
+are found in a few vectorized passes over each converted tensor (no sort of its elements). A task
+laid out exactly as an earlier one (on every rank the same mapping and module class, the same names
+but for layer and expert numbers, the same local parameter shape: a MoE's experts, repeated layers)
+is not probed in a one-pass seed: its map is the earlier task's, which the seed's check below proves
+or refuses.
 
 Each rank keeps, per local parameter, the *runs* of owned elements that are contiguous in both
 coordinates (``local_start, length, tensor, checkpoint_start``) and a bf16 snapshot of that
@@ -107,7 +108,7 @@ class MegatronShardDelta(BridgeExportSource):
         self.packed_max_elements = PACKED_MAX_ELEMENTS if packed_max_elements is None else packed_max_elements
         #: the last one-pass seed's tasks: (converted packed, converted then probed, laid out as an
         #: earlier task: converted alone)
-        self.one_pass_split: tuple[int, int] | None = None
+        self.one_pass_split: tuple[int, int, int] | None = None
         #: this seed's values come out of the one-pass conversion: checked against every rank's
         #: shards as the map settles, and the seed refused at :meth:`seeded` if any disagrees
         self._one_pass_seed = False
@@ -348,7 +349,7 @@ class MegatronShardDelta(BridgeExportSource):
         for i, task in enumerate(self.tasks()):
             k, shift = planner.param(task.param_weight, world)
             for j, (name, ids) in enumerate((self._convert_probe(task, rank, world) or {}).items()):
-                planner.add(name, ids, k, shift, layout=(i, j))
+                planner.add(name, ids, k, shift, (i, j))
         planner.finish()
 
     def _one_pass_layout(self) -> tuple[torch.dtype, list[bool]] | None:
@@ -485,7 +486,7 @@ class MegatronShardDelta(BridgeExportSource):
                     self.model, self.bridge.hf_pretrained, cpu=True, show_progress=False, conversion_tasks=tasks):
                 got = split.pop(name, None)
                 if got is not None:
-                    planner.add(name, got[0], got[1], got[2], values=values, layout=got[3], task=got[4])
+                    planner.add(name, got[0], got[1], got[2], got[3], values=values, task=got[4])
                 yield name, values
         finally:
             if own is None:
@@ -613,8 +614,10 @@ class _Planner:
         self.params.append(weight)
         return len(self.params) - 1, _id_layout(weight.numel(), world)[0]
 
-    def add(self, name: str, ids: torch.Tensor | None, k: int | None, shift: int, values: torch.Tensor | None = None,
-            layout: tuple[int, int] = (-1, 0), task: int | None = None) -> None:
+    def add(self, name: str, ids: torch.Tensor | None, k: int | None, shift: int, layout: tuple[int, int],
+            values: torch.Tensor | None = None, task: int | None = None) -> None:
+        """``name`` converted as output ``layout[1]`` of task ``layout[0]`` (or, without ``ids``, laid
+        out as that output of that earlier task) by task ``task`` (``layout[0]`` if None)."""
         if name in self.seen:
             self.problem = self.problem or f"{name} converted twice"
             seq = None  # still settled with the others: every rank takes part in the same exchanges
