@@ -679,7 +679,9 @@ def _megatron_rank(rank, world, port, path, ep, steps, lr, seq, bucket, timeout_
         # the fast path: its seed learns the shard map, then every delta is shard-local
         source = MegatronShardDelta(trainer.bridge, trainer.model)
         receiver = full_rx = None
-        receiver = MemoryReceiver() if rank == 0 else None
+        # the engine stand-in lives in rank 0 (one thread, like every rank here): it applies on the
+        # host's cores, as an engine's worker does on its own while the trainer ranks wait
+        receiver = MemoryReceiver(threads=os.cpu_count()) if rank == 0 else None
         updater = build_updater(UpdateWeightConfig.of("delta", bucket_bytes=bucket),
                                 [receiver] if rank == 0 else [])
         try:

@@ -23,8 +23,12 @@ from .transfer import receive_update
 class MemoryReceiver:
     name = "memory-receiver"
 
-    def __init__(self, direct: bool = True):
+    def __init__(self, direct: bool = True, threads: int | None = None):
         self.tensors: dict[str, torch.Tensor] = {}
+        #: threads a delta's writes are spread over (default: ``torch.get_num_threads()``); a
+        #: receiver inside a trainer rank (which keeps to one thread) may use the host's cores as an
+        #: engine's worker would use its own
+        self.threads = threads
         #: receive large seed/full ranges straight into the tensors (else through the bucket arena)
         self.direct = direct
         self._lock = threading.Lock()
@@ -100,8 +104,8 @@ class MemoryReceiver:
             else:
                 sparse.append(p)
         rows = [(self.tensors[p.name].view(-1), p.indices, 0, p.values, None) for p in sparse]
-        if native.movable_rows(rows):
-            native.move_rows(rows, checked=True)
+        if native.movable_rows(rows):  # (one tensor's patch per row: threads write disjoint tensors)
+            native.move_rows(rows, native.thread_spans([p.count for p in sparse], threads=self.threads), checked=True)
         else:
             for p in sparse:
                 apply_patch(self.tensors[p.name], p)

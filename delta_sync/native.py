@@ -54,6 +54,8 @@ def _cpu_flags() -> list[str]:
 SCRATCH_ENTRIES = 1 << 20
 #: below this many words a tensor is scanned on the calling thread (pool overhead dominates).
 MIN_WORDS_PER_THREAD = 1 << 17
+#: elements of host writes per thread below which :func:`thread_spans` keeps them on one thread
+SPREAD_MIN_ELEMENTS = 1 << 16
 
 _VALUE_DTYPE = {16: torch.int16, 32: torch.int32}
 #: element sizes in bytes the diff kernel scans
@@ -177,6 +179,17 @@ def contiguous_groups(sizes: list[int], parts: int) -> list[tuple[int, int]]:
             bounds.append(i + 1)
     bounds.append(n)
     return [(lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
+
+
+def thread_spans(sizes: list[int], min_per_thread: int = SPREAD_MIN_ELEMENTS, threads: int | None = None
+                 ) -> list[tuple[int, int]]:
+    """``range(len(sizes))`` cut into contiguous ``(lo, hi)`` parts of about equal size, one per
+    thread (``threads``, by default ``torch.get_num_threads()``), each of at least ``min_per_thread``
+    elements (one part below that: a thread's hand-off costs more than it saves)."""
+    if not sizes:
+        return []
+    threads = min(threads or torch.get_num_threads(), len(sizes), max(1, sum(sizes) // min_per_thread))
+    return contiguous_groups(sizes, threads) if threads > 1 else [(0, len(sizes))]
 
 
 def capped_groups(sizes: list[int], limit: int) -> list[tuple[int, int]]:

@@ -336,18 +336,15 @@ class UndoLog:
 
 
 #: elements below which host writes of an apply stay on the calling thread
-SPREAD_MIN_ELEMENTS = 1 << 16
+SPREAD_MIN_ELEMENTS = native.SPREAD_MIN_ELEMENTS
 
 
 def _spans(sizes: list[int], device: torch.device | None) -> list[tuple[int, int]]:
-    """``range(len(sizes))`` cut into contiguous ``(lo, hi)`` parts of about equal size, one per
-    thread (``torch.get_num_threads()``) for host work of at least :data:`SPREAD_MIN_ELEMENTS`."""
-    threads = min(torch.get_num_threads(), len(sizes), max(1, sum(sizes) // SPREAD_MIN_ELEMENTS))
-    if not sizes:
-        return []
-    if device is None or device.type != "cpu" or threads < 2:
-        return [(0, len(sizes))]
-    return native.contiguous_groups(sizes, threads)
+    """``range(len(sizes))`` cut into contiguous ``(lo, hi)`` parts, one per thread, for host work
+    of at least :data:`SPREAD_MIN_ELEMENTS` a thread (:func:`delta_sync.native.thread_spans`)."""
+    if device is None or device.type != "cpu":
+        return [(0, len(sizes))] if sizes else []
+    return native.thread_spans(sizes, SPREAD_MIN_ELEMENTS)
 
 
 def _row_spans(counts: list[int], sizes: list[int], device: torch.device | None) -> list[tuple[int, int]]:

@@ -892,6 +892,39 @@ def test_memory_receiver_mismatched_names_missing_and_flipped_tensors():
     assert r.mismatched([("a", a), ("b", b), ("c", b)]) == ["a", "c"]
 
 
+def test_thread_spans_cut_whole_items_in_order_with_enough_work_each():
+    assert native.thread_spans([]) == []
+    assert native.thread_spans([10, 10, 10], min_per_thread=1000, threads=4) == [(0, 3)]  # too little work
+    assert native.thread_spans([500, 500, 500, 500], min_per_thread=1000, threads=4) == [(0, 2), (2, 4)]
+    assert native.thread_spans([5, 5, 5], min_per_thread=1, threads=8) == [(0, 1), (1, 2), (2, 3)]  # one item each at most
+    spans = native.thread_spans([7, 1, 300, 2, 2, 90], min_per_thread=1, threads=3)
+    assert spans[0][0] == 0 and spans[-1][1] == 6 and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+
+
+def test_memory_receiver_delta_spread_over_threads_writes_what_one_thread_does():
+    """A delta's sparse writes go to several threads, a tensor's patch whole to one: the tensors
+    come out as the patches say, the same as on one thread."""
+    from delta_sync.memory_receiver import MemoryReceiver
+    from delta_sync.transfer import ReceivedUpdate
+
+    g = torch.Generator().manual_seed(3)
+    base = {f"t{k}": torch.randn(200_000 + 997 * k, generator=g).to(torch.bfloat16) for k in range(6)}
+    patches = []
+    for name, t in base.items():
+        idx = torch.randperm(t.numel(), generator=g)[: t.numel() // 3].sort().values.to(torch.int32)
+        patches.append(Patch(name, tuple(t.shape), t.dtype, idx, torch.randn(idx.numel(), generator=g).to(t.dtype)))
+    want = {n: t.clone() for n, t in base.items()}
+    for p in patches:
+        want[p.name][p.indices.long()] = p.values
+    for threads in (1, 3):
+        assert len(native.thread_spans([p.count for p in patches], threads=threads)) == threads
+        r = MemoryReceiver(threads=threads)
+        r.tensors = {n: t.clone() for n, t in base.items()}
+        r._staged = ReceivedUpdate(1, "delta", patches)
+        r.finish(1)
+        assert r.version == 1 and r.mismatched(want.items()) == []
+
+
 @pytest.mark.parametrize("case,match", [
     ("negative", "index -1 is negative"), ("bounds", "index 40 out of bounds for 40 elements"),
     ("duplicate", "duplicate index 7"), ("order", "indices not increasing: 9 then 8"),
