@@ -15,8 +15,9 @@ Protocol, per exchange, over the trainer's groups (:class:`~delta_sync.collectiv
 
 The destination gets the patches in export order (``seq``): the rows of every rank are sorted
 together, and each run of sparse tensors of one dtype that one rank holds comes out as one
-:class:`~delta_sync.patch.PatchBatch` (two gathers over its elements, however the ranks
-interleave); a tensor whose changes come from several ranks (shards of one tensor) is merged into
+:class:`~delta_sync.patch.PatchBatch`, however the ranks interleave: on the host one kernel call
+copies its runs out of the ranks' buffers as they lie, on a device two gathers take them out of
+the ranks' sections joined; a tensor whose changes come from several ranks (shards of one tensor) is merged into
 one patch with increasing indices. Ranks may hand in batches (a diff kernel's, with each tensor's
 ``seq``) or patches.
 
@@ -38,7 +39,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from . import collectives
+from . import collectives, native
 from .collectives import TrainerGroups
 from .errors import DeltaSyncError, GatherError, PatchValidationError
 from .patch import Patch, PatchBatch
@@ -230,9 +231,10 @@ def _segments(src: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor) -> 
 
 def _merge(parts: list[_Part]) -> list[Patch | PatchBatch]:
     """The patches of every rank's part in stream order: runs of sparse tensors of one dtype held
-    by one rank each as one :class:`PatchBatch` (two gathers over their elements, whichever rank
-    sent them), a dense tensor as a patch, the parts of a tensor several ranks hold merged into one
-    patch. Copies out of the parts' buffers (they are reused)."""
+    by one rank each as one :class:`PatchBatch` (whichever rank sent them: copied out of the parts'
+    buffers by :class:`_Runs` on the host, else cut out of the parts' sections joined), a dense
+    tensor as a patch, the parts of a tensor several ranks hold merged into one patch. Copies out
+    of received buffers (they are reused); this rank's own may stay as views."""
     parts = [p for p in parts if p.n]
     if not parts:
         return []
@@ -242,13 +244,20 @@ def _merge(parts: list[_Part]) -> list[Patch | PatchBatch]:
     seq, count, code, dense = rows[:, 0], rows[:, 1], rows[:, 2] & 255, (rows[:, 2] >> 8).bool()
     # every section is its parts' sections one after another, each in row order: a row's start
     # in a section is the exclusive sum of the counts of the section's rows before it
-    indices = _section([(p.indices, p.owned) for p in parts])
     idx_start = _exclusive(torch.where(dense, 0, count))
-    values, val_start = {}, torch.zeros_like(count)
+    val_start = torch.zeros_like(count)
     for c in range(len(_SECTIONS)):
-        values[c] = _section([(p.values[c], p.owned) for p in parts])
         mine = code == c
         val_start[mine] = _exclusive(count[mine])
+    runs = _Runs.of(parts, idx_start, val_start, code)
+    joined: list = []  # the sections joined in memory of their own, made once where a patch needs them
+
+    def sections() -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        if not joined:
+            joined.append(_section([(p.indices, p.owned) for p in parts]))
+            joined.append({c: _section([(p.values[c], p.owned) for p in parts]) for c in range(len(_SECTIONS))})
+        return joined[0], joined[1]
+
     order = torch.argsort(seq, stable=True)
     s = seq[order]
     shared = torch.zeros(len(order), dtype=torch.bool)  # a tensor in more than one part
@@ -268,18 +277,22 @@ def _merge(parts: list[_Part]) -> list[Patch | PatchBatch]:
         end = bounds[bisect.bisect_right(bounds, k)]
         ks = order[k:end]
         first = order_l[k]
-        dt = _SECTIONS[int(code[first])]
+        c = int(code[first])
         if alone_l[k]:
             counts = count[ks]
-            out.append(PatchBatch([names[i] for i in order_l[k:end]], [shapes[i] for i in order_l[k:end]], dt,
-                                  counts.tolist(), _segments(indices, idx_start[ks], counts),
-                                  _segments(values[int(code[first])], val_start[ks], counts),
-                                  s[k:end].tolist()))
+            if runs is not None:
+                got = runs.gather(ks, counts, c)
+            else:
+                indices, values = sections()
+                got = _segments(indices, idx_start[ks], counts), _segments(values[c], val_start[ks], counts)
+            out.append(PatchBatch([names[i] for i in order_l[k:end]], [shapes[i] for i in order_l[k:end]],
+                                  _SECTIONS[c], counts.tolist(), got[0], got[1], s[k:end].tolist()))
             k = end
             continue
         j = k + 1
         while j < len(order_l) and int(s[j]) == int(s[k]):
             j += 1  # every part of this tensor
+        indices, values = sections()
         got = [_patch_of(i, names, shapes, count, code, dense, indices, idx_start, values, val_start)
                for i in order_l[k:j]]
         for p in got[1:]:
@@ -289,6 +302,50 @@ def _merge(parts: list[_Part]) -> list[Patch | PatchBatch]:
         out.append(merge_shards(got))
         k = j
     return out
+
+
+@dataclass
+class _Runs:
+    """Where each row's indices and values lie in its own part's buffers (host parts, the host
+    kernel present), so that a batch is taken from the parts as they are: one kernel call copying
+    its runs (:func:`delta_sync.native.gather_runs`), or views where its rows lie back to back in
+    this rank's own memory, without joining the parts' sections first."""
+
+    parts: list[_Part]
+    part: torch.Tensor  # int64 per row: its part
+    idx_local: torch.Tensor  # int64 per row: its first index's position in its part's indices
+    val_local: torch.Tensor  # int64 per row: its first value's position in its part's values of its dtype
+
+    @classmethod
+    def of(cls, parts: list[_Part], idx_start: torch.Tensor, val_start: torch.Tensor, code: torch.Tensor
+           ) -> "_Runs | None":
+        bufs = [p.indices for p in parts] + [v for p in parts for v in p.values.values()]
+        if native.kernel() is None or not all(b.device.type == "cpu" and b.is_contiguous() for b in bufs):
+            return None
+        part = torch.repeat_interleave(torch.arange(len(parts)), torch.tensor([p.n for p in parts]))
+        # a row's start in its part: its start in the joined section less the earlier parts' elements
+        idx_before = _exclusive(torch.tensor([p.indices.numel() for p in parts], dtype=torch.int64))
+        val_local = val_start.clone()
+        for c in range(len(_SECTIONS)):
+            mine = code == c
+            before = _exclusive(torch.tensor([p.values[c].numel() for p in parts], dtype=torch.int64))
+            val_local[mine] -= before[part[mine]]
+        return cls(parts, part, idx_start - idx_before[part], val_local)
+
+    def gather(self, ks: torch.Tensor, counts: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The indices and values of rows ``ks`` (a batch: sparse, of dtype code ``c``), one after
+        another: views where they lie back to back in this rank's own part, else copied out."""
+        part, idx, val = self.part[ks], self.idx_local[ks], self.val_local[ks]
+        total, dt = int(counts.sum()), _SECTIONS[c]
+        first = self.parts[int(part[0])]
+        if first.owned and bool((part == part[0]).all()) and bool((idx[1:] == idx[:-1] + counts[:-1]).all()) \
+                and bool((val[1:] == val[:-1] + counts[:-1]).all()):
+            return first.indices.narrow(0, int(idx[0]), total), first.values[c].narrow(0, int(val[0]), total)
+        idx_ptr = torch.tensor([p.indices.data_ptr() for p in self.parts], dtype=torch.int64)
+        val_ptr = torch.tensor([p.values[c].data_ptr() for p in self.parts], dtype=torch.int64)
+        table = torch.stack([idx_ptr[part] + 4 * idx, val_ptr[part] + dt.itemsize * val, counts,
+                             torch.zeros_like(counts)], dim=1).contiguous()
+        return native.gather_runs(table, dt.itemsize, total, dt)
 
 
 def _patch_of(i, names, shapes, count, code, dense, indices, idx_start, values, val_start) -> Patch:
