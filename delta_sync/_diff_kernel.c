@@ -460,13 +460,23 @@ int64_t sparse_order_bounds(const int32_t *idx, int64_t n, int64_t nentries, con
     int64_t pos = 0;
     for (int64_t k = 0; k < nentries; ++k) {
         const int64_t end = pos + counts[k], lim = limits[k];
-        int64_t prev = -1;  /* a first index below 0 fails v <= prev */
         if (end > n) return pos;
-        for (; pos < end; ++pos) {
-            const int64_t v = idx[pos];
-            if (v <= prev || v >= lim) return pos;
-            prev = v;
+        if (end <= pos) continue;
+        /* branch-free first (it vectorizes: no value carried from one element to the next), then,
+         * only for an entry that fails, the first bad position */
+        const int32_t *a = idx + pos;
+        const int64_t cnt = end - pos;
+        int bad = a[0] < 0 || (int64_t)a[0] >= lim;
+        for (int64_t i = 1; i < cnt; ++i) bad |= (a[i] <= a[i - 1]) | ((int64_t)a[i] >= lim);
+        if (bad) {
+            int64_t prev = -1;  /* a first index below 0 fails v <= prev */
+            for (; pos < end; ++pos) {
+                const int64_t v = idx[pos];
+                if (v <= prev || v >= lim) return pos;
+                prev = v;
+            }
         }
+        pos = end;
     }
     return -1;
 }
