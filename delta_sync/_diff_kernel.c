@@ -227,7 +227,20 @@ static int64_t dot16(const int16_t *x, const int16_t *t, int64_t m) {
 #define LOAD512(p) _mm512_loadu_si512((const void *)(p))
 #define LO512(s) _mm512_castsi512_si256(s)
 #define HI512(s) _mm512_extracti64x4_epi64(s, 1)
+#ifdef __AVX512VNNI__
+/* LANE_STEP at 512 bits where the multiply-add and the int32 sum are one instruction (VNNI's
+ * vpdpwssd: the same int32 sums, in the same order, without the separate adds) */
+#define STEP512(l)                                                                                  \
+    do {                                                                                            \
+        const int16_t *t = t1 + (l) * KEY_ROW + j;                                                  \
+        __m512i s = _mm512_madd_epi16(v[0], LOAD512(t));                                            \
+        for (int q = 1; q < 8; ++q) s = _mm512_dpwssd_epi32(s, v[q], LOAD512(t + 32 * q));         \
+        acc[l] = _mm512_add_epi64(acc[l], _mm512_add_epi64(_mm512_cvtepi32_epi64(LO512(s)),        \
+                                                           _mm512_cvtepi32_epi64(HI512(s))));      \
+    } while (0)
+#else
 #define STEP512(l) LANE_STEP(l, __m512i, _mm512, LOAD512, LO512, HI512, 32)
+#endif
 
 #ifdef __AVX2__
 /* One whole row (KEY_ROW words): per lane sum_j x[j] * t1[j] into rows[l]; non-finite count;

@@ -49,13 +49,15 @@ def test_native_kernel_builds_here():
 
 
 def test_every_vector_flavour_of_the_kernel_gives_the_same_digests_and_diffs(monkeypatch, tmp_path):
-    """The kernel is built for the host's vector extensions (AVX-512BW, AVX2, neither); each flavour
-    this host can run, built apart, gives the digests, Inf/NaN counts, copies and diffs of the
-    one in use, so the flavours another host picks are tested here too."""
+    """The kernel is built for the host's vector extensions (AVX-512BW with or without VNNI, AVX2,
+    neither); each flavour this host can run, built apart, gives the digests, Inf/NaN counts,
+    copies and diffs of the one in use, so the flavours another host picks are tested here too."""
     import delta_sync.digest as dg
     if native.kernel() is None:
         pytest.skip("no C compiler here: the host kernel is not built")
-    flavours = [f for f in ([], ["-mavx2"], native._cpu_flags()) if set(f) <= set(native._cpu_flags())]
+    flavours = [f for f in ([], ["-mavx2"], ["-mavx2", "-mavx512f", "-mavx512bw"], native._cpu_flags())
+                if set(f) <= set(native._cpu_flags())]
+    flavours = [list(f) for f in dict.fromkeys(map(tuple, flavours))]
     monkeypatch.setenv("DELTA_SYNC_CACHE_DIR", str(tmp_path))
     libs = []
     for flags in flavours:
@@ -120,20 +122,26 @@ def test_move_at_equals_torch_index_ops(dtype, pos_dtype):
     assert torch.equal(t, base)
 
 
-def test_a_compiler_that_refuses_the_widest_vectors_still_builds_the_kernel(monkeypatch, tmp_path, caplog):
+@pytest.mark.parametrize("refused,kept", [("avx512", ["-mavx2"]),
+                                           ("avx512vnni", ["-mavx2", "-mavx512f", "-mavx512bw"])])
+def test_a_compiler_that_refuses_the_widest_vectors_still_builds_the_kernel(monkeypatch, tmp_path, caplog, refused,
+                                                                             kept):
     """A compiler without AVX-512 support (flags refused) builds the AVX2 kernel instead of leaving
-    every scan on the torch-op path; the build that failed is logged."""
+    every scan on the torch-op path, one without VNNI the AVX-512 kernel; the build that failed is
+    logged."""
     if "-mavx2" not in native._cpu_flags():
         pytest.skip("the host has no AVX2: the narrower build would not run here")
     cc = tmp_path / "cc"
-    cc.write_text('#!/bin/sh\ncase "$*" in *avx512*) echo "unknown flag" >&2; exit 1;; esac\nexec cc "$@"\n')
+    cc.write_text(f'#!/bin/sh\ncase "$*" in *{refused}*) echo "unknown flag" >&2; exit 1;; esac\nexec cc "$@"\n')
     cc.chmod(0o755)
     monkeypatch.setenv("DELTA_SYNC_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("CC", str(cc))
-    monkeypatch.setattr(native, "_cpu_flags", lambda: ["-mavx2", "-mavx512f", "-mavx512bw"])
+    monkeypatch.setattr(native, "_cpu_flags", lambda: ["-mavx2", "-mavx512f", "-mavx512bw", "-mavx512vnni"])
     native.kernel.cache_clear()
     try:
-        assert native.kernel() is not None and "failed to build" in caplog.text
+        lib = native.kernel()
+        assert lib is not None and "failed to build" in caplog.text
+        assert lib._name == str(native._build(kept))  # the widest build the compiler took
         x = torch.randn(5000).bfloat16()
         assert digest_range(x, 3) == digest_range(x[:1000], 3) + digest_range(x[1000:], 1003)
     finally:
