@@ -278,19 +278,19 @@ def check_in_place(device, g) -> dict:
 
 
 def check_fast_path(device, g) -> dict:
-    from update_weight.megatron_shard_delta import _host_runs, _map_changes, _owned_runs, _place, _run_table
+    from update_weight.megatron_runs import host_runs, map_changes, owned_runs, place_runs, run_table
 
     local = torch.arange(0, 4096)
-    b0, n0, t0 = _owned_runs(local[:1024], True)  # one run, shifted by 7 in the checkpoint
-    b1, n1, t1 = _owned_runs(local[1024:].flip(0), True)  # reversed: runs of one element
-    host = _host_runs([(b0, n0, 0, t0 + 7), (b1, n1, 1, t1 + 1024)])
+    b0, n0, t0 = owned_runs(local[:1024], True)  # one run, shifted by 7 in the checkpoint
+    b1, n1, t1 = owned_runs(local[1024:].flip(0), True)  # reversed: runs of one element
+    host = host_runs([(b0, n0, 0, t0 + 7), (b1, n1, 1, t1 + 1024)])
     pos_of = torch.tensor([4, 2])  # the two tensors' export positions
     idx = torch.randint(0, 4096, (300,), generator=g).unique().to(torch.int32)
     bits = torch.randint(-2**15, 2**15, (idx.numel(),), generator=g, dtype=torch.int16)
-    runs = [_place(torch.empty(64, 64, dtype=torch.bfloat16, device=device), *host)]
-    got = _map_changes(_run_table(runs, [0], pos_of), [(idx.to(device), bits.to(device))])
-    want = _map_changes(_run_table([_place(torch.empty(64, 64, dtype=torch.bfloat16), *host)], [0], pos_of),
-                        [(idx, bits)])
+    runs = [place_runs(torch.empty(64, 64, dtype=torch.bfloat16, device=device), *host)]
+    got = map_changes(run_table(runs, [0], pos_of), [(idx.to(device), bits.to(device))])
+    want = map_changes(run_table([place_runs(torch.empty(64, 64, dtype=torch.bfloat16), *host)], [0], pos_of),
+                       [(idx, bits)])
     assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1]) and got[2:] == want[2:]
     return {"runs": int(runs[0].local.numel()), "tensors": len(got[2])}
 

@@ -144,16 +144,16 @@ def test_loader_views_read_on_the_device():
 
 
 def test_fast_path_mapping_runs_where_the_shard_lives():
-    from update_weight.megatron_shard_delta import _few, _host_runs, _owned_runs, _place, _run_table
+    from update_weight.megatron_runs import few_runs, host_runs, owned_runs, place_runs, run_table
 
     local = torch.arange(0, 32)
-    (b0, n0, t0), (b1, n1, t1) = _owned_runs(local[:16], True), _owned_runs(local[16:], True)
-    host = _host_runs([(b0, n0, 0, t0 + 100), (b1, n1, 1, t1 + 16)])  # the probed plan
+    (b0, n0, t0), (b1, n1, t1) = owned_runs(local[:16], True), owned_runs(local[16:], True)
+    host = host_runs([(b0, n0, 0, t0 + 100), (b1, n1, 1, t1 + 16)])  # the probed plan
     with FakeTensorMode(allow_non_fake_inputs=True):
         params = [torch.empty(4, 8, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
-        runs = [_place(p, *host, few=_few(*host)) for p in params]
+        runs = [place_runs(p, *host, few=few_runs(*host)) for p in params]
         assert runs[0].local.device.type == "cuda"  # the runs moved to the shard's device
-        table = _run_table(runs, [0, 1], torch.tensor([3, 5]))  # (export positions from the host)
+        table = run_table(runs, [0, 1], torch.tensor([3, 5]))  # (export positions from the host)
         assert {t.device.type for t in (table.base, table.start, table.end, table.key, table.shift)} == {"cuda"}
 
 

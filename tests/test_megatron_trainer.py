@@ -122,7 +122,7 @@ def test_layout_keys_leave_out_layer_and_expert_numbers_only():
 
     import torch.nn as nn
 
-    from update_weight.megatron_shard_delta import _layout_key
+    from update_weight.megatron_probes import layout_key
 
     class Mapping:
         def __init__(self, megatron_param, hf_param):
@@ -132,7 +132,7 @@ def test_layout_keys_leave_out_layer_and_expert_numbers_only():
         pass
 
     def key(megatron, hf, shape=(4, 8), mapping=Mapping, module=nn.Linear):
-        return _layout_key(SimpleNamespace(mapping=mapping(megatron, hf), megatron_module=module(1, 1),
+        return layout_key(SimpleNamespace(mapping=mapping(megatron, hf), megatron_module=module(1, 1),
                                            param_weight=torch.empty(shape)))
 
     seq = key("decoder.layers.3.mlp.experts.local_experts.17.linear_fc1.weight",
@@ -230,6 +230,7 @@ def _digests_both_ways(rank, world, port, path, ep):
     """The fast path's shard digests, run by run and element by element, against the export's."""
     import torch.distributed as dist
 
+    import update_weight.megatron_runs as runs_mod
     import update_weight.megatron_shard_delta as fast
     from delta_sync.digest import digest_tensor
     from delta_sync.memory_receiver import MemoryReceiver
@@ -246,8 +247,8 @@ def _digests_both_ways(rank, world, port, path, ep):
     digests = {}
     few = [runs.few for runs in source._runs]
     assert any(f is not None for f in few)  # parameters of few runs digest those one by one
-    for way, threshold, keep_few in (("few", fast._LONG_RUNS, True), ("runs", 1, False), ("elements", 1 << 62, False)):
-        fast._LONG_RUNS = threshold
+    for way, threshold, keep_few in (("few", runs_mod.LONG_RUNS, True), ("runs", 1, False), ("elements", 1 << 62, False)):
+        runs_mod.LONG_RUNS = threshold
         for runs, f in zip(source._runs, few):
             runs.few = f if keep_few else None
         digests[way] = {n: d.hex() for n, d in source.local_digests().items()}
@@ -349,15 +350,15 @@ def _diff_fails_on(rank: int, bad_rank: int):
     if rank != bad_rank:
         yield
         return
-    real = megatron_shard_delta._map_changes
+    real = megatron_shard_delta.map_changes
 
     def broken(*args, **kwargs):
         raise ExportFailure(f"shard diff failed on rank {rank}")
-    megatron_shard_delta._map_changes = broken
+    megatron_shard_delta.map_changes = broken
     try:
         yield
     finally:
-        megatron_shard_delta._map_changes = real
+        megatron_shard_delta.map_changes = real
 
 
 def _failures_on_megatron(rank, world, port, path, fast):

@@ -93,20 +93,20 @@ def test_owned_runs_are_maximal(chunk, monkeypatch):
     local offsets ends a run."""
     import torch
 
-    from update_weight import megatron_shard_delta
-    from update_weight.megatron_shard_delta import _expand, _owned_runs
+    from update_weight import megatron_runs
+    from update_weight.megatron_runs import expand, owned_runs
 
-    monkeypatch.setattr(megatron_shard_delta, "_RUN_CHUNK", chunk)
+    monkeypatch.setattr(megatron_runs, "RUN_CHUNK", chunk)
     # checkpoint order: local 2..7, foreign, 8..13, 30, 31 (int32, as small parameters' probes are)
     local = torch.tensor([2, 3, 4, 5, 6, 7, -1, 8, 9, 10, 11, 12, 13, 30, 31], dtype=torch.int32)
     mine = local >= 0
-    begin, length, target = _owned_runs(local + (3 << 20), mine, base=3 << 20)  # rank 3's ids
+    begin, length, target = owned_runs(local + (3 << 20), mine, base=3 << 20)  # rank 3's ids
     assert begin.tolist() == [2, 8, 30] and length.tolist() == [6, 6, 2] and target.tolist() == [0, 7, 13]
     assert begin.dtype == length.dtype == target.dtype == torch.int64
     # every owned element is covered once, at its own checkpoint position
-    assert torch.equal(_expand(begin, length), local[mine].long())
-    assert torch.equal(_expand(target, length), mine.nonzero().squeeze(1))
-    begin, length, target = _owned_runs(torch.arange(5, 15), True)  # all mine: one run
+    assert torch.equal(expand(begin, length), local[mine].long())
+    assert torch.equal(expand(target, length), mine.nonzero().squeeze(1))
+    begin, length, target = owned_runs(torch.arange(5, 15), True)  # all mine: one run
     assert begin.tolist() == [5] and length.tolist() == [10] and target.tolist() == [0]
 
 
@@ -138,13 +138,13 @@ def test_a_delta_maps_every_parameters_changes_in_one_pass(way, monkeypatch):
     operations do."""
     import torch
 
-    from update_weight import megatron_shard_delta
-    from update_weight.megatron_shard_delta import _FEW_RUNS, _few, _map_changes, _place, _run_table
+    from update_weight import megatron_runs
+    from update_weight.megatron_runs import FEW_RUNS, few_runs, map_changes, place_runs, run_table
 
     if way == "torch-ops":
-        monkeypatch.setattr(megatron_shard_delta.native, "kernel", lambda: None)
+        monkeypatch.setattr(megatron_runs.native, "kernel", lambda: None)
     else:
-        assert megatron_shard_delta.native.kernel() is not None
+        assert megatron_runs.native.kernel() is not None
 
     g = torch.Generator().manual_seed(0)
     # fused q/k/v-like blocks with gaps (elements owned elsewhere), runs in local order; then a
@@ -154,12 +154,12 @@ def test_a_delta_maps_every_parameters_changes_in_one_pass(way, monkeypatch):
              (torch.tensor([0]), torch.tensor([64]), torch.tensor([2]), torch.tensor([0]), 64),
              (torch.tensor([0, 10, 20]), torch.tensor([10, 10, 10]), torch.tensor([3, 3, 3]),
               torch.tensor([20, 10, 0]), 30)]
-    runs_list = [_place(torch.zeros(n, dtype=torch.bfloat16), local, length, seq, target,
-                        few=_few(local, length, seq, target)) for local, length, seq, target, n in specs]
+    runs_list = [place_runs(torch.zeros(n, dtype=torch.bfloat16), local, length, seq, target,
+                        few=few_runs(local, length, seq, target)) for local, length, seq, target, n in specs]
     assert runs_list[0].few[1] == (100, 50, 500, 8)
     position = {2: 0, 3: 4, 7: 1, 8: 3, 9: 2}  # plan index -> export position
     pos_of = torch.tensor([position.get(i, 0) for i in range(10)])
-    table = _run_table(runs_list, [0, 1, 2], pos_of)
+    table = run_table(runs_list, [0, 1, 2], pos_of)
     found = []
     for _, _, _, _, n in specs:
         idx = torch.randperm(n, generator=g)[:n // 3].sort().values.to(torch.int32)
@@ -168,7 +168,7 @@ def test_a_delta_maps_every_parameters_changes_in_one_pass(way, monkeypatch):
     real = torch.Tensor.tolist
     torch.Tensor.tolist = lambda self: reads.append(1) or real(self)
     try:
-        idx, bits, seqs, counts = _map_changes(table, found)
+        idx, bits, seqs, counts = map_changes(table, found)
     finally:
         torch.Tensor.tolist = real
     assert len(reads) == 1  # (besides a nonzero, a flag and a sum)
@@ -178,12 +178,12 @@ def test_a_delta_maps_every_parameters_changes_in_one_pass(way, monkeypatch):
     assert torch.equal(idx.long(), torch.cat([t for t, _ in want.values()]))
     assert torch.equal(bits, torch.cat([b for _, b in want.values()]).to(torch.int16))
     empty = [(i[:0], b[:0]) for i, b in found]
-    assert _map_changes(table, empty) is None
+    assert map_changes(table, empty) is None
     outside = [(torch.tensor([160, 170], dtype=torch.int32), torch.ones(2, dtype=torch.int16)), empty[1], empty[2]]
-    assert _map_changes(table, outside) is None  # offsets 150..249 belong to no run here
-    many = torch.arange(_FEW_RUNS + 1) * 2  # more runs than that: digested element by element
+    assert map_changes(table, outside) is None  # offsets 150..249 belong to no run here
+    many = torch.arange(FEW_RUNS + 1) * 2  # more runs than that: digested element by element
     ones = torch.ones_like(many)
-    assert _few(many, ones, ones, many) is None
+    assert few_runs(many, ones, ones, many) is None
 
 
 def test_mapped_changes_go_out_as_one_batch_per_dtype_and_tied_copies_share_them():
@@ -225,18 +225,18 @@ def test_probe_ids_are_int32_where_every_rank_fits_and_name_their_rank():
     whole from one rank, and per element only where ranks mix (a TP gather)."""
     import torch
 
-    from update_weight.megatron_shard_delta import _id_layout, _own_mask
+    from update_weight.megatron_probes import id_layout, own_mask
 
-    assert _id_layout(1 << 20, 8) == (20, torch.int32)
-    assert _id_layout((1 << 28) + 1, 8) == (29, torch.int64)  # 8 << 29 > 2**31
-    assert _id_layout(1, 1) == (1, torch.int32)
-    shift, dtype = _id_layout(6, 4)
+    assert id_layout(1 << 20, 8) == (20, torch.int32)
+    assert id_layout((1 << 28) + 1, 8) == (29, torch.int64)  # 8 << 29 > 2**31
+    assert id_layout(1, 1) == (1, torch.int32)
+    shift, dtype = id_layout(6, 4)
     ids = [torch.arange(6, dtype=dtype).add_(r << shift) for r in range(4)]
-    assert _own_mask(ids[2], 2, shift) is True and _own_mask(ids[2], 1, shift) is False
+    assert own_mask(ids[2], 2, shift) is True and own_mask(ids[2], 1, shift) is False
     gathered = torch.cat([ids[0], ids[3]])  # rank 0's shard then rank 3's
-    assert not _own_mask(gathered, 1, shift).any()  # between the two: a min/max cannot tell, the mask can
-    assert _own_mask(gathered, 3, shift).tolist() == [False] * 6 + [True] * 6
-    assert _own_mask(torch.empty(0, dtype=dtype), 0, shift) is True
+    assert not own_mask(gathered, 1, shift).any()  # between the two: a min/max cannot tell, the mask can
+    assert own_mask(gathered, 3, shift).tolist() == [False] * 6 + [True] * 6
+    assert own_mask(torch.empty(0, dtype=dtype), 0, shift) is True
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
@@ -247,23 +247,23 @@ def test_one_pass_packing_carries_every_bit_and_id_through_data_movement(dtype):
     source; an output that did not stay int64 (a conversion that computes) gives no ids."""
     import torch
 
-    from update_weight.megatron_shard_delta import _id_layout, _pack, _unpack
+    from update_weight.megatron_probes import id_layout, pack_probe, unpack_probe
 
     dt = getattr(torch, dtype)
     w = torch.randn(6, 10).to(dt)
     bits = w.view(torch.int16 if w.element_size() == 2 else torch.int32)
     bits[0, :4] = torch.tensor([-1, -2, -(1 << (8 * w.element_size() - 1)), 0x7FC1], dtype=bits.dtype)  # NaNs, -0.0
-    rank, (shift, _) = 3, _id_layout(w.numel(), 4)
-    packed = _pack(w, rank, shift)
+    rank, (shift, _) = 3, id_layout(w.numel(), 4)
+    packed = pack_probe(w, rank, shift)
     assert packed.dtype == torch.int64 and packed.shape == w.shape
     moved = torch.cat([packed.t(), packed.t()[:2]])  # what a conversion does: re-lay, copy, cut
-    values, ids = _unpack(moved, dt)
+    values, ids = unpack_probe(moved, dt)
     expected = torch.cat([w.t(), w.t()[:2]])
     assert values.dtype == dt and values.shape == expected.shape
     assert torch.equal(values.view(bits.dtype), expected.contiguous().view(bits.dtype))
     local = torch.arange(w.numel()).view(w.shape).add(rank << shift)
     assert ids.dtype == torch.int32 and torch.equal(ids.view(expected.shape).long(), torch.cat([local.t(), local.t()[:2]]))
-    assert _unpack(moved.double(), dt)[1] is None  # (computed: no map from it)
+    assert unpack_probe(moved.double(), dt)[1] is None  # (computed: no map from it)
 
 
 @pytest.mark.parametrize("long_runs", [True, False], ids=["rows-compared-as-slices", "elements-expanded"])
@@ -272,14 +272,15 @@ def test_fast_path_seed_check_catches_one_differing_element(long_runs):
     pass, one differing bit fails, whether its runs are compared slice by slice or element by element."""
     import torch
 
-    from update_weight.megatron_shard_delta import _LONG_RUNS, MegatronShardDelta, _Runs
+    from update_weight.megatron_runs import LONG_RUNS, Runs
+    from update_weight.megatron_shard_delta import MegatronShardDelta
 
-    rows, cols = 4, (_LONG_RUNS if long_runs else 8)
+    rows, cols = 4, (LONG_RUNS if long_runs else 8)
     param = torch.randn(rows, cols).to(torch.bfloat16)
     exported = torch.zeros(rows + 1, cols, dtype=torch.bfloat16)  # checkpoint rows 1..4 hold the param's rows 3..0
     for r in range(rows):
         exported[rows - r] = param[r]
-    runs = _Runs(param, local=torch.arange(rows) * cols, length=torch.full((rows,), cols),
+    runs = Runs(param, local=torch.arange(rows) * cols, length=torch.full((rows,), cols),
                  seq=torch.zeros(rows, dtype=torch.int64), target=(rows - torch.arange(rows)) * cols)
     src = MegatronShardDelta.__new__(MegatronShardDelta)
     src._aliases, src._plan_index, src._params_of, src._runs = {}, {"w": 0}, {0: [0]}, [runs]
@@ -296,7 +297,7 @@ def _probe_gathers(rank, world, port):
     import torch
     import torch.distributed as dist
 
-    from update_weight.megatron_shard_delta import _peer_probes
+    from update_weight.megatron_probes import peer_probes
 
     shift = 10
     probe = torch.arange(12, dtype=torch.int32).add_(rank << shift).reshape(3, 4).t().contiguous()  # re-laid
@@ -310,9 +311,9 @@ def _probe_gathers(rank, world, port):
     for label, t in (("own", probe), ("mixed", mixed)):
         want = [torch.empty_like(t) for _ in range(world)]
         real(want, t)
-        dist.all_gather = counted  # what _peer_probes falls back to
+        dist.all_gather = counted  # what peer_probes falls back to
         try:
-            with _peer_probes(rank, shift, None):
+            with peer_probes(rank, shift, None):
                 got = [torch.empty_like(t) for _ in range(world)]
                 dist.all_gather(got, t)
         finally:
@@ -340,7 +341,7 @@ def test_probe_gathers_leave_other_threads_alone():
     import torch
     import torch.distributed as dist
 
-    from update_weight.megatron_shard_delta import _peer_probes
+    from update_weight.megatron_probes import peer_probes
 
     real, seen = dist.all_gather, []
 
@@ -351,7 +352,7 @@ def test_probe_gathers_leave_other_threads_alone():
 
     dist.all_gather = recorder
     try:
-        with _peer_probes(0, 10, None):
+        with peer_probes(0, 10, None):
             assert dist.all_gather is not recorder  # the probe's gathers are intercepted on this thread
             ids = torch.arange(4, dtype=torch.int32)  # rank 0's own ids: a probe would compute it
             got = [torch.empty_like(ids) for _ in range(2)]

@@ -34,26 +34,25 @@ The map is checked bit for bit against the reference export during the seed that
 owned element must equal the exported tensor's element at its mapped position, and every exported
 element must have exactly one owner. If anything disagrees (a conversion that computes instead of
 moving, a dtype cast), the fast path stays off and every delta takes the reference path.
+
+This module is the source's lifecycle (seed, delta, commit, rollback, digests); the map is learned
+in :mod:`update_weight.megatron_probes` and a delta's changes go through it in
+:mod:`update_weight.megatron_runs`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import itertools
 import logging
 import operator
-import re
-import threading
-from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
-from delta_sync import collectives, native
-from delta_sync.accelerator import read_back
+from delta_sync import collectives
 from delta_sync.collectives import TrainerGroups
 from delta_sync.diff import BitwiseDiff, int_view, restore
 from delta_sync.errors import DeltaSyncError
@@ -61,36 +60,13 @@ from delta_sync.digest import Digest, digest_elements, scan_many
 from delta_sync.gather import Ordered
 from delta_sync.patch import Patch, PatchBatch
 
+from .megatron_probes import (clear_caches, id_layout, layout_key, NOBODY, ONE_PASS_DTYPES, OnePassMapping, own_mask, PACKED_MAX_ELEMENTS, peer_probes, Planner, same_bits, unpack_probe)
+from .megatron_runs import build_runs, expand, long_runs, map_changes, run_table, Runs, RunTable
 from .megatron_source import BridgeExportSource
 
 log = logging.getLogger(__name__)
 
-_NOBODY = torch.iinfo(torch.int32).max
-#: converted tensors whose owners are settled in one exchange of codes (their ids are held meanwhile)
-_OWNER_WINDOW = 64
-_OWNER_WINDOW_BYTES = 256 << 20
 _EMBED = "model.embed_tokens.weight"
-#: elements per step of the plan's run search (bounds its temporaries to ~20 MB)
-_RUN_CHUNK = 1 << 22
-#: mean run length from which digests go run by run (contiguous ranges) instead of element by element
-_LONG_RUNS = 1 << 12
-#: a parameter of at most this many runs maps a delta's changes run by run (a slice and an add per
-#: run) instead of locating every changed element among its runs
-_FEW_RUNS = 64
-
-
-@dataclass
-class _Runs:
-    """Owned elements of one local parameter, as runs contiguous in both coordinates."""
-
-    param: torch.Tensor  # the live parameter
-    local: torch.Tensor  # int64 [R] first local flat offset of each run (increasing)
-    length: torch.Tensor  # int64 [R]
-    seq: torch.Tensor  # int64 [R] position of the checkpoint tensor in the export order
-    target: torch.Tensor  # int64 [R] checkpoint flat index of the run's first element
-    #: a parameter of few runs (at most ``_FEW_RUNS``: whole tensors, gate/up halves, q/k/v blocks):
-    #: ``[(local, length, target, seq)]`` on the host, for digests run by run with no device read
-    few: list[tuple[int, int, int, int]] | None = None
 
 
 class MegatronShardDelta(BridgeExportSource):
@@ -121,8 +97,8 @@ class MegatronShardDelta(BridgeExportSource):
         self._plan_names: list[str] = []  # runs' ``seq`` indexes this list
         self._plan_index: dict[str, int] = {}  # name -> its index in _plan_names
         self._params_of: dict[int, list[int]] = {}  # plan index -> local params holding some of it
-        self._runs: list[_Runs] | None = None  # None: not planned yet, or the plan failed
-        self._tables: list[_RunTable] | None = None  # the runs as a delta maps changes with them
+        self._runs: list[Runs] | None = None  # None: not planned yet, or the plan failed
+        self._tables: list[RunTable] | None = None  # the runs as a delta maps changes with them
         self._planned = False
         self._problem: str | None = None  # why the fast path is off, on this rank
         self._aliases: dict[str, list[str]] = {}  # tensor -> exported copies (tied lm_head)
@@ -210,12 +186,12 @@ class MegatronShardDelta(BridgeExportSource):
         self._undo = {k: (idx, old) for k, (idx, _, old) in enumerate(found) if idx.numel()}
         out: list[Ordered] = []
         for table in self._run_tables():
-            got = _map_changes(table, [found[k][:2] for k in table.params])
+            got = map_changes(table, [found[k][:2] for k in table.params])
             if got is not None:
                 out += self._batches(*got)
         return sorted(out, key=lambda o: o.seq)
 
-    def _run_tables(self) -> list["_RunTable"]:
+    def _run_tables(self) -> list["RunTable"]:
         """This rank's runs as one table per element width and device (made at the first delta after
         each seed: the export positions come with the seed)."""
         if self._tables is None:
@@ -223,11 +199,11 @@ class MegatronShardDelta(BridgeExportSource):
             groups: dict[tuple, list[int]] = {}
             for k, runs in enumerate(self._runs):
                 groups.setdefault((runs.param.element_size(), runs.param.device), []).append(k)
-            self._tables = [_run_table(self._runs, ks, pos_of) for ks in groups.values()]
+            self._tables = [run_table(self._runs, ks, pos_of) for ks in groups.values()]
         return self._tables
 
     def _batches(self, idx: torch.Tensor, bits: torch.Tensor, seqs: list[int], counts: list[int]) -> list[Ordered]:
-        """Mapped changes (:func:`_map_changes`) as one :class:`PatchBatch` per dtype, its tensors in
+        """Mapped changes (:func:`map_changes`) as one :class:`PatchBatch` per dtype, its tensors in
         export order (the gather orders the ranks' batches by it); a tied copy (``lm_head``) as a
         patch of its own that shares its source's buffers."""
         names = [self._names[p] for p in seqs]
@@ -301,13 +277,13 @@ class MegatronShardDelta(BridgeExportSource):
                 keep = torch.isin(run_seq, torch.tensor(wanted, dtype=run_seq.dtype, device=run_seq.device))
                 run_local, run_target, run_length, run_seq = (run_local[keep], run_target[keep],
                                                               run_length[keep], run_seq[keep])
-            if _long(run_length):
+            if long_runs(run_length):
                 # long runs (whole rows or tensors): one contiguous digest per run, at memory speed
                 for loc, tgt, ln, s in zip(run_local.tolist(), run_target.tolist(), run_length.tolist(),
                                            run_seq.tolist()):
                     add(loc, tgt, ln, s)
                 continue
-            local, target = _expand(run_local, run_length), _expand(run_target, run_length)
+            local, target = expand(run_local, run_length), expand(run_target, run_length)
             seqs = torch.repeat_interleave(run_seq, run_length)
             for s in torch.unique(seqs).tolist():
                 name = self._plan_names[s]
@@ -345,7 +321,7 @@ class MegatronShardDelta(BridgeExportSource):
         """Probe Bridge's conversions once (collective) and keep this rank's runs."""
         self._planned = True
         rank, world = self._rank(), self._world()
-        planner = _Planner(self, rank)
+        planner = Planner(self, rank)
         for i, task in enumerate(self.tasks()):
             k, shift = planner.param(task.param_weight, world)
             for j, (name, ids) in enumerate((self._convert_probe(task, rank, world) or {}).items()):
@@ -365,11 +341,11 @@ class MegatronShardDelta(BridgeExportSource):
             w = task.param_weight
             if w is None:
                 continue
-            code |= 1 << (_ONE_PASS_DTYPES.index(w.dtype) if w.dtype in _ONE_PASS_DTYPES else len(_ONE_PASS_DTYPES))
+            code |= 1 << (ONE_PASS_DTYPES.index(w.dtype) if w.dtype in ONE_PASS_DTYPES else len(ONE_PASS_DTYPES))
             if w.numel() > self.packed_max_elements:
                 large[i] = 1
             else:
-                fits &= _id_layout(w.numel(), world)[1] is torch.int32
+                fits &= id_layout(w.numel(), world)[1] is torch.int32
         if dist.is_initialized():
             group = self._host_group()
             every = torch.empty(3 * dist.get_world_size(group), dtype=torch.int32)
@@ -379,9 +355,9 @@ class MegatronShardDelta(BridgeExportSource):
                 return None
             collectives.all_reduce(large, group, op=dist.ReduceOp.MAX)  # peers of a task hold one size
             code, fits = functools.reduce(operator.or_, codes), min(fit)
-        if not fits or code not in [1 << i for i in range(len(_ONE_PASS_DTYPES))]:
+        if not fits or code not in [1 << i for i in range(len(ONE_PASS_DTYPES))]:
             return None
-        return _ONE_PASS_DTYPES[code.bit_length() - 1], [not x for x in large.tolist()]
+        return ONE_PASS_DTYPES[code.bit_length() - 1], [not x for x in large.tolist()]
 
     def _templates(self, tasks: list) -> list[int | None]:
         """Per task, the first earlier task its conversion lays out exactly as (None if none): on
@@ -395,7 +371,7 @@ class MegatronShardDelta(BridgeExportSource):
         if not tasks:
             return []
         first: dict[tuple, int] = {}
-        kinds = torch.tensor([first.setdefault(_layout_key(t), i) for i, t in enumerate(tasks)], dtype=torch.int32)
+        kinds = torch.tensor([first.setdefault(layout_key(t), i) for i, t in enumerate(tasks)], dtype=torch.int32)
         if dist.is_initialized():
             group = self._host_group()
             every = torch.empty(dist.get_world_size(group) * len(tasks), dtype=torch.int32)
@@ -426,7 +402,7 @@ class MegatronShardDelta(BridgeExportSource):
         shared = {t for t in templates if t is not None}
         first = [p for p, t in zip(packed, templates) if t is None]
         self.one_pass_split = (sum(first), len(first) - sum(first), len(packed) - len(first))
-        planner = _Planner(self, rank, shared)
+        planner = Planner(self, rank, shared)
         bridge = self.bridge._model_bridge
         tasks = []
         for i, (task, pack, t) in enumerate(zip(self.tasks(), packed, templates)):
@@ -435,7 +411,7 @@ class MegatronShardDelta(BridgeExportSource):
             def probe(weight, module, mapping=task.mapping):
                 return self._probe_conversion(mapping, weight, module, rank, world)
 
-            tasks.append(dataclasses.replace(task, mapping=_OnePassMapping(
+            tasks.append(dataclasses.replace(task, mapping=OnePassMapping(
                 task.mapping, rank, k, shift, i, probe if not pack and t is None else None, t)))
         #: hf name -> (ids or None where laid out as an earlier task, k, shift, (template task, position),
         #: its own task)
@@ -467,7 +443,7 @@ class MegatronShardDelta(BridgeExportSource):
                 else:
                     out, ids = {}, []
                     for name, both in got.items():
-                        out[name], got_ids = _unpack(both, dtype)
+                        out[name], got_ids = unpack_probe(both, dtype)
                         ids.append(got_ids)
                         if got_ids is None:
                             planner.problem = planner.problem or f"{name} converted to {both.dtype}, not int64"
@@ -476,7 +452,7 @@ class MegatronShardDelta(BridgeExportSource):
                 if mapping.index in shared:
                     numels[mapping.index] = [None if x is None else x.numel() for x in ids]
             finally:  # mappings cache the (shape, dtype) they broadcast: forget the packed ones
-                _clear_caches(mapping.real)
+                clear_caches(mapping.real)
                 mapping.ids = None
             return out
 
@@ -500,13 +476,13 @@ class MegatronShardDelta(BridgeExportSource):
         shift | offset``); None-valued where this rank holds no parameter of the task."""
         probe, shift = None, 0
         if weight is not None:
-            shift, dtype = _id_layout(weight.numel(), world)
+            shift, dtype = id_layout(weight.numel(), world)
             probe = torch.arange(weight.numel(), dtype=dtype).add_(rank << shift).reshape(weight.shape).to(weight.device)
         try:
-            with _peer_probes(rank, shift, self.group):
+            with peer_probes(rank, shift, self.group):
                 return mapping.megatron_to_hf(probe, module)
         finally:  # mappings cache the (shape, dtype) they broadcast: forget the probe's
-            _clear_caches(mapping)
+            clear_caches(mapping)
 
     def _convert_probe(self, task, rank: int, world: int) -> dict | None:
         """Bridge's conversion of ``task`` applied to a probe of its local parameter, modified as the
@@ -521,7 +497,7 @@ class MegatronShardDelta(BridgeExportSource):
         self._plan_index = {n: i for i, n in enumerate(names)}
         self._problem = problem
         self._plan_ok = self._agree(problem is None)  # collective: every rank plans at the same point
-        self._runs = None if problem else [_build_runs(params[kk], plist) for kk, plist in sorted(pieces.items())]
+        self._runs = None if problem else [build_runs(params[kk], plist) for kk, plist in sorted(pieces.items())]
         self._params_of = {}
         for k, runs in enumerate(self._runs or []):
             for s in torch.unique(runs.seq).tolist():
@@ -539,7 +515,7 @@ class MegatronShardDelta(BridgeExportSource):
         their own) or none of it: one code per rank and tensor settles that, all the tensors' codes in
         one exchange; only a tensor some rank holds partly (a TP all-gather) takes a per-element
         all-reduce."""
-        owns = [_own_mask(ids, rank, shift) if probed else bool(ids.numel() == 0)
+        owns = [own_mask(ids, rank, shift) if probed else bool(ids.numel() == 0)
                 for ids, probed, shift in converted]  # True / False: all or none, else a mask
         mine = [2 if own is True else 0 if own is False else (1 if bool(own.any()) else 0) for own in owns]
         if not dist.is_initialized():
@@ -555,11 +531,11 @@ class MegatronShardDelta(BridgeExportSource):
             if 1 not in col:
                 out.append(tuple(r for r, c in enumerate(col) if c == 2) or None)
                 continue
-            owner = torch.full(ids.shape, rank if own is True else _NOBODY, dtype=torch.int32)
+            owner = torch.full(ids.shape, rank if own is True else NOBODY, dtype=torch.int32)
             if own is not True and own is not False:
                 owner[own] = rank
             collectives.all_reduce(owner, group, op=dist.ReduceOp.MIN)
-            out.append(None if bool((owner == _NOBODY).any()) else owner == rank)
+            out.append(None if bool((owner == NOBODY).any()) else owner == rank)
         return out
 
     def _matches(self, name: str, tensor: torch.Tensor) -> bool:
@@ -571,482 +547,6 @@ class MegatronShardDelta(BridgeExportSource):
         for k in self._params_of.get(s, []):
             runs = self._runs[k]
             sel = runs.seq == s
-            if not _same_bits(runs.param, tensor, runs.local[sel], runs.length[sel], runs.target[sel]):
+            if not same_bits(runs.param, tensor, runs.local[sel], runs.length[sel], runs.target[sel]):
                 return False
         return True
-
-
-class _Planner:
-    """The shard map as converted tensors' ids arrive (a probe pass, or the seed's one-pass export):
-    each window of tensors has its owners settled in one exchange of codes, this rank's runs noted,
-    and, where the values came with the ids, the values this rank owns compared with its shards. A
-    tensor laid out as an earlier task's output (``layout``: that task and the output's position)
-    comes without ids and takes that output's holders and runs, kept for the tasks in ``shared``.
-
-    A task whose outputs several ranks convert whole from their own shards (data-parallel replicas,
-    replicated norms) goes to the one that owns the fewest elements so far, the highest rank on a
-    tie (rank 0 also gathers, packs and sends): every rank sees every code in the same order, so all
-    agree without a word, and each replica group diffs its share of the replicated weights instead
-    of its lowest rank diffing all of them. All outputs of one task go to one rank: a rank diffs
-    every parameter it owns any element of whole."""
-
-    def __init__(self, source: "MegatronShardDelta", rank: int, shared: set[int] = frozenset()):
-        self.source, self.rank, self.shared = source, rank, shared
-        self.me = dist.get_rank(source._host_group()) if dist.is_initialized() else 0
-        self.params: list[torch.Tensor] = []
-        self.pieces: dict[int, list] = {}  # local param k -> [(run starts, lengths, plan index, targets)]
-        self.names: list[str] = []
-        self.seen: set[str] = set()
-        self.problem: str | None = None
-        # converted, owner not yet settled: (name, plan index, ids or None, local param k or None, id
-        # shift, values, layout, task)
-        self.window: list[tuple] = []
-        self.held = 0
-        #: (task, output position) -> (its owners as _owned_many says, elements, its runs were it this rank's)
-        self.layouts: dict[tuple[int, int], tuple] = {}
-        self.load: dict[int, int] = {}  # host-group rank -> elements it owns so far
-        self.owner_of: dict[tuple[int, tuple[int, ...]], int] = {}  # (task, whole holders) -> the owner
-
-    def param(self, weight: torch.Tensor | None, world: int) -> tuple[int | None, int]:
-        """``(k, id shift)`` of a task's local parameter (``(None, 0)`` where this rank holds none)."""
-        if weight is None:
-            return None, 0
-        self.params.append(weight)
-        return len(self.params) - 1, _id_layout(weight.numel(), world)[0]
-
-    def add(self, name: str, ids: torch.Tensor | None, k: int | None, shift: int, layout: tuple[int, int],
-            values: torch.Tensor | None = None, task: int | None = None) -> None:
-        """``name`` converted as output ``layout[1]`` of task ``layout[0]`` (or, without ``ids``, laid
-        out as that output of that earlier task) by task ``task`` (``layout[0]`` if None)."""
-        if name in self.seen:
-            self.problem = self.problem or f"{name} converted twice"
-            seq = None  # still settled with the others: every rank takes part in the same exchanges
-        else:
-            self.seen.add(name)
-            self.names.append(name)
-            seq = len(self.names) - 1
-        if ids is not None:
-            ids = ids.reshape(-1).to("cpu")
-            self.held += ids.numel() * ids.element_size()
-        self.window.append((name, seq, ids, k, shift, values, layout, layout[0] if task is None else task))
-        self.held += values.numel() * values.element_size() if values is not None else 0
-        if len(self.window) >= _OWNER_WINDOW or self.held >= _OWNER_WINDOW_BYTES:
-            self.settle()
-
-    def _owner(self, task: int, holders: tuple[int, ...], n: int) -> int:
-        owner = self.owner_of.get((task, holders))
-        if owner is None:
-            owner = self.owner_of[(task, holders)] = min(holders, key=lambda r: (self.load.get(r, 0), -r))
-        self.load[owner] = self.load.get(owner, 0) + n
-        return owner
-
-    def settle(self) -> None:
-        """Owners of the window's tensors, their runs noted: one exchange of codes for all of them
-        (those laid out as an earlier output take its codes: the same on every rank)."""
-        window = self.window
-        owned = iter(self.source._owned_many([(ids, k is not None, shift) for _, _, ids, k, shift, *_ in window
-                                              if ids is not None], self.rank))
-        for name, seq, ids, k, shift, values, layout, task in window:
-            if ids is None:
-                verdict, n, runs = self.layouts.get(layout, (None, 0, None))
-            else:
-                verdict, n = next(owned), ids.numel()
-                # a rank owns only what it probed: ids name a task's own parameter
-                mine = verdict if isinstance(verdict, torch.Tensor) else isinstance(verdict, tuple) and self.me in verdict
-                runs = _owned_runs(ids, mine, base=self.rank << shift) if mine is not False and k is not None else None
-                if layout[0] in self.shared:
-                    self.layouts[layout] = (verdict, n, runs)
-            if verdict is None:
-                self.problem = self.problem or f"no owner for some elements of {name}"
-                continue
-            if isinstance(verdict, tuple) and self._owner(task, verdict, n) != self.me:
-                continue
-            if seq is None or runs is None:
-                continue
-            local, length, target = runs
-            if not length.numel():
-                continue  # a parameter keeps a snapshot only if it owns some element
-            self.pieces.setdefault(k, []).append((local, length, seq, target))
-            if values is not None and not _same_bits(self.params[k], values, local, length, target):
-                self.problem = self.problem or f"map disagrees with the exported values of {name}"
-        self.window, self.held = [], 0
-
-    def finish(self) -> None:
-        self.settle()
-        self.source._keep_plan(self.names, self.problem, self.params, self.pieces)
-
-
-class _OnePassMapping:
-    """A task's mapping in a one-pass seed (:meth:`MegatronShardDelta._plan_in_export`), task ``index``
-    of the plan. Laid out as an earlier task (``template``), the values convert alone (the ids are the
-    template's); else with ``probe`` the values convert as they are and ``probe`` converts the ids
-    right after (kept in :attr:`ids`); else the parameter goes through the real conversion packed with
-    its ids (``id << 32 | value bits``, int64). Every other attribute is the real mapping's."""
-
-    def __init__(self, real, rank: int, k: int | None, shift: int, index: int, probe=None,
-                 template: int | None = None):
-        #: ``k``: the task's local parameter in the plan (None where this rank holds none)
-        self.real, self.rank, self.k, self.shift, self.probe = real, rank, k, shift, probe
-        self.index, self.template = index, template
-        self.ids: dict | None = None
-
-    def megatron_to_hf(self, weight, module):
-        if self.probe is None and self.template is None:
-            return self.real.megatron_to_hf(None if weight is None else _pack(weight, self.rank, self.shift), module)
-        values = self.real.megatron_to_hf(weight, module)
-        if self.probe is not None:
-            _clear_caches(self.real)
-            self.ids = self.probe(weight, module)
-        return values
-
-    def __getattr__(self, name):
-        return getattr(self.real, name)
-
-
-#: a parameter of more elements than this converts its values and its probe ids apart in a one-pass
-#: seed: packed, Bridge's gathers of it would move 8 bytes per element instead of 2 (+ the probe's
-#: none), and bytes, not the conversion's collectives, bound a tensor this large (on this host's gloo
-#: a 0.33B MoE of 0.4-0.8M-element experts seeded in 9.7 s packed against 4.0 s, a 4-layer 30B-A3B
-#: skeleton of 2-4k-element experts in 7.8-8.2 s against 13.9-14.1 s with a probe pass)
-PACKED_MAX_ELEMENTS = 1 << 18
-
-#: the parameter dtypes whose bits ride beside a probe id in one int64 (one-pass seeds)
-_ONE_PASS_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-#: a layer's or an expert's number in a parameter name (``layers.3.``, ``local_experts.17.``, and
-#: Transformer Engine's grouped experts ``linear_fc1.weight17``)
-_NUMBER = re.compile(r"(?<=\.)\d+(?=\.|$)|(?<=\.weight)\d+$|(?<=\.bias)\d+$")
-
-
-def _layout_key(task) -> tuple:
-    """What a task's conversion layout depends on, on this rank (:meth:`MegatronShardDelta._templates`)."""
-    def pattern(names):
-        if isinstance(names, dict):
-            return tuple(sorted((k, pattern(v)) for k, v in names.items()))
-        return _NUMBER.sub("#", str(names))
-
-    mapping, weight, module = task.mapping, task.param_weight, task.megatron_module
-    return (type(mapping).__module__, type(mapping).__qualname__,
-            None if module is None else type(module).__qualname__,
-            pattern(mapping.megatron_param), pattern(mapping.hf_param),
-            None if weight is None else (tuple(weight.shape), weight.dtype, weight.device.type))
-
-
-def _pack(weight: torch.Tensor, rank: int, shift: int) -> torch.Tensor:
-    """``(rank << shift | offset) << 32 | bits`` of each element of ``weight``, int64, its shape: written
-    as the int64's two 32-bit words (little-endian, as every host and accelerator here: the low word
-    first), the value's bits zero-extended into the low one."""
-    n = weight.numel()
-    words = torch.empty(n, 2, dtype=torch.int32, device=weight.device)
-    bits = int_view(weight.detach())
-    if bits.element_size() == 2:
-        halves = words.view(torch.int16)  # (n, 4): the low word's two halves first
-        halves[:, 0] = bits
-        halves[:, 1] = 0
-    else:
-        words[:, 0] = bits
-    words[:, 1] = torch.arange(rank << shift, (rank << shift) + n, dtype=torch.int32, device=weight.device)
-    return words.view(torch.int64).view(weight.shape)
-
-
-def _unpack(packed: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(values of dtype, int32 ids)`` of a converted packed tensor (:func:`_pack`'s words read back);
-    ``(something of its shape, None)`` where the conversion did not keep int64 (it computed: the seed is
-    refused)."""
-    if packed.dtype != torch.int64:
-        return packed.to(dtype), None
-    flat = packed.reshape(-1)
-    width = torch.empty((), dtype=dtype).element_size()
-    values = flat.view(int_view(torch.empty(0, dtype=dtype)).dtype).view(-1, 8 // width)[:, 0].contiguous()
-    return values.view(dtype).view(packed.shape), flat.view(torch.int32).view(-1, 2)[:, 1].contiguous()
-
-
-def _same_bits(param: torch.Tensor, exported: torch.Tensor, local: torch.Tensor, length: torch.Tensor,
-               target: torch.Tensor) -> bool:
-    """Runs ``(local, length, target)``: each run of ``param`` (flat) equals ``exported`` (flat) at its
-    target, bit for bit."""
-    mine, flat = int_view(param.detach()), int_view(exported.detach()).to(param.device)  # one device per comparison
-    local, length, target = (x.to(param.device) for x in (local, length, target))
-    if _long(length):  # whole rows or tensors: compare run by run, no index expansion
-        return all(native.same_bytes(mine.narrow(0, lo, n), flat.narrow(0, t, n))
-                   for lo, t, n in zip(local.tolist(), target.tolist(), length.tolist()))
-    return native.same_bytes(mine.take(_expand(local, length)), flat.take(_expand(target, length)))
-
-
-def _id_layout(numel: int, world: int) -> tuple[int, torch.dtype]:
-    """``(shift, dtype)`` of the probe ids of a parameter of ``numel`` elements, ``rank << shift |
-    offset``: int32 where the last rank's ids fit, else int64. Peers that convert one task together
-    (TP shards, EP experts) hold parameters of one size, so they agree on both."""
-    shift = max(1, (numel - 1).bit_length())
-    return shift, (torch.int32 if world << shift <= 1 << 31 else torch.int64)
-
-
-def _own_mask(ids: torch.Tensor, rank: int, shift: int) -> torch.Tensor | bool:
-    """Which of ``ids`` name ``rank``: True or False when all or none do, else a bool mask. One
-    reduction (min and max) settles a tensor converted whole from one rank's shard, the usual case,
-    with no per-element temporaries (a shift and compare of every id would allocate 9 bytes per
-    element)."""
-    if ids.numel() == 0:
-        return True
-    lo, hi = (int(x) >> shift for x in torch.aminmax(ids))
-    if lo == hi or rank < lo or rank > hi:
-        return lo == rank
-    return (ids >> shift) == rank
-
-
-class _ProbeGathers:
-    """``torch.distributed.all_gather`` while shard-map probes convert (:func:`_peer_probes`).
-
-    Installed while at least one thread is inside :func:`_peer_probes` and removed after the last
-    leaves; it answers only the threads inside (each with its own rank and id shift, kept
-    thread-local), and hands every other caller (a trainer thread of its own, a data loader) to
-    the function it replaced, unchanged."""
-
-    _lock = threading.Lock()
-    _users = 0
-    _real = None
-    _installed = None
-    _local = threading.local()
-
-    @classmethod
-    @contextlib.contextmanager
-    def active(cls, rank: int, shift: int, trainer_group):
-        with cls._lock:
-            if cls._users == 0:
-                cls._real = dist.all_gather
-                dist.all_gather = cls._installed = cls.all_gather
-            cls._users += 1
-        cls._local.probe = (rank, shift, trainer_group)
-        try:
-            yield
-        finally:
-            cls._local.probe = None
-            with cls._lock:
-                cls._users -= 1
-                if cls._users == 0:
-                    if dist.all_gather is cls._installed:  # (unless someone replaced it meanwhile)
-                        dist.all_gather = cls._real
-                    cls._real = cls._installed = None
-
-    @classmethod
-    def all_gather(cls, tensor_list, tensor, group=None, async_op=False):
-        real = cls._real
-        probe = getattr(cls._local, "probe", None)
-        if probe is None or async_op or tensor.dtype not in (torch.int32, torch.int64) or tensor.numel() == 0:
-            return real(tensor_list, tensor, group=group, async_op=async_op)  # alike on every peer
-        rank, shift, trainer_group = probe
-        lo, hi = (int(x) >> shift for x in torch.aminmax(tensor))
-        own = torch.tensor([1 if lo == hi == rank else 0], dtype=torch.int32, device=tensor.device)
-        collectives.all_reduce(own, group, op=dist.ReduceOp.MIN)
-        if not own.item():
-            return real(tensor_list, tensor, group=group, async_op=async_op)
-        for i, out in enumerate(tensor_list):
-            peer = collectives.global_rank(group, i)
-            if trainer_group is not None:
-                peer = dist.get_group_rank(trainer_group, peer)
-            out.copy_(tensor).add_((peer - rank) << shift)
-        return None
-
-
-def _peer_probes(rank: int, shift: int, trainer_group):
-    """While one task's probe converts on this thread: an ``all_gather`` (Bridge's TP and EP
-    gathers) of a tensor that holds only this rank's own ids (``rank << shift | offset``: the probe,
-    or a piece or re-layout of it) moves no bytes. Its peers convert the same task with probes of
-    the same size and shift, laid out alike, so peer ``i``'s tensor is this one with peer ``i``'s
-    trainer rank in the high bits: computed here. Every rank of the gather's group first says
-    whether its tensor is such (one all-reduce of a flag); if any is not (e.g. a TP gather already
-    mixed ranks' ids), the real ``all_gather`` runs, on every rank alike. A wrong computation
-    cannot go unnoticed: the seed checks the map against the export bit for bit. Other threads'
-    gathers are not touched (:class:`_ProbeGathers`)."""
-    return _ProbeGathers.active(rank, shift, trainer_group)
-
-
-def _clear_caches(mapping, seen=None) -> None:
-    """Empty the broadcast caches of a mapping and of the mappings it delegates to (AutoMapping)."""
-    seen = seen if seen is not None else set()
-    if id(mapping) in seen:
-        return
-    seen.add(id(mapping))
-    for clear in ("clear_tensor_spec_output_cache", "clear_broadcast_cache"):
-        fn = getattr(mapping, clear, None)
-        if callable(fn):
-            fn()
-    for value in vars(mapping).values():
-        if hasattr(value, "megatron_to_hf") and hasattr(value, "clear_broadcast_cache"):
-            _clear_caches(value, seen)
-
-
-def _owned_runs(ids: torch.Tensor, mine: torch.Tensor | bool, base: int = 0
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(local start, length, target start)`` (int64) of the maximal runs of owned elements that
-    are consecutive in both coordinates, from ``ids`` (each checkpoint element's flat offset in the
-    local parameter plus ``base``, in checkpoint order). Vectorized passes over chunks of
-    :data:`_RUN_CHUNK` elements, whose temporaries the allocator reuses (a whole tensor's would be
-    fresh pages each time, faulted in on first touch); no sort of the elements."""
-    n = ids.numel()
-    firsts = []  # elements that start a run, owned or not (a foreign element is its own)
-    for a in range(0, n, _RUN_CHUNK):
-        b = min(n, a + _RUN_CHUNK)
-        lo = max(a - 1, 0)  # each element is compared with the one before it, across chunks too
-        seg = ids[lo:b]
-        breaks = seg[1:] != seg[:-1] + 1
-        if mine is not True:
-            breaks |= ~(mine[lo + 1:b] & mine[lo:b - 1])
-        if a == 0:
-            firsts.append(torch.zeros(1, dtype=torch.int64))
-        firsts.append(breaks.nonzero().squeeze(1).add_(lo + 1))
-    first = torch.cat(firsts) if firsts else torch.zeros(0, dtype=torch.int64)
-    length = torch.diff(first, append=torch.tensor([n]))
-    if mine is not True:
-        keep = mine.take(first)
-        first, length = first[keep], length[keep]
-    return ids.take(first).to(torch.int64).sub_(base), length, first
-
-
-def _build_runs(param: torch.Tensor, plist) -> _Runs:
-    """The runs of one parameter's owned elements, in local order, on its device."""
-    host = _host_runs(plist)
-    return _place(param, *host, few=_few(*host))
-
-
-def _host_runs(plist) -> tuple[torch.Tensor, ...]:
-    """``(local, length, seq, target)`` of one parameter's runs in local order, on the host, from
-    ``(run local starts, lengths, plan index, run target starts)`` per converted tensor."""
-    local = torch.cat([p[0] for p in plist])
-    length = torch.cat([p[1] for p in plist])
-    seq = torch.cat([torch.full_like(p[0], p[2]) for p in plist])
-    target = torch.cat([p[3] for p in plist])
-    order = torch.argsort(local)  # one entry per run: a few per row
-    return local[order], length[order], seq[order], target[order]
-
-
-def _place(param: torch.Tensor, local, length, seq, target, few=None) -> _Runs:
-    """The runs on the parameter's device, where the diffs they map are computed (``few``: see
-    :attr:`_Runs.few`)."""
-    dev = param.device
-    return _Runs(param, local.to(dev), length.to(dev), seq.to(dev), target.to(dev), few)
-
-
-def _few(local, length, seq, target) -> list[tuple[int, int, int, int]] | None:
-    """:attr:`_Runs.few` of host runs in local order."""
-    if 0 < local.numel() <= _FEW_RUNS:
-        return list(zip(local.tolist(), length.tolist(), target.tolist(), seq.tolist()))
-    return None
-
-
-@dataclass
-class _RunTable:
-    """The owned runs of this rank's parameters of one element width and device, as one table: a
-    delta's changed elements of all of them map to checkpoint coordinates in a few operations,
-    whatever the number of parameters or checkpoint tensors. Run ``r`` covers local flat offsets
-    ``[start[r], end[r])`` of parameter ``param[r]`` (runs grouped by parameter, in order)."""
-
-    params: list[int]  # the parameters (positions among the source's runs), in table order
-    base: torch.Tensor  # int64 [P]: where each parameter's offsets start when all are laid end to end
-    param: torch.Tensor  # int64 [R]: each run's parameter (a position in ``params``)
-    start: torch.Tensor  # int64 [R]
-    end: torch.Tensor  # int64 [R]
-    key: torch.Tensor  # int64 [R]: its checkpoint tensor's export position << 32 | its first checkpoint index
-    shift: torch.Tensor  # int64 [R]: checkpoint index - local offset, for each of its elements
-
-
-def _run_table(runs: list[_Runs], params: list[int], pos_of: torch.Tensor) -> _RunTable:
-    """:class:`_RunTable` of ``runs[k]`` for ``k`` in ``params`` (one device), ``pos_of``: each plan
-    index's export position."""
-    dev = runs[params[0]].param.device
-    base = list(itertools.accumulate((runs[k].param.numel() for k in params), initial=0))[:-1]
-    start, length, target, seq = (torch.cat([getattr(runs[k], f) for k in params])
-                                  for f in ("local", "length", "target", "seq"))
-    sizes = [runs[k].local.numel() for k in params]
-    param = torch.repeat_interleave(torch.arange(len(params), device=dev), torch.tensor(sizes, device=dev),
-                                    output_size=sum(sizes))
-    return _RunTable(params, torch.tensor(base, dtype=torch.int64, device=dev), param, start, start + length,
-                     pos_of.to(dev).take(seq).bitwise_left_shift_(32).add_(target), target - start)
-
-
-def _map_changes(table: _RunTable, found: list[tuple[torch.Tensor, torch.Tensor]]
-                 ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]] | None:
-    """The changes ``found[i]`` (int32 local flat offsets, increasing, and their bits) of the
-    table's parameter ``i``, in checkpoint coordinates: ``(int32 flat indices, bits, export
-    positions, counts)``, each tensor's changes together and increasing, tensors in export order;
-    changes outside every run (elements another rank owns, padding) dropped; None where none is left.
-
-    A run's changes are a slice of its parameter's (both increase): the runs' bounds are searched
-    among them, the runs that hold some are put in checkpoint order (a sort of runs, not of
-    elements, where a parameter's runs do not follow it: fused q/k/v), and each slice moves by its
-    run's shift. On the host two kernel calls copy each change once; elsewhere a few torch
-    operations over all of them. Four host reads in all, however many parameters and tensors."""
-    if not any(f[0].numel() for f in found):
-        return None
-    host = native.kernel() is not None and table.start.device.type == "cpu" and all(
-        i.dtype is torch.int32 and i.is_contiguous() and b.is_contiguous() and b.device.type == "cpu"
-        for i, b in found)
-    if host:
-        idx_at = torch.tensor([i.data_ptr() for i, _ in found], dtype=torch.int64)
-        lo, n = native.run_slices(table.param, table.start, table.end, idx_at,
-                                  torch.tensor([i.numel() for i, _ in found], dtype=torch.int64))
-    else:
-        at = _laid_end_to_end(table, [i for i, _ in found])
-        lo, n = _run_slices(table, at)
-    live = n.nonzero().squeeze(1)
-    if live.numel() == 0:
-        return None
-    key, lo, n = table.key.take(live), lo.take(live), n.take(live)
-    if live.numel() > 1 and not bool((key[1:] > key[:-1]).all()):
-        key, order = torch.sort(key)
-        lo, n, live = lo.take(order), n.take(order), live.take(order)
-    total = int(n.sum())
-    if host:
-        bits0 = found[0][1]
-        width = bits0.element_size()
-        param = table.param.take(live)
-        rows = torch.stack([idx_at.take(param) + lo * 4,
-                            torch.tensor([b.data_ptr() for _, b in found], dtype=torch.int64).take(param) + lo * width,
-                            n, table.shift.take(live)], 1)
-        idx, bits = native.gather_runs(rows.contiguous(), width, total, bits0.dtype)
-    else:
-        idx, bits = _gather_runs(table, at, torch.cat([b for _, b in found]), live, lo, n, total)
-    seqs, inverse = torch.unique_consecutive(key.bitwise_right_shift(32), return_inverse=True)
-    counts = torch.zeros(seqs.numel(), dtype=torch.int64, device=n.device).index_add_(0, inverse, n)
-    seqs, counts = read_back([seqs, counts])
-    return idx, bits, seqs, counts
-
-
-def _run_slices(table: _RunTable, at: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`native.run_slices` in torch operations (a device's tensors), ``at``: every parameter's
-    changed offsets laid end to end (:func:`_laid_end_to_end`); ``lo`` indexes ``at``."""
-    base = table.base.take(table.param)
-    lo = torch.searchsorted(at, table.start + base)
-    return lo, torch.searchsorted(at, table.end + base) - lo
-
-
-def _laid_end_to_end(table: _RunTable, offsets: list[torch.Tensor]) -> torch.Tensor:
-    """Every parameter's offsets (int64) after :attr:`_RunTable.base`, in one increasing tensor."""
-    sizes = [o.numel() for o in offsets]
-    return torch.cat(offsets).to(torch.int64) + torch.repeat_interleave(
-        table.base, torch.tensor(sizes, dtype=torch.int64, device=table.start.device), output_size=sum(sizes))
-
-
-def _gather_runs(table: _RunTable, at: torch.Tensor, bits: torch.Tensor, live: torch.Tensor, lo: torch.Tensor,
-                 n: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`native.gather_runs` in torch operations: the changes of runs ``live`` (in that order),
-    ``lo`` and ``n`` each one's slice of ``at`` (and of ``bits``, every parameter's laid alike)."""
-    elem = _expand(lo, n, total)
-    base = table.base.take(table.param.take(live))
-    idx = at.take(elem).add_(torch.repeat_interleave(table.shift.take(live) - base, n, output_size=total))
-    return idx.to(torch.int32), bits.take(elem)
-
-
-def _long(length: torch.Tensor) -> bool:
-    """Runs long enough on average (whole rows or tensors) to be handled one by one as slices."""
-    return bool(length.numel()) and int(length.sum()) >= _LONG_RUNS * length.numel()
-
-
-def _expand(start: torch.Tensor, length: torch.Tensor, total: int | None = None) -> torch.Tensor:
-    """Every index of the runs ``[start, start + length)``, in order (``total``: their lengths' sum,
-    where the caller knows it: no wait for a device to tell)."""
-    if start.numel() == 0:
-        return start
-    first = torch.repeat_interleave(start - torch.cumsum(length, 0) + length, length, output_size=total)
-    return first + torch.arange(first.numel(), device=start.device)
