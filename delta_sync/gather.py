@@ -15,11 +15,11 @@ Protocol, per exchange, over the trainer's groups (:class:`~delta_sync.collectiv
 
 The destination gets the patches in export order (``seq``): the rows of every rank are sorted
 together, and each run of sparse tensors of one dtype that one rank holds comes out as one
-:class:`~delta_sync.patch.PatchBatch`, however the ranks interleave: on the host one kernel call
+:class:`~delta_sync.patch.PatchBatch`, however the ranks interleave (on the host one kernel call
 copies its runs out of the ranks' buffers as they lie, on a device two gathers take them out of
-the ranks' sections joined; a tensor whose changes come from several ranks (shards of one tensor) is merged into
-one patch with increasing indices. Ranks may hand in batches (a diff kernel's, with each tensor's
-``seq``) or patches.
+the ranks' sections joined); a tensor whose changes come from several ranks (shards of one tensor)
+is merged into one patch with increasing indices. Ranks may hand in batches (a diff kernel's, with
+each tensor's ``seq``) or patches.
 
 :meth:`PatchGather.gather` is one exchange of everything. :meth:`PatchGather.stream` cuts the
 export order into *rounds* of about ``bucket_bytes`` of payload over all ranks (every part of one
@@ -249,7 +249,7 @@ def _merge(parts: list[_Part]) -> list[Patch | PatchBatch]:
     for c in range(len(_SECTIONS)):
         mine = code == c
         val_start[mine] = _exclusive(count[mine])
-    runs = _Runs.of(parts, idx_start, val_start, code)
+    runs = _Runs.of(parts, count, dense, code, idx_start, val_start)
     joined: list = []  # the sections joined in memory of their own, made once where a patch needs them
 
     def sections() -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
@@ -317,19 +317,29 @@ class _Runs:
     val_local: torch.Tensor  # int64 per row: its first value's position in its part's values of its dtype
 
     @classmethod
-    def of(cls, parts: list[_Part], idx_start: torch.Tensor, val_start: torch.Tensor, code: torch.Tensor
-           ) -> "_Runs | None":
+    def of(cls, parts: list[_Part], count: torch.Tensor, dense: torch.Tensor, code: torch.Tensor,
+           idx_start: torch.Tensor, val_start: torch.Tensor) -> "_Runs | None":
+        """None where the kernel cannot take the parts (not host memory, no kernel) or where a part's
+        rows do not add up to its buffers (the kernel reads by address: the torch path then decides)."""
         bufs = [p.indices for p in parts] + [v for p in parts for v in p.values.values()]
         if native.kernel() is None or not all(b.device.type == "cpu" and b.is_contiguous() for b in bufs):
             return None
         part = torch.repeat_interleave(torch.arange(len(parts)), torch.tensor([p.n for p in parts]))
+
+        def per_part(n: torch.Tensor) -> list[int]:
+            return torch.zeros(len(parts), dtype=torch.int64).index_add_(0, part, n).tolist()
         # a row's start in its part: its start in the joined section less the earlier parts' elements
-        idx_before = _exclusive(torch.tensor([p.indices.numel() for p in parts], dtype=torch.int64))
+        sizes = [p.indices.numel() for p in parts]
+        if per_part(torch.where(dense, 0, count)) != sizes:
+            return None
+        idx_before = _exclusive(torch.tensor(sizes, dtype=torch.int64))
         val_local = val_start.clone()
         for c in range(len(_SECTIONS)):
             mine = code == c
-            before = _exclusive(torch.tensor([p.values[c].numel() for p in parts], dtype=torch.int64))
-            val_local[mine] -= before[part[mine]]
+            sizes = [p.values[c].numel() for p in parts]
+            if per_part(torch.where(mine, count, 0)) != sizes:
+                return None
+            val_local[mine] -= _exclusive(torch.tensor(sizes, dtype=torch.int64))[part[mine]]
         return cls(parts, part, idx_start - idx_before[part], val_local)
 
     def gather(self, ks: torch.Tensor, counts: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -307,3 +307,27 @@ def test_segments_joined_in_order_whichever_way_they_are_copied(monkeypatch, cut
         got = gather._segments(src, starts, counts)
         want = torch.cat([src[a:a + n] for a, n in layout])
         assert torch.equal(int_view(got), int_view(want)), layout
+
+
+def test_host_merge_reads_by_address_only_parts_whose_rows_add_up(monkeypatch):
+    """The host merge copies a batch's runs by address (one kernel call): only where every part's
+    rows add up to its buffers. A batch whose counts claim more elements than it holds goes to
+    the torch path, which reads nothing outside them."""
+    import delta_sync.gather as gather
+
+    made = []
+    real = gather._Runs.of.__func__
+    monkeypatch.setattr(gather._Runs, "of", classmethod(lambda cls, *a: made.append(real(cls, *a)) or made[-1]))
+
+    def batch(counts):
+        return gather._Part.of([Ordered(0, PatchBatch(["a", "b"], [(10,), (10,)], torch.bfloat16, counts,
+                                                      torch.tensor([1, 4, 0, 2, 9], dtype=torch.int32),
+                                                      torch.arange(5).to(torch.bfloat16), [0, 1]))],
+                               torch.device("cpu"))
+    got = gather._merge([batch([2, 3])])
+    assert made[-1] is not None and _patches(got)[1].indices.tolist() == [0, 2, 9]
+    try:
+        gather._merge([batch([2, 40])])
+    except (RuntimeError, IndexError):
+        pass  # (the torch path may refuse it; it reads nothing outside the buffers either way)
+    assert made[-1] is None
