@@ -59,6 +59,8 @@ class BitwiseDiff:
         self.batch_words = batch_words or 4 * chunk_words
         self.use_native = use_native
         self._mask: torch.Tensor | None = None
+        #: by element width: the tensors in the last host-kernel batch and the elements it found changed
+        self._last_changed: dict[int, tuple[int, int]] = {}
 
     def _scratch(self, n: int, device: torch.device) -> torch.Tensor:
         if self._mask is None or self._mask.device != device or self._mask.numel() < n:
@@ -143,8 +145,7 @@ class BitwiseDiff:
                     batches.append(self.absorb_known(olds, news, [known[i] for i in members],
                                                      [new_ptrs[i] for i in members], members))
                     continue
-                counts, idx, bits, old_bits = native.changed_batch(olds, news, 8 // width, absorb=True)
-                batches.append(Absorbed(members, counts, idx, bits, old_bits))
+                batches.append(Absorbed(members, *self._scan_batch(olds, news, width)))
         except BaseException:
             for (old, _), done in zip(pairs, out):
                 if done is not None:
@@ -160,10 +161,19 @@ class BitwiseDiff:
         element width: each ``old``'s facts ``known``, each new tensor host memory of its shape and
         dtype, contiguous, at ``new_ptrs`` (8-byte aligned). One batch (``members``: the pairs'
         positions in the caller's list, 0.. by default); all or nothing."""
-        counts, idx, bits, old_bits = native.changed_batch(
-            olds, news, 8 // known[0].width, absorb=True,
-            facts=([k.words for k in known], [k.ptr for k in known], new_ptrs))
-        return Absorbed(list(range(len(olds))) if members is None else members, counts, idx, bits, old_bits)
+        found = self._scan_batch(olds, news, known[0].width, ([k.words for k in known], [k.ptr for k in known], new_ptrs))
+        return Absorbed(list(range(len(olds))) if members is None else members, *found)
+
+    def _scan_batch(self, olds: list[torch.Tensor], news: list[torch.Tensor], width: int,
+                    facts: tuple[list[int], list[int], list[int]] | None = None) -> tuple[torch.Tensor, ...]:
+        """:func:`native.changed_batch` (absorbing), its outputs sized for what the last batch of as
+        many tensors of this width found changed (successive deltas change about as much: the
+        kernel's calls then need no join of their outputs)."""
+        n, last = len(olds), self._last_changed.get(width, (0, 0))
+        found = native.changed_batch(olds, news, 8 // width, absorb=True, facts=facts,
+                                     expect=last[1] if last[0] == n else 0)
+        self._last_changed[width] = (n, found[1].numel())
+        return found
 
     def _batchable(self, snap: torch.Tensor, new: torch.Tensor) -> bool:
         """A host tensor the kernel (present: the caller asked) scans whole in 64-bit words: same

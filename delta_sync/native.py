@@ -454,7 +454,8 @@ def changed_many(olds: list[torch.Tensor], news: list[torch.Tensor], lanes: int,
 
 
 def changed_batch(olds: list[torch.Tensor], news: list[torch.Tensor], lanes: int, absorb: bool = False,
-                  facts: tuple[list[int], list[int], list[int]] | None = None) -> tuple[torch.Tensor, ...]:
+                  facts: tuple[list[int], list[int], list[int]] | None = None, expect: int = 0
+                  ) -> tuple[torch.Tensor, ...]:
     """:func:`changed_words` of many contiguous host tensors of ``lanes`` elements per 64-bit word
     (8-byte aligned, a whole number of words each) in a few kernel calls: ``(counts, indices, value
     bits[, old bits])``, tensor ``k``'s ``counts[k]`` (int64) changed elements after those of the
@@ -465,7 +466,11 @@ def changed_batch(olds: list[torch.Tensor], news: list[torch.Tensor], lanes: int
     one thread each, cutting through a tensor where a cut falls (not by whole tensors, which left
     one thread scanning a large tensor while the other waited). With ``absorb``, a failure puts
     every advanced word back before it is raised. ``facts``: each tensor's words and both sides'
-    addresses, known to the caller (per tensor of a model's ~19k, no call on the tensors)."""
+    addresses, known to the caller (per tensor of a model's ~19k, no call on the tensors).
+    ``expect``: about how many elements the caller expects to have changed (e.g. the last scan's
+    count): each run's first call gets room for its share of that, a quarter more, so that a run
+    whose changes fit comes out of one call and the outputs need no join (otherwise calls of
+    :data:`SCRATCH_ENTRIES` follow, and their chunks are joined)."""
     width = 64 // lanes
     n = len(olds)
     words = facts[0] if facts is not None else [t.numel() // lanes for t in olds]
@@ -475,8 +480,14 @@ def changed_batch(olds: list[torch.Tensor], news: list[torch.Tensor], lanes: int
         facts = (words, [t.data_ptr() for t in olds], [t.data_ptr() for t in news])
     run = functools.partial(_scan_many, getattr(kernel(), f"diff_many_{width}"), width, olds, facts, lanes,
                             absorb)
+    total = sum(words)
+    rooms = [0] * len(runs)
+    if expect > 0 and total:  # each run's share of the expected changes, by its words
+        starts = list(itertools.accumulate(words, initial=0))
+        rooms = [-(-expect * 5 * (starts[hi - 1] + last - starts[lo] - first) // (4 * total))
+                 for lo, first, hi, last in runs]
     # every run finishes (or restores itself) before an error leaves
-    results, error = run_spread([functools.partial(run, *r) for r in runs])
+    results, error = run_spread([functools.partial(run, *r, room) for r, room in zip(runs, rooms)])
     counts = torch.zeros(n, dtype=torch.int64)
     chunks: list[tuple[torch.Tensor, ...]] = []
     for (lo, _, hi, _), res in zip(runs, results):
@@ -496,18 +507,22 @@ def changed_batch(olds: list[torch.Tensor], news: list[torch.Tensor], lanes: int
 
 
 def _scan_many(fn, width: int, olds: list[torch.Tensor], facts: tuple[list[int], list[int], list[int]], lanes: int,
-               absorb: bool, lo: int, first: int, hi: int, last: int
+               absorb: bool, lo: int, first: int, hi: int, last: int, expect: int = 0
                ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, ...]]]:
     """Tensors ``lo:hi`` through ``diff_many``, from word ``first`` of tensor ``lo`` to word ``last``
     of tensor ``hi - 1`` (see :func:`word_shares`) in a few calls: each tensor's count of changed
     elements, and each call's outputs (views). ``facts``: every tensor's words, old and new addresses
-    (``olds`` only to put advanced words back after a failure)."""
+    (``olds`` only to put advanced words back after a failure); ``expect``: room for the first call
+    where that is more than the later calls' (:data:`SCRATCH_ENTRIES`), at most the run's elements."""
     n = hi - lo
     words, old_ptrs, new_ptrs = facts
     ends = words[lo:hi]
     ends[-1] = last
     addr = torch.tensor([old_ptrs[lo:hi], new_ptrs[lo:hi], ends], dtype=torch.int64)
-    room = min(SCRATCH_ENTRIES, max(8 * lanes, (sum(ends) - first) * lanes))
+    span = (sum(ends) - first) * lanes  # the run's elements
+    later = min(SCRATCH_ENTRIES, max(8 * lanes, span))  # every call's room after the first
+    # (a call stops where the next 8 words' lanes might not fit: that much more for the expected)
+    room = max(later, min(expect + 8 * lanes, span)) if expect > 0 else later
     idx, val, prev = _outputs(room, width, absorb)
     done = torch.empty(n, dtype=torch.int64)  # per call: entries written up to the end of each tensor
     counts = torch.zeros(n, dtype=torch.int64)
@@ -530,6 +545,7 @@ def _scan_many(fn, width: int, olds: list[torch.Tensor], facts: tuple[list[int],
                 raise RuntimeError(f"diff kernel made no progress at array {lo + t}, word {w} (scratch {room})")
             t, w = st, sw
             if k and t < n:
+                room = later
                 idx, val, prev = _outputs(room, width, absorb)
     except BaseException:
         if absorb:  # put this run back before the error leaves

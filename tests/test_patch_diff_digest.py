@@ -183,6 +183,36 @@ def test_native_diff_threads_and_bounded_scratch(monkeypatch, dtype, density):
     assert bool((got[0][1:] > got[0][:-1]).all())
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_batch_diff_sized_by_the_last_one_makes_one_call_per_thread(monkeypatch, threads):
+    """The kernel's first call of each thread gets room for its share of what the last batch of as
+    many tensors found changed: a delta like the last one comes out of one call per thread (no join
+    of chunks), one with more changes in more calls; every batch finds what the torch ops find and
+    advances its snapshots the same."""
+    monkeypatch.setattr(native, "MIN_WORDS_PER_THREAD", 64)
+    monkeypatch.setattr(native, "SCRATCH_ENTRIES", 64)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    calls = []
+    real = native._outputs
+    monkeypatch.setattr(native, "_outputs", lambda room, *a: calls.append(room) or real(room, *a))
+    g = torch.Generator().manual_seed(threads)
+    snaps = [torch.randn(n, generator=g).bfloat16() for n in (4096, 12, 9000, 4)]
+    ref_snaps = [t.clone() for t in snaps]
+    differ, ref = BitwiseDiff(use_native=True), BitwiseDiff(use_native=False)
+    for step, density in enumerate((0.05, 0.05, 0.2)):
+        news = [torch.where(torch.rand(t.shape, generator=g) < density, t * 3 + 1, t) for t in snaps]
+        calls.clear()
+        got = differ.absorb_many(list(zip(snaps, news)))
+        want = ref.absorb_many(list(zip(ref_snaps, news)))
+        for (i, v, o), (ri, rv, ro) in zip(got, want):
+            assert torch.equal(i, ri) and torch.equal(v, rv) and torch.equal(o, ro)
+        assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(snaps, ref_snaps))
+        if step == 1:  # as many changes as the last batch: one call per thread
+            assert len(calls) == threads and min(calls) > 64, calls
+        if step == 2:  # four times as many: the first calls overflow, later ones follow
+            assert len(calls) > threads, calls
+
+
 @pytest.mark.parametrize("use_native", [False, True], ids=["torch", "native"])
 def test_diff_is_bitwise_not_float(use_native):
     nan, z = float("nan"), 0.0
@@ -517,10 +547,10 @@ def test_advance_many_failing_in_one_batch_puts_every_snapshot_back(monkeypatch)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     real = native._scan_many
 
-    def scan(fn, width, olds, facts, lanes, absorb, lo, first, hi, last):
+    def scan(fn, width, olds, facts, lanes, absorb, lo, first, hi, last, expect=0):
         if (lo, first) != (0, 0):  # the second run of the first batch
             raise MemoryError("injected")
-        return real(fn, width, olds, facts, lanes, absorb, lo, first, hi, last)
+        return real(fn, width, olds, facts, lanes, absorb, lo, first, hi, last, expect)
     monkeypatch.setattr(native, "_scan_many", scan)
     olds, news = _mixed_tensors(torch.Generator().manual_seed(5))
     before = [o.clone() for o in olds]
