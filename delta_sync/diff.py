@@ -161,7 +161,8 @@ class BitwiseDiff:
         element width: each ``old``'s facts ``known``, each new tensor host memory of its shape and
         dtype, contiguous, at ``new_ptrs`` (8-byte aligned). One batch (``members``: the pairs'
         positions in the caller's list, 0.. by default); all or nothing."""
-        found = self._scan_batch(olds, news, known[0].width, ([k.words for k in known], [k.ptr for k in known], new_ptrs))
+        facts = ([k.words for k in known], [k.ptr for k in known], new_ptrs)
+        found = self._scan_batch(olds, news, known[0].width, facts)
         return Absorbed(list(range(len(olds))) if members is None else members, *found)
 
     def _scan_batch(self, olds: list[torch.Tensor], news: list[torch.Tensor], width: int,

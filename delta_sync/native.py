@@ -53,7 +53,8 @@ def _cpu_flags() -> list[str]:
         if "avx512_vnni" in flags:  # the multiply-add and its sum in one instruction
             out.append("-mavx512vnni")
     return out
-#: output entries per kernel call and thread: bounds scratch to 8 MiB whatever the density.
+#: output entries per kernel call and thread (8 MiB whatever the density), except a batch's first
+#: call where the caller expects more (:func:`changed_batch`'s ``expect``: what the result holds anyway)
 SCRATCH_ENTRIES = 1 << 20
 #: below this many words a tensor is scanned on the calling thread (pool overhead dominates).
 MIN_WORDS_PER_THREAD = 1 << 17
