@@ -206,13 +206,13 @@ static int64_t dot16(const int16_t *x, const int16_t *t, int64_t m) {
 /* One lane's share of a row step (8 vectors of W words in v[], against the lane's table row t1):
  * eight multiply-adds summed in int32 (|each| < 2**28: t1 < 2**12), then widened once into
  * acc[l]. P: the intrinsics' prefix of the vector type VEC; LOAD, LO, HI: its unaligned load and
- * its halves as the next narrower type. FOR_LANES: a step of every lane, unrolled for four (the
- * accumulators stay in registers). */
-#define LANE_STEP(l, VEC, P, LOAD, LO, HI, W)                                                       \
+ * its halves as the next narrower type; MADD_ADD(s, x, t): s plus x's multiply-add with t. FOR_LANES:
+ * a step of every lane, unrolled for four (the accumulators stay in registers). */
+#define LANE_STEP(l, VEC, P, LOAD, LO, HI, W, MADD_ADD)                                             \
     do {                                                                                            \
         const int16_t *t = t1 + (l) * KEY_ROW + j;                                                  \
         VEC s = P##_madd_epi16(v[0], LOAD(t));                                                      \
-        for (int q = 1; q < 8; ++q) s = P##_add_epi32(s, P##_madd_epi16(v[q], LOAD(t + (W) * q)));   \
+        for (int q = 1; q < 8; ++q) s = MADD_ADD(s, v[q], LOAD(t + (W) * q));                       \
         acc[l] = P##_add_epi64(acc[l], P##_add_epi64(P##_cvtepi32_epi64(LO(s)), P##_cvtepi32_epi64(HI(s)))); \
     } while (0)
 #define FOR_LANES(STEP)                                                                             \
@@ -223,24 +223,18 @@ static int64_t dot16(const int16_t *x, const int16_t *t, int64_t m) {
 #define LOAD256(p) _mm256_loadu_si256((const __m256i *)(p))
 #define LO256(s) _mm256_castsi256_si128(s)
 #define HI256(s) _mm256_extracti128_si256(s, 1)
-#define STEP256(l) LANE_STEP(l, __m256i, _mm256, LOAD256, LO256, HI256, 16)
+#define MADD_ADD256(s, x, t) _mm256_add_epi32((s), _mm256_madd_epi16((x), (t)))
+#define STEP256(l) LANE_STEP(l, __m256i, _mm256, LOAD256, LO256, HI256, 16, MADD_ADD256)
 #define LOAD512(p) _mm512_loadu_si512((const void *)(p))
 #define LO512(s) _mm512_castsi512_si256(s)
 #define HI512(s) _mm512_extracti64x4_epi64(s, 1)
 #ifdef __AVX512VNNI__
-/* LANE_STEP at 512 bits where the multiply-add and the int32 sum are one instruction (VNNI's
- * vpdpwssd: the same int32 sums, in the same order, without the separate adds) */
-#define STEP512(l)                                                                                  \
-    do {                                                                                            \
-        const int16_t *t = t1 + (l) * KEY_ROW + j;                                                  \
-        __m512i s = _mm512_madd_epi16(v[0], LOAD512(t));                                            \
-        for (int q = 1; q < 8; ++q) s = _mm512_dpwssd_epi32(s, v[q], LOAD512(t + 32 * q));         \
-        acc[l] = _mm512_add_epi64(acc[l], _mm512_add_epi64(_mm512_cvtepi32_epi64(LO512(s)),        \
-                                                           _mm512_cvtepi32_epi64(HI512(s))));      \
-    } while (0)
+/* the multiply-add and the int32 sum in one instruction (VNNI's vpdpwssd: the same sums, in order) */
+#define MADD_ADD512(s, x, t) _mm512_dpwssd_epi32((s), (x), (t))
 #else
-#define STEP512(l) LANE_STEP(l, __m512i, _mm512, LOAD512, LO512, HI512, 32)
+#define MADD_ADD512(s, x, t) _mm512_add_epi32((s), _mm512_madd_epi16((x), (t)))
 #endif
+#define STEP512(l) LANE_STEP(l, __m512i, _mm512, LOAD512, LO512, HI512, 32, MADD_ADD512)
 
 #ifdef __AVX2__
 /* One whole row (KEY_ROW words): per lane sum_j x[j] * t1[j] into rows[l]; non-finite count;
