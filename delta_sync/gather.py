@@ -31,6 +31,7 @@ others', not the whole delta of every rank.
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import traceback
 from collections import deque
@@ -232,7 +233,7 @@ def _segments(src: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor) -> 
 def _merge(parts: list[_Part]) -> list[Patch | PatchBatch]:
     """The patches of every rank's part in stream order: runs of sparse tensors of one dtype held
     by one rank each as one :class:`PatchBatch` (whichever rank sent them: copied out of the parts'
-    buffers by :class:`_Runs` on the host, else cut out of the parts' sections joined), a dense
+    buffers by :class:`_RowsAt` on the host, else cut out of the parts' sections joined), a dense
     tensor as a patch, the parts of a tensor several ranks hold merged into one patch. Copies out
     of received buffers (they are reused); this rank's own may stay as views."""
     parts = [p for p in parts if p.n]
@@ -249,14 +250,13 @@ def _merge(parts: list[_Part]) -> list[Patch | PatchBatch]:
     for c in range(len(_SECTIONS)):
         mine = code == c
         val_start[mine] = _exclusive(count[mine])
-    runs = _Runs.of(parts, count, dense, code, idx_start, val_start)
-    joined: list = []  # the sections joined in memory of their own, made once where a patch needs them
+    rows_at = _RowsAt.of(parts, count, dense, code, idx_start, val_start)
 
+    @functools.cache
     def sections() -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        if not joined:
-            joined.append(_section([(p.indices, p.owned) for p in parts]))
-            joined.append({c: _section([(p.values[c], p.owned) for p in parts]) for c in range(len(_SECTIONS))})
-        return joined[0], joined[1]
+        """The parts' sections joined in memory of their own (made once, where a patch needs them)."""
+        return (_section([(p.indices, p.owned) for p in parts]),
+                {c: _section([(p.values[c], p.owned) for p in parts]) for c in range(len(_SECTIONS))})
 
     order = torch.argsort(seq, stable=True)
     s = seq[order]
@@ -280,8 +280,8 @@ def _merge(parts: list[_Part]) -> list[Patch | PatchBatch]:
         c = int(code[first])
         if alone_l[k]:
             counts = count[ks]
-            if runs is not None:
-                got = runs.gather(ks, counts, c)
+            if rows_at is not None:
+                got = rows_at.gather(ks, counts, c)
             else:
                 indices, values = sections()
                 got = _segments(indices, idx_start[ks], counts), _segments(values[c], val_start[ks], counts)
@@ -305,7 +305,7 @@ def _merge(parts: list[_Part]) -> list[Patch | PatchBatch]:
 
 
 @dataclass
-class _Runs:
+class _RowsAt:
     """Where each row's indices and values lie in its own part's buffers (host parts, the host
     kernel present), so that a batch is taken from the parts as they are: one kernel call copying
     its runs (:func:`delta_sync.native.gather_runs`), or views where its rows lie back to back in
@@ -315,10 +315,12 @@ class _Runs:
     part: torch.Tensor  # int64 per row: its part
     idx_local: torch.Tensor  # int64 per row: its first index's position in its part's indices
     val_local: torch.Tensor  # int64 per row: its first value's position in its part's values of its dtype
+    idx_ptr: torch.Tensor  # int64 per part: its indices' address
+    val_ptr: dict[int, torch.Tensor]  # dtype code -> int64 per part: its values' address
 
     @classmethod
     def of(cls, parts: list[_Part], count: torch.Tensor, dense: torch.Tensor, code: torch.Tensor,
-           idx_start: torch.Tensor, val_start: torch.Tensor) -> "_Runs | None":
+           idx_start: torch.Tensor, val_start: torch.Tensor) -> "_RowsAt | None":
         """None where the kernel cannot take the parts (not host memory, no kernel) or where a part's
         rows do not add up to its buffers (the kernel reads by address: the torch path then decides)."""
         bufs = [p.indices for p in parts] + [v for p in parts for v in p.values.values()]
@@ -340,7 +342,10 @@ class _Runs:
             if per_part(torch.where(mine, count, 0)) != sizes:
                 return None
             val_local[mine] -= _exclusive(torch.tensor(sizes, dtype=torch.int64))[part[mine]]
-        return cls(parts, part, idx_start - idx_before[part], val_local)
+        return cls(parts, part, idx_start - idx_before[part], val_local,
+                   torch.tensor([p.indices.data_ptr() for p in parts], dtype=torch.int64),
+                   {c: torch.tensor([p.values[c].data_ptr() for p in parts], dtype=torch.int64)
+                    for c in range(len(_SECTIONS))})
 
     def gather(self, ks: torch.Tensor, counts: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The indices and values of rows ``ks`` (a batch: sparse, of dtype code ``c``), one after
@@ -351,9 +356,7 @@ class _Runs:
         if first.owned and bool((part == part[0]).all()) and bool((idx[1:] == idx[:-1] + counts[:-1]).all()) \
                 and bool((val[1:] == val[:-1] + counts[:-1]).all()):
             return first.indices.narrow(0, int(idx[0]), total), first.values[c].narrow(0, int(val[0]), total)
-        idx_ptr = torch.tensor([p.indices.data_ptr() for p in self.parts], dtype=torch.int64)
-        val_ptr = torch.tensor([p.values[c].data_ptr() for p in self.parts], dtype=torch.int64)
-        table = torch.stack([idx_ptr[part] + 4 * idx, val_ptr[part] + dt.itemsize * val, counts,
+        table = torch.stack([self.idx_ptr[part] + 4 * idx, self.val_ptr[c][part] + dt.itemsize * val, counts,
                              torch.zeros_like(counts)], dim=1).contiguous()
         return native.gather_runs(table, dt.itemsize, total, dt)
 

@@ -107,7 +107,7 @@ def _same(a: Patch, b: Patch) -> bool:
 def _gather_cases(rank, world, port, kernel=True):
     if not kernel:  # the merge's torch path (device parts take it; here with the host kernel off)
         import delta_sync.gather as gather
-        gather._Runs.of = classmethod(lambda cls, *a: None)
+        gather._RowsAt.of = classmethod(lambda cls, *a: None)
     gatherer = PatchGather()  # one instance: receive buffers are reused across cases
     kept = []
     for case in range(CASES):
@@ -316,8 +316,8 @@ def test_host_merge_reads_by_address_only_parts_whose_rows_add_up(monkeypatch):
     import delta_sync.gather as gather
 
     made = []
-    real = gather._Runs.of.__func__
-    monkeypatch.setattr(gather._Runs, "of", classmethod(lambda cls, *a: made.append(real(cls, *a)) or made[-1]))
+    real = gather._RowsAt.of.__func__
+    monkeypatch.setattr(gather._RowsAt, "of", classmethod(lambda cls, *a: made.append(real(cls, *a)) or made[-1]))
 
     def batch(counts):
         return gather._Part.of([Ordered(0, PatchBatch(["a", "b"], [(10,), (10,)], torch.bfloat16, counts,
