@@ -60,8 +60,9 @@ from delta_sync.digest import Digest, digest_elements, scan_many
 from delta_sync.gather import Ordered
 from delta_sync.patch import Patch, PatchBatch
 
-from .megatron_probes import (clear_caches, id_layout, layout_key, NOBODY, ONE_PASS_DTYPES, OnePassMapping, own_mask, PACKED_MAX_ELEMENTS, peer_probes, Planner, same_bits, unpack_probe)
-from .megatron_runs import build_runs, expand, long_runs, map_changes, run_table, Runs, RunTable
+from .megatron_probes import (NOBODY, ONE_PASS_DTYPES, PACKED_MAX_ELEMENTS, OnePassMapping, Planner, clear_caches,
+                              id_layout, layout_key, own_mask, peer_probes, same_bits, unpack_probe)
+from .megatron_runs import Runs, RunTable, build_runs, expand, long_runs, map_changes, run_table
 from .megatron_source import BridgeExportSource
 
 log = logging.getLogger(__name__)
