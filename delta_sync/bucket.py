@@ -44,11 +44,14 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from . import native
-from .catalog import Catalog, CatalogBuilder, TableSlice, encode_table
-from .digest import (PUBLIC, DigestKey, checksum_bytes, digest_texts, nonfinite_count, range_row, row_spec,
-                     rows_supported, scan_many, scan_rows_table)
+from .catalog import (CODES, Catalog, CatalogBuilder, DenseTable, TableSlice, check_after, encode_dense, encode_table,
+                      starts_by_dtype)
+from .digest import (MAX_WORDS, PUBLIC, Digest, DigestKey, checksum_bytes, digest_texts, nonfinite_count, range_row,
+                     row_spec, rows_supported, scan_many, scan_rows_table)
 from .errors import ChecksumMismatch, PatchValidationError
 from .patch import DTYPE_NAMES, DTYPES, Patch, PatchBatch, dtype_name, first_true
+
+_ON_HOST = operator.attrgetter("is_cpu")
 
 DEFAULT_BUCKET_BYTES = 512 << 20
 #: the smallest bucket (bytes of payload): room for an element of any dtype and its index
@@ -70,6 +73,8 @@ class Bucket:
     key: DigestKey = PUBLIC
     #: its table (:mod:`delta_sync.catalog`), once :func:`entry_patches` parsed and checked it
     table: TableSlice | None = None
+    #: a bulk bucket's dense table of whole catalogued tensors, once packed or parsed
+    dense: DenseTable | None = None
 
     def wire_parts(self, dname: str) -> list[torch.Tensor]:
         """What travels for the ``dname`` value buffer, in order: the whole buffer, or its packed
@@ -168,6 +173,9 @@ class BucketPacker:
         self.catalog: Catalog | None = None
         #: a bulk update's: the catalogue its buckets define, built as they are packed
         self.record: CatalogBuilder | None = None
+        #: a bulk update's: the catalogue of the one before it (both ends have it): whole tensors it
+        #: holds with their shape and dtype go in each bucket's dense table, by id
+        self.dense: Catalog | None = None
         self._table_last = -1  # the last table id of this version (ids increase across its buckets)
 
     def _direct(self, p: Patch, take: int, device: torch.device) -> bool:
@@ -176,15 +184,19 @@ class BucketPacker:
         return (self.direct_min_bytes is not None and take * p.values.element_size() >= self.direct_min_bytes
                 and (self.keep is not None or (p.values.device == device and p.values.is_contiguous())))
 
-    def _scan_dense(self, ranges: list[tuple[int, dict, Patch, int, int, torch.Tensor | None, int]], key: DigestKey
-                    ) -> None:
+    def _scan_dense(self, ranges: list[tuple[int, dict | None, Patch, int, int, torch.Tensor | None, int]],
+                    key: DigestKey, table: tuple[list, int, list] | None = None) -> torch.Tensor | None:
         """Per ``(position, entry, patch, done, take, buffer, at)``: copy the patch's values ``[done,
         done+take)`` into ``buffer[at:at+take]`` (``buffer`` None: only read them) while digesting them
         under ``key`` and checking them for Inf/NaN (one pass over the source, all of a bucket's
         ranges spread over the threads together); the digest, masked with the key's pad for the
         entry's position, goes into the entry. Raises for the first range, in order, that holds
         Inf/NaN. Host ranges go to the kernel as rows of addresses (:func:`range_row`): a seed of
-        30B-A3B's ~19k tensors would otherwise pay a slice and a view or two per range."""
+        30B-A3B's ~19k tensors would otherwise pay a slice and a view or two per range. Ranges
+        without an entry (a dense table's, after the others) return their masked digests as
+        (n, lanes) residues, in order; None where there are none. ``table``: a dense table's tensors
+        as kernel rows made already, ``(rows, first header position, parts)``: scanned with the
+        others, their masked digests returned."""
         t0 = time.perf_counter()
         items, rows, slots = [], [], []  # slots: per range, (True, row) or (False, item) position
         as_rows = rows_supported()
@@ -204,17 +216,44 @@ class BucketPacker:
                 items.append((out, done, None))
             else:
                 items.append((src, done, out))
-        table = scan_rows_table(rows, key=key)  # the rows' digests, masked and written as text together
-        texts = digest_texts(key.masked_table(table, [r[0] for r, (row, _) in zip(ranges, slots) if row]))
-        bads = table[:, -1].tolist()
+        extra, first, parts = table if table is not None else (None, 0, [])
+        n_extra = 0 if extra is None else extra.shape[0]
+        # the rows' digests (the table's after the others), masked and written as text together
+        if extra is None:
+            sums = scan_rows_table(rows, key=key)
+        else:
+            sums = scan_rows_table(torch.cat([torch.tensor(rows, dtype=torch.int64).view(-1, 6), extra]), key=key)
+        masked = key.masked_table(sums, [r[0] for r, (row, _) in zip(ranges, slots) if row]
+                                  + list(range(first, first + n_extra)))
+        named = [k for (_, entry, *_), (row, k) in zip(ranges, slots) if row and entry is not None]
+        texts = iter(digest_texts(masked[:len(rows)] if len(named) == len(rows)
+                                  else masked[torch.tensor(named, dtype=torch.int64)]))
+        bads = sums[:, -1].tolist()
         from_items = scan_many(items, key=key)
         self.digest_s += time.perf_counter() - t0
+        tabled: list = []  # the table's digests in order: rows of ``masked``, or an item's (1, lanes)
         for (i, entry, p, done, take, _, _), (row, k) in zip(ranges, slots):
             if bads[k] if row else from_items[k][1]:
                 where = done + first_true(~torch.isfinite(p.values[done:done + take]))
                 raise PatchValidationError(p.name, f"non-finite value at flat index {where}", index=where,
                                            kept=self.kept)
-            entry["digest"] = texts[k] if row else key.masked(from_items[k][0], i)
+            if entry is not None:
+                entry["digest"] = next(texts) if row else key.masked(from_items[k][0], i)
+            else:
+                tabled.append(k if row else key.masked_table(torch.tensor([list(from_items[k][0])]), [i]))
+        if extra is not None:
+            bad = next((k for k, b in enumerate(bads[len(rows):]) if b), None)
+            if bad is not None:
+                p = parts[bad][1]
+                where = first_true(~torch.isfinite(p.values))
+                raise PatchValidationError(p.name, f"non-finite value at flat index {where}", index=where,
+                                           kept=self.kept)
+            return masked[len(rows):]
+        if not tabled:
+            return None
+        if all(type(m) is int for m in tabled):
+            return masked if len(tabled) == len(rows) else masked[torch.tensor(tabled, dtype=torch.int64)]
+        return torch.cat([masked[m:m + 1] if type(m) is int else m for m in tabled])
 
     def pack(self, patches: Iterable[Patch], close: bool = True) -> Iterator[Bucket]:
         """Yield buckets; with ``close`` the last one has ``header['last'] = True`` (possibly with no
@@ -224,12 +263,21 @@ class BucketPacker:
         (carved from :attr:`arena` when set), dense ranges digested in the same pass."""
         fill = _Filling()
         room = self.bucket_bytes
+        dense = self.dense
+        ids = dense.ids if dense is not None else {}
+        alone = self.direct_min_bytes if self.direct_min_bytes is not None else 1 << 62
         for p in patches:
             if type(p) is Patch and p.indices is None:  # (a seed's ~19k tensors at 30B-A3B: inline)
                 n, per = p.values.numel(), p.values.element_size()
                 dname = DTYPE_NAMES.get(p.dtype)
                 if n and dname is not None and fill.nbytes + n * per <= room:
-                    fill.add(p, dname, per, 0, n)  # whole, into the bucket being filled
+                    tid = ids.get(p.name)  # whole, into the bucket being filled: by id where catalogued
+                    if (tid is not None and tid > self._table_last and n * per < alone
+                            and dense.shapes[tid] == p.shape and dense.dtypes[tid] == dname):
+                        fill.add_dense(p, tid, dname, per, n)
+                        self._table_last = tid
+                    else:
+                        fill.add(p, dname, per, 0, n)
                     continue
             if isinstance(p, PatchBatch):
                 yield from self._pack_batch(fill, p)
@@ -366,9 +414,10 @@ class BucketPacker:
         return bufs[0], dict(zip(names, bufs[1:]))
 
     def _write_dense(self, fill: "_Filling", idx: torch.Tensor, vals: dict[str, torch.Tensor], key: DigestKey
-                     ) -> dict[int, torch.Tensor]:
-        """A bulk bucket's parts into its buffers, dense ranges in one fused pass (copy, digest,
-        Inf/NaN check). Returns the ``seg`` entries' sources by entry position."""
+                     ) -> tuple[dict[int, torch.Tensor], torch.Tensor | None]:
+        """A bulk bucket's parts into its buffers, dense ranges and the dense table's tensors in one
+        fused pass (copy, digest, Inf/NaN check). Returns the ``seg`` entries' sources by entry
+        position, and the dense table's masked digests (None without one)."""
         sources: dict[int, torch.Tensor] = {}
         dense = []
         for i, (entry, p, done, take) in enumerate(fill.parts):
@@ -385,8 +434,38 @@ class BucketPacker:
             else:
                 idx.narrow(0, entry["index_offset"], take).copy_(p.indices[done:done + take])
                 buf.narrow(0, at, take).copy_(p.values[done:done + take])
-        self._scan_dense(dense, key)
-        return sources
+        table = None
+        if fill.dense:  # the table's tensors, whole, after the JSON entries' values in each buffer
+            at = {k: vals[k].numel() - n for k, n in fill.t_vals.items()}
+            first = len(fill.entries)
+            rows = self._table_rows(fill, vals, at)
+            if rows is not None:
+                table = (rows, first, fill.t_parts)
+            else:
+                for k, (dname, p, _, take) in enumerate(fill.t_parts):
+                    dense.append((first + k, None, p, 0, take, vals[dname], at[dname]))
+                    at[dname] += take
+        return sources, self._scan_dense(dense, key, table)
+
+    def _table_rows(self, fill: "_Filling", vals: dict[str, torch.Tensor], at: dict[str, int]
+                    ) -> torch.Tensor | None:
+        """The dense table's tensors as kernel rows, made as columns (a 30B-A3B seed's ~19k small
+        tensors: no Python step per tensor beyond reading its address): each one's values copied
+        to its place in the bucket from ``at[dtype]`` on. None where a tensor or the bucket is off the
+        host or not contiguous, or no kernel is built."""
+        values = [p.values for _, p, _, _ in fill.t_parts]
+        if not rows_supported() or not all(v.is_cpu for v in vals.values()) or not all(map(_ON_HOST, values)) \
+                or not all(map(torch.Tensor.is_contiguous, values)):
+            return None
+        ids = torch.tensor(fill.t_ids, dtype=torch.int64)
+        codes, counts = self.dense.codes[ids], self.dense.numel[ids]
+        spec = _SPECS[codes]
+        base = torch.zeros(len(CODES), dtype=torch.int64)
+        for dname, start in at.items():
+            base[CODES.index(dname)] = vals[dname].data_ptr() + start * int(_SPECS[CODES.index(dname), 0])
+        dst = base[codes] + starts_by_dtype(codes, counts) * spec[:, 0]  # after those of its dtype before it
+        return table_rows(torch.tensor(list(map(torch.Tensor.data_ptr, values)), dtype=torch.int64), counts, codes,
+                          dst)
 
     @staticmethod
     def _write_sparse(parts: list[tuple[str, Patch, int, int]], idx: torch.Tensor, vals: dict[str, torch.Tensor],
@@ -409,24 +488,32 @@ class BucketPacker:
         nonce = secrets.token_hex(12) if self.keys is not None else None
         key = self.keys(nonce) if nonce is not None else PUBLIC
         sources: dict[int, torch.Tensor] = {}
-        if any(p.dense for _, p, _, _ in fill.parts):  # bulk buckets: one fused pass per range
-            sources = self._write_dense(fill, idx, vals, key)
+        digests = None  # the dense table's
+        if fill.dense or any(p.dense for _, p, _, _ in fill.parts):  # bulk buckets: one fused pass per range
+            sources, digests = self._write_dense(fill, idx, vals, key)
         elif fill.parts:
             self._write_sparse([(e["dtype"], p, d, t) for e, p, d, t in fill.parts], idx, vals)
         j_idx = idx.numel() - fill.t_idx  # the JSON entries' indices; the table's follow them
-        table = None
-        if fill.t_ids:
+        table = dense = None
+        where = f"bucket {self.seq} of v{self.version}"
+        if fill.dense:
+            dense = DenseTable(self.dense, torch.tensor(fill.t_ids), digests,
+                               {k: vals[k][vals[k].numel() - n:] for k, n in fill.t_vals.items()}, len(fill.entries),
+                               where, key)
+        elif fill.t_ids:
             j_vals = {k: vals[k].numel() - n for k, n in fill.t_vals.items()}
             self._write_sparse(fill.t_parts, idx, vals, j_idx, j_vals)
             table = TableSlice(self.catalog, torch.tensor(fill.t_ids), torch.tensor(fill.t_counts), idx[j_idx:],
-                               {k: vals[k][j_vals[k]:] for k in fill.t_vals}, f"bucket {self.seq} of v{self.version}")
+                               {k: vals[k][j_vals[k]:] for k in fill.t_vals}, where)
         header = {"version": self.version, "seq": self.seq, "last": last, "kind": self.kind,
                   "entries": list(fill.entries), "index_count": int(idx.numel()),
                   "value_counts": {k: int(v.numel()) for k, v in vals.items()}}
         if table is not None:
             header["table"] = encode_table(self.catalog, fill.t_ids, fill.t_counts)
+        if dense is not None:
+            header["dense"] = encode_dense(self.dense, fill.t_ids, digests)
         if self.record is not None:
-            self.record.see_entries(header["entries"])
+            self.record.see_entries(header["entries"], dense)
         if nonce is not None:
             header["nonce"] = nonce
         if self.check:  # refused before it leaves
@@ -434,14 +521,21 @@ class BucketPacker:
                 check_table(table, self.kept)
             check_sparse_entries(header["entries"], idx[:j_idx], vals, self.kept)
         if self.keep is not None and into is None:
-            for entry, p, done, take in fill.parts:
-                if p.dense and take == p.count:
-                    self.keep(p.name, vals[entry["dtype"]].narrow(0, entry["value_offset"], take).view(p.shape))
-        b = Bucket(header, idx, vals, sources, key)
+            self._keep_whole(fill, vals, dense)
+        b = Bucket(header, idx, vals, sources, key, dense=dense)
         header["checksum"] = b.payload_checksum() if self.checksum and idx.numel() else None
         self.seq += 1
         fill.clear()
         return b
+
+    def _keep_whole(self, fill: "_Filling", vals: dict[str, torch.Tensor], dense: DenseTable | None) -> None:
+        """Keep mode: hand each whole tensor the bucket packed, as a view of it, to :attr:`keep`."""
+        for entry, p, _, take in fill.parts:
+            if p.dense and take == p.count:
+                self.keep(p.name, vals[entry["dtype"]].narrow(0, entry["value_offset"], take).view(p.shape))
+        if dense is not None:
+            for (dname, p, _, take), at in zip(fill.t_parts, dense.value_starts.tolist()):
+                self.keep(p.name, dense.values[dname].narrow(0, at, take).view(p.shape))
 
     @staticmethod
     def _device(parts) -> torch.device:
@@ -458,6 +552,7 @@ class _Filling:
         self.t_ids: list[int] = []
         self.t_counts: list[int] = []
         self.t_parts: list[tuple[str, Patch, int, int]] = []  # (dtype name, patch, first element, count)
+        self.dense = False  # the table holds whole tensors (a bulk bucket's dense table), not sparse ones
         self.clear()
 
     def clear(self) -> None:
@@ -471,6 +566,7 @@ class _Filling:
         self.values: dict[str, int] = {}  # elements per value dtype
         self.t_idx = 0  # of which the table's
         self.t_vals: dict[str, int] = {}
+        self.dense = False
 
     @property
     def empty(self) -> bool:
@@ -482,12 +578,23 @@ class _Filling:
         entry = {"name": p.name, "dtype": dname, "shape": list(p.shape),
                  "encoding": "dense" if p.dense else "sparse", "count": take,
                  "start": done if p.dense else 0, "index_offset": self.indices - self.t_idx, "value_offset": vo}
+        if self.dense:  # travels after the dense table's tensors so far
+            entry["after"] = len(self.t_ids)
         self.entries.append(entry)
         self.parts.append((entry, p, done, take))
         if not p.dense:
             self.indices += take
         self.values[dname] = self.values.get(dname, 0) + take
         self.nbytes += take * per
+
+    def add_dense(self, p: Patch, tid: int, dname: str, per: int, n: int) -> None:
+        """All ``n`` elements of dense ``p``, catalogued as ``tid``, into the dense table."""
+        self.dense = True
+        self.t_ids.append(tid)
+        self.t_parts.append((dname, p, 0, n))
+        self.t_vals[dname] = self.t_vals.get(dname, 0) + n
+        self.values[dname] = self.values.get(dname, 0) + n
+        self.nbytes += n * per
 
     def add_table(self, p: Patch, tid: int, dname: str, per: int, done: int, take: int) -> None:
         """Elements ``[done, done + take)`` of sparse ``p``, catalogued as ``tid``, into the table."""
@@ -567,17 +674,26 @@ def entry_patches(bucket: Bucket, kept: str | None = None, check_dense: bool = T
     ``[start, start+count)`` range (the caller joins ranges of one tensor). Their digests and
     finiteness are checked here, unless ``check_dense`` is False: then the caller must run
     :func:`check_dense_entry` on each (a receiver that digests while it applies). A delta bucket's
-    table is parsed against ``catalog`` and checked, and set as ``bucket.table``; its entries are
-    not among the returned ones (:meth:`TableSlice.patches` makes them).
+    table is parsed against ``catalog`` and checked, and set as ``bucket.table``; a bulk bucket's
+    dense table is parsed against ``catalog`` (there: the one of the bulk update before), its digests
+    checked with the dense entries', and set as ``bucket.dense``. Neither table's entries are among
+    the returned ones (:meth:`TableSlice.patches`, :meth:`DenseTable.patches` make them).
     """
     _check_checksum(bucket, kept)
     h = bucket.header
+    where = f"bucket {h['seq']} of version {h['version']}"
     if "table" in h:
-        where = f"bucket {h['seq']} of version {h['version']}"
         if h["kind"] != "delta":
             raise PatchValidationError("<bucket table>", f"{where}: a table in a {h['kind']!r} bucket", kept=kept)
         bucket.table = TableSlice.parse(h["table"], catalog, bucket.indices, bucket.values, where, kept)
         check_table(bucket.table, kept)
+    if "dense" in h:
+        if h["kind"] == "delta":
+            raise PatchValidationError("<bucket table>", f"{where}: a dense table in a delta bucket", kept=kept)
+        bucket.dense = DenseTable.parse(h["dense"], catalog, bucket.values, len(h["entries"]), where, kept, bucket.key)
+        check_after(h["entries"], bucket.dense.ids.numel(), where, kept)
+        if check_dense:
+            check_dense_table(bucket.dense, kept)
     tiling = _Tiling(bucket, kept)
     out = tiling.dense_patches()
     if out is None:
@@ -610,6 +726,64 @@ def check_table(table: TableSlice, kept: str | None = None) -> None:
                                    kept=kept)
 
 
+def check_dense_table(table: DenseTable, kept: str | None = None, dst: torch.Tensor | None = None) -> None:
+    """Refuse a dense table whose tensors' values have other digests than the sender's, or hold
+    Inf/NaN: one scan of the host kernel for the table, its rows worked out as columns (no Python
+    step per tensor); ``dst``: each tensor's host address (int64, in table order), where the same
+    pass copies its values (an engine writing a seed: checked after the write, as a sink that checks
+    does). Elsewhere (values off the host, no kernel) tensor by tensor; so too to name what failed."""
+    rows = _dense_rows(table, dst)
+    if rows is None:
+        if dst is not None:
+            raise ValueError("a dense table's copy by address needs its values on the host and the kernel")
+        items = table.patches()
+        for (e, p), (got, bad) in zip(items, scan_many([(p.values, 0, None) for _, p in items], key=table.key)):
+            check_dense_entry(e, got, bad, p.values, kept)
+        return
+    sums = scan_rows_table(rows, key=table.key)
+    n = table.ids.numel()
+    wrong = (table.key.masked_table(sums, list(range(table.first, table.first + n))) != table.digests).any(1) \
+        | (sums[:, -1] != 0)
+    if bool(wrong.any()):
+        k = first_true(wrong)
+        (e, p), = table.patches([k])
+        check_dense_entry(e, Digest.of_residues(sums[k, :-1].tolist()), int(sums[k, -1]), p.values, kept)
+
+
+def _dense_rows(table: DenseTable, dst: torch.Tensor | None) -> torch.Tensor | None:
+    """The digest kernel's rows (:func:`~delta_sync.digest.range_row`) of a dense table's tensors as
+    they lie in its buffers, in table order, made as columns; None where its values are off the host
+    or no kernel is built."""
+    if not rows_supported() or not all(v.is_cpu and v.is_contiguous() for v in table.values.values()):
+        return None
+    base = torch.zeros(len(CODES), dtype=torch.int64)
+    for dname, v in table.values.items():
+        base[CODES.index(dname)] = v.data_ptr()
+    size = _SPECS[table.codes, 0]
+    return table_rows(base[table.codes] + table.value_starts * size, table.counts, table.codes, dst)
+
+
+#: per catalogue dtype code (:data:`delta_sync.catalog.CODES`): its :func:`row_spec`
+_SPECS = torch.tensor([row_spec(DTYPES[dname]) for dname in CODES], dtype=torch.int64)
+
+
+def table_rows(src: torch.Tensor, counts: torch.Tensor, codes: torch.Tensor, dst: torch.Tensor | None
+               ) -> torch.Tensor | None:
+    """Digest kernel rows of whole tensors as columns: ``counts[k]`` elements of catalogue dtype
+    ``codes[k]`` at host address ``src[k]`` (checkpoint elements from 0), copied to ``dst[k]`` where
+    given; None where one is too long for the digest's positions."""
+    spec = _SPECS[codes]
+    if counts.numel() and int((counts * spec[:, 1]).max()) > MAX_WORDS:
+        return None
+    rows = torch.zeros(counts.numel(), 6, dtype=torch.int64)
+    rows[:, 0] = src
+    rows[:, 1] = counts * spec[:, 0] // 2
+    if dst is not None:
+        rows[:, 3] = dst
+    rows[:, 4], rows[:, 5] = spec[:, 2], spec[:, 1]
+    return rows
+
+
 def _check_checksum(bucket: Bucket, kept: str | None) -> None:
     h = bucket.header
     if h.get("checksum") is None and bucket.indices.numel() and bucket.key is not PUBLIC:
@@ -631,8 +805,8 @@ class _Tiling:
         self.where = f"bucket {bucket.header['seq']} of version {bucket.header['version']}"
         self.used = {k: 0 for k in bucket.values}  # value elements taken so far, per dtype
         self.used_idx = 0  # indices taken so far
-        table = bucket.table  # its parts follow the entries' in every buffer
-        self.json_indices = bucket.indices.numel() - (table.indices.numel() if table else 0)
+        table = bucket.table or bucket.dense  # its parts follow the entries' in every buffer
+        self.json_indices = bucket.indices.numel() - (bucket.table.indices.numel() if bucket.table else 0)
         self.json_values = {k: v.numel() - (table.value_counts.get(k, 0) if table else 0) for k, v in bucket.values.items()}
         self.idx_views, self.val_views = _entry_views(bucket.header["entries"], bucket, self.json_indices,
                                                       self.json_values)

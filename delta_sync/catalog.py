@@ -15,18 +15,32 @@ follow those of the bucket's JSON entries (dense ones, names the catalogue lacks
 in table order. A receiver checks a table with a few vectorized operations, and an engine routes it
 by id without a Python object per tensor (:class:`TableSlice`). A receiver whose catalogue differs
 (another seed, a restarted engine, a new channel) refuses the delta: it needs a seed.
+
+A later seed or full update names the whole tensors it carries in a bucket by the catalogue of the
+bulk update before it, in a *dense table* (:class:`DenseTable`): tensor ids (strictly increasing
+across the update) and each tensor's keyed digest as four 16-bit residues (12 bytes per tensor, base64
+in the header), where JSON would state name, shape, dtype, offsets and a digest text (~190 bytes) for
+each. Their values follow those of the bucket's JSON entries in every value buffer, in table order,
+whole. A JSON entry of such a bucket says how many table tensors came before it (``after``), so both
+ends number the update's own catalogue in the order its tensors travelled. Tensors the catalogue
+lacks (or states with another shape or dtype), tensors split over buckets and those sent in a
+broadcast of their own stay JSON entries.
 """
 
 from __future__ import annotations
 
 import base64
+import collections
 import copy as _copy
 import hashlib
 import math
+import threading
 
+import numpy as np
 import torch
 
 from . import accelerator
+from .digest import PRIMES, digest_texts
 from .errors import NeedsSeed, PatchValidationError
 from .patch import DTYPES, Patch
 
@@ -64,26 +78,137 @@ class CatalogBuilder:
     a full-mode channel, which never sends a delta, never hashes a catalogue."""
 
     def __init__(self):
-        self._buckets: list[list[tuple]] = []
+        self._buckets: list[tuple[list[tuple], "DenseTable | None", list[int]]] = []
+        self._built: Catalog | None = None
 
-    def see_entries(self, entries: list[dict]) -> None:
+    def see_entries(self, entries: list[dict], dense: "DenseTable | None" = None) -> None:
         """A checked bucket's entries: their ``name``, ``shape``, ``dtype`` (not the entries, whose
-        private fields hold the bucket's digest key)."""
-        self._buckets.append([(e["name"], e["shape"], e["dtype"]) for e in entries])
+        private fields hold the bucket's digest key), and its dense table's tensors, each JSON entry
+        after the ``after`` first of them (:func:`check_after` checked those)."""
+        seen = [(e["name"], e["shape"], e["dtype"]) for e in entries]
+        self._buckets.append((seen, dense, [e.get("after", 0) for e in entries] if dense is not None else []))
+        self._built = None
 
     def build(self) -> Catalog:
+        if self._built is not None:
+            return self._built
+        same = self._unchanged()
+        if same is not None:  # a bulk update of the catalogue's own tensors, in its order: the same catalogue
+            self._built = same
+            return same
         first: dict[str, tuple] = {}  # each name's first entry (a tensor split over buckets comes again)
-        for entries in self._buckets:
-            for name, shape, dname in entries:
+        for seen, dense, after in self._buckets:
+            for name, shape, dname in _in_order(seen, dense, after):
                 if name not in first:
                     first[name] = (shape, dname)
         shapes, dtypes = zip(*first.values()) if first else ((), ())
-        return Catalog(list(first), [tuple(map(int, s)) for s in shapes], list(dtypes))
+        self._built = Catalog(list(first), [tuple(map(int, s)) for s in shapes], list(dtypes))
+        return self._built
+
+    def _unchanged(self) -> Catalog | None:
+        """The catalogue of this update's dense tables where they alone carried it, every one of its
+        tensors once in its order (no JSON entry): a seed of the same model, numbered as before."""
+        if not self._buckets or any(seen or dense is None for seen, dense, _ in self._buckets):
+            return None
+        catalog = self._buckets[0][1].catalog
+        if any(dense.catalog is not catalog for _, dense, _ in self._buckets):
+            return None
+        ids = torch.cat([dense.ids for _, dense, _ in self._buckets])
+        if ids.numel() != len(catalog) or bool((ids != torch.arange(len(catalog))).any()):
+            return None
+        return catalog
+
+
+def _in_order(seen: list[tuple], dense: "DenseTable | None", after: list[int]):
+    """A bucket's ``(name, shape, dtype)`` in the order they travelled: each JSON entry after the
+    first ``after[k]`` tensors of the dense table."""
+    if dense is None:
+        yield from seen
+        return
+    cat, ids = dense.catalog, dense.ids.tolist()
+    done = 0
+    for entry, a in zip(seen, after):
+        for i in ids[done:a]:
+            yield cat.names[i], cat.shapes[i], cat.dtypes[i]
+        done = max(done, a)
+        yield entry
+    for i in ids[done:]:
+        yield cat.names[i], cat.shapes[i], cat.dtypes[i]
+
+
+def check_after(entries: list[dict], n: int, where: str, kept: str | None) -> None:
+    """The JSON entries of a bucket with a dense table of ``n`` tensors say, in order, how many of
+    them came before each (integers from 0 to ``n``, never decreasing)."""
+    last = 0
+    for e in entries:
+        a = e.get("after", 0)
+        if type(a) is not int or not last <= a <= n:
+            raise PatchValidationError(e.get("name", "<unnamed>"), f"{where}: entry placed after {a!r} of the "
+                                       f"{n} dense table tensors (after {last} before it)", kept=kept)
+        last = a
+
+
+#: catalogues this process saw go through a channel whole, by fingerprint, the last few
+_KNOWN: "collections.OrderedDict[str, Catalog]" = collections.OrderedDict()
+_KNOWN_MAX = 4
+_KNOWN_LOCK = threading.Lock()
+
+
+def remember(numbering: "Catalog | CatalogBuilder | None") -> Catalog | None:
+    """Keep a channel's catalogue (:attr:`~delta_sync.channel.Channel.numbering`) for later channels
+    of this process: a trainer that connects again (a new session, a channel dropped after a
+    failure) finds the engines still numbering by it (they keep theirs, see :func:`known`) and goes on
+    sending whole tensors and deltas by id. Returns it, numbered."""
+    if numbering is None:
+        return None
+    catalog = numbering.build() if isinstance(numbering, CatalogBuilder) else numbering
+    with _KNOWN_LOCK:
+        _KNOWN[catalog.fingerprint] = catalog
+        _KNOWN.move_to_end(catalog.fingerprint)
+        while len(_KNOWN) > _KNOWN_MAX:
+            _KNOWN.popitem(last=False)
+    return catalog
+
+
+def known(fingerprint: str | None) -> Catalog | None:
+    """The catalogue with ``fingerprint`` this process remembers, else None."""
+    with _KNOWN_LOCK:
+        return _KNOWN.get(fingerprint) if fingerprint else None
+
+
+def _check_numbering(table, catalog: Catalog | None, what: str, where: str, kept: str | None, then: str) -> None:
+    """A received bucket's ``what`` (a dict) numbers tensors by ``catalog``, or the receiver cannot
+    tell which (:class:`NeedsSeed`, saying ``then``)."""
+    if not isinstance(table, dict):
+        raise PatchValidationError("<bucket table>", f"{where}: malformed {what}", kept=kept)
+    if catalog is None or table.get("catalog") != catalog.fingerprint:
+        have = "no catalogue (no whole bulk update went through this channel)" if catalog is None else \
+            f"catalogue {catalog.fingerprint}"
+        raise NeedsSeed(f"{where}: its {what} numbers tensors by catalogue {table.get('catalog')!r}, this receiver "
+                        f"has {have}: {then}", kept=kept)
+
+
+def starts_by_dtype(codes: torch.Tensor, counts: torch.Tensor, code_list: list[int] | None = None) -> torch.Tensor:
+    """Where each of a table's entries (dtype ``codes``, ``counts`` elements) starts in its dtype's
+    value buffer: after the entries of that dtype before it."""
+    out = torch.empty_like(counts)
+    for code in codes.unique().tolist() if code_list is None else code_list:
+        mask = codes == code
+        c = counts[mask]
+        out[mask] = torch.cumsum(c, 0) - c
+    return out
 
 
 def encode_table(catalog: Catalog, ids: list[int], counts: list[int]) -> dict:
     """A bucket header's ``table``."""
     return {"catalog": catalog.fingerprint, "ids": _b64(ids), "counts": _b64(counts)}
+
+
+def encode_dense(catalog: Catalog, ids: list[int], digests: torch.Tensor) -> dict:
+    """A bulk bucket header's ``dense`` table: whole tensors ``ids`` and their masked digests
+    ((n, lanes) residues, each below 2**15)."""
+    raw = digests.to(torch.int16).numpy().astype("<i2").tobytes()
+    return {"catalog": catalog.fingerprint, "ids": _b64(ids), "digests": base64.b64encode(raw).decode()}
 
 
 def _b64(values: list[int]) -> str:
@@ -114,12 +239,8 @@ class TableSlice:
         self.routed: tuple | None = None
         self.codes = catalog.codes[ids] if codes is None else codes
         self.index_starts = torch.cumsum(counts, 0) - counts
-        self.value_starts = torch.empty_like(counts)
         self.code_list = self.codes.unique().tolist()  # the element dtypes present, as catalogue codes
-        for code in self.code_list:
-            mask = self.codes == code
-            c = counts[mask]
-            self.value_starts[mask] = torch.cumsum(c, 0) - c
+        self.value_starts = starts_by_dtype(self.codes, counts, self.code_list)
 
     @classmethod
     def parse(cls, table, catalog: Catalog | None, indices: torch.Tensor, values: dict[str, torch.Tensor],
@@ -127,13 +248,7 @@ class TableSlice:
         """The table of a received bucket (``indices`` / ``values``: its whole buffers, whose ends
         hold the table's), its ids, counts and extent checked; its indices and values are checked by
         the caller."""
-        if not isinstance(table, dict):
-            raise PatchValidationError("<bucket table>", f"{where}: malformed table", kept=kept)
-        if catalog is None or table.get("catalog") != catalog.fingerprint:
-            have = "no catalogue (no seed went through this channel)" if catalog is None else \
-                f"catalogue {catalog.fingerprint}"
-            raise NeedsSeed(f"{where} names tensors by catalogue {table.get('catalog')!r}, this receiver has "
-                            f"{have}: the tensors it numbers are not known here", kept=kept)
+        _check_numbering(table, catalog, "table", where, kept, "the tensors it numbers are not known here")
         ids, counts = _ints(table.get("ids"), "ids", where), _ints(table.get("counts"), "counts", where)
         if ids.numel() != counts.numel() or not ids.numel():
             raise PatchValidationError("<bucket table>", f"{where}: {ids.numel()} ids, {counts.numel()} counts",
@@ -189,4 +304,74 @@ class TableSlice:
             out.append((e, Patch(e["name"], tuple(e["shape"]), DTYPES[e["dtype"]],
                                  self.indices[e["index_offset"]:e["index_offset"] + n],
                                  self.values[e["dtype"]][e["value_offset"]:e["value_offset"] + n])))
+        return out
+
+
+class DenseTable:
+    """One bulk bucket's dense table: entry ``k`` is every element of catalogued tensor ``ids[k]``,
+    its values at ``value_starts[k]`` of its dtype's slice in :attr:`values` (the end of that value
+    buffer), ``digests[k]`` the sender's keyed digest of them, masked with the pad of header
+    position ``first + k`` (the JSON entries hold positions ``0 .. first - 1``)."""
+
+    def __init__(self, catalog: Catalog, ids: torch.Tensor, digests: torch.Tensor, values: dict[str, torch.Tensor],
+                 first: int, where: str, key):
+        self.catalog, self.ids, self.digests, self.values = catalog, ids, digests, values
+        self.first, self.where, self.key = first, where, key
+        self.codes = catalog.codes[ids]
+        self.counts = catalog.numel[ids]
+        self.code_list = self.codes.unique().tolist()
+        self.value_starts = starts_by_dtype(self.codes, self.counts, self.code_list)
+
+    @classmethod
+    def parse(cls, table, catalog: Catalog | None, values: dict[str, torch.Tensor], first: int, where: str,
+              kept: str | None, key) -> "DenseTable":
+        """The dense table of a received bulk bucket whose JSON entries hold ``first`` header positions
+        (``values``: its whole value buffers, whose ends hold the table's): ids, digests and the
+        values' extent checked. The digests are checked by whoever reads the values."""
+        _check_numbering(table, catalog, "dense table", where, kept,
+                         "the sender must send them by name (it does after a failed update)")
+        ids = _ints(table.get("ids"), "ids", where)
+        try:
+            raw = base64.b64decode(table.get("digests"), validate=True)
+        except (TypeError, ValueError):
+            raise PatchValidationError("<bucket table>", f"{where}: dense table digests are not base64",
+                                       kept=kept) from None
+        lanes = len(PRIMES)
+        if not ids.numel() or len(raw) != 2 * lanes * ids.numel():
+            raise PatchValidationError("<bucket table>", f"{where}: {ids.numel()} dense table ids, "
+                                       f"{len(raw)} bytes of digests", kept=kept)
+        if int(ids.min()) < 0 or int(ids.max()) >= len(catalog) or bool((ids[1:] <= ids[:-1]).any()):
+            raise PatchValidationError("<bucket table>", f"{where}: dense table ids must increase strictly "
+                                       f"within the {len(catalog)} catalogued tensors", kept=kept)
+        digests = torch.from_numpy(np.frombuffer(raw, dtype="<i2").astype(np.int64)).view(-1, lanes)
+        codes, counts = catalog.codes[ids], catalog.numel[ids]
+        per_dtype = {CODES[c]: int(counts[codes == c].sum()) for c in codes.unique().tolist()}
+        if any(k not in values or n > values[k].numel() for k, n in per_dtype.items()):
+            raise PatchValidationError("<bucket table>", f"{where}: the dense table's tensors {per_dtype} "
+                                       f"overrun the value buffers", kept=kept)
+        return cls(catalog, ids, digests, {k: values[k][values[k].numel() - n:] for k, n in per_dtype.items()},
+                   first, where, key)
+
+    @property
+    def value_counts(self) -> dict[str, int]:
+        return {k: v.numel() for k, v in self.values.items()}
+
+    def names(self) -> list[str]:
+        names = self.catalog.names
+        return [names[i] for i in self.ids.tolist()]
+
+    def patches(self, which: list[int] | None = None) -> list[tuple[dict, Patch]]:
+        """``(entry, patch)`` per tensor (or those at positions ``which``), as a JSON dense entry would
+        state it (its digest text, key and header position for :func:`delta_sync.bucket.check_dense_entry`),
+        the patch a view of its values: for receivers that take bulk buckets entry by entry."""
+        cat, texts = self.catalog, digest_texts(self.digests)
+        starts, counts, ids = self.value_starts.tolist(), self.counts.tolist(), self.ids.tolist()
+        out = []
+        for k in range(len(ids)) if which is None else which:
+            i = ids[k]
+            dname, n = cat.dtypes[i], counts[k]
+            e = {"name": cat.names[i], "dtype": dname, "shape": list(cat.shapes[i]), "encoding": "dense", "count": n,
+                 "start": 0, "digest": texts[k], "_where": self.where, "_key": self.key, "_at": self.first + k}
+            out.append((e, Patch(e["name"], cat.shapes[i], DTYPES[dname], None,
+                                 self.values[dname].narrow(0, starts[k], n))))
         return out

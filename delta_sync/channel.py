@@ -144,6 +144,12 @@ class Channel:
     def catalog(self, value: Catalog | CatalogBuilder | None) -> None:
         self._catalog = value
 
+    @property
+    def numbering(self) -> Catalog | CatalogBuilder | None:
+        """:attr:`catalog` as it is kept, not numbered yet where it was not: what a new channel
+        between the same ends may start from (:func:`delta_sync.catalog.remember`)."""
+        return self._catalog
+
     @classmethod
     def connect(cls, host: str, port: int, rank: int, world_size: int, token: str,
                 backend: str | None = None, device: torch.device | str | None = None,

@@ -518,12 +518,12 @@ def _digest_rows(rows: list[tuple[int, ...]], lanes: bool, key: DigestKey) -> li
     return _as_digests(_digest_table(rows, lanes, key))
 
 
-def _digest_table(rows: list[tuple[int, ...]], lanes: bool, key: DigestKey) -> torch.Tensor:
+def _digest_table(rows: list[tuple[int, ...]] | torch.Tensor, lanes: bool, key: DigestKey) -> torch.Tensor:
     """:func:`_digest_rows` as the kernel writes it: (n, lanes + 1) int64, lane residues and the
-    Inf/NaN count per row."""
+    Inf/NaN count per row (``rows`` also as an (n, 6) int64 tensor)."""
     out = torch.empty(len(rows), _LANES + 1, dtype=torch.int64)
-    if rows:
-        table = torch.tensor(rows, dtype=torch.int64)
+    if len(rows):
+        table = rows.contiguous() if isinstance(rows, torch.Tensor) else torch.tensor(rows, dtype=torch.int64)
         native.kernel().digest_many(len(rows), table.data_ptr(), _LANES if lanes else 0, key.p.data_ptr(),
                                     key.t1.data_ptr(), key.t2.data_ptr(), key.t3.data_ptr(), T3, out.data_ptr())
     return out
@@ -593,14 +593,24 @@ def scan_rows(rows: list[tuple[int, ...]], key: DigestKey | None = None, lanes: 
     return _as_digests(scan_rows_table(rows, key, lanes))
 
 
-def scan_rows_table(rows: list[tuple[int, ...]], key: DigestKey | None = None, lanes: bool = True
+def scan_rows_table(rows: list[tuple[int, ...]] | torch.Tensor, key: DigestKey | None = None, lanes: bool = True
                     ) -> torch.Tensor:
     """:func:`scan_many` of :func:`range_row` rows, as one (n, lanes + 1) int64 table of lane
     residues and Inf/NaN counts: shared out between the threads in order, by words, each share one
     call of the kernel; a row larger than a thread's share (and than ``_MIN_WORDS_PER_THREAD``
-    twice) is cut at element boundaries first and its pieces' digests added up."""
+    twice) is cut at element boundaries first and its pieces' digests added up. ``rows`` may be an
+    (n, 6) int64 tensor of them (rows made as columns: no Python list of them at all)."""
     key = key or PUBLIC
     threads = max(1, torch.get_num_threads())
+    if isinstance(rows, torch.Tensor):
+        words = rows[:, 1].numpy().tolist() if rows.numel() else []
+        if threads > 1 and words and max(words) > max(sum(words) // threads, 2 * _MIN_WORDS_PER_THREAD - 1):
+            return scan_rows_table(rows.numpy().tolist(), key, lanes)  # rows to cut: as a list
+        groups = native.contiguous_groups(words, threads)
+        got, error = native.run_spread([functools.partial(_digest_table, rows[lo:hi], lanes, key) for lo, hi in groups])
+        if error is not None:
+            raise error
+        return got[0] if len(got) == 1 else torch.cat(got) if got else torch.empty(0, _LANES + 1, dtype=torch.int64)
     share = sum(r[1] for r in rows) // threads
     pieces, owner = rows, None
     if threads > 1 and rows and max(r[1] for r in rows) > max(share, 2 * _MIN_WORDS_PER_THREAD - 1):

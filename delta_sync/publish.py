@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .auth import channel_token
+from .catalog import known, remember
 from .channel import LOCAL, Channel, listen
 from .digest import differs
 from .engines import EngineClient, InProcessEngine
@@ -84,7 +85,11 @@ class Engines:
         """Every engine worker joins one channel with rank 0 (once; again after :meth:`drop_channel`)."""
         if self.channel is not None:
             return
-        workers = [len(e.report()) for e in self.clients]
+        reports = [e.report() for e in self.clients]
+        workers = [len(r) for r in reports]
+        # every worker keeps numbering by the catalogue of its last whole bulk update (a new channel
+        # starts from it): where all say the same one and this process knows it, so does this channel
+        numbered = {w.get("catalog") for r in reports for w in r}
         world = 1 + sum(workers)
         backend = self.backend or (LOCAL if all(isinstance(e, InProcessEngine) for e in self.clients) else None)
         # the store's port is bound before the engines learn it: nothing else can take it meanwhile
@@ -112,10 +117,13 @@ class Engines:
                 channel.close()
                 raise
         self.channel = channel
+        if len(numbered) == 1:
+            channel.catalog = known(numbered.pop())
         log.info("delta-sync channel: %d engine worker(s) on %s", world - 1, self.channel.backend)
 
     def drop_channel(self) -> None:
         if self.channel is not None:
+            remember(self.channel.numbering)
             self.channel.close()
         self.channel = None
 
@@ -331,6 +339,8 @@ class Publish:
         """End what was started; resume the engines where they are consistent on the committed version."""
         if self.early is not None:  # a failure found before the first bucket: its starts may still run
             self.early.wait()
+        if self.engines.channel is not None:  # receivers may hold another catalogue now: the next seed names all
+            self.engines.channel.catalog = None
         clients = self.engines.clients
         # Engines left on different versions, or a bulk update they started writing, can only be
         # repaired by a seed; they report it themselves.

@@ -25,7 +25,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from .bucket import Arena, Bucket, BucketPacker, DEFAULT_BUCKET_BYTES, TensorAssembler, entry_patches
-from .catalog import CatalogBuilder, TableSlice
+from .catalog import Catalog, CatalogBuilder, DenseTable, TableSlice
 from .channel import Channel
 from .errors import DeltaSyncError, PatchValidationError
 from .patch import Patch, PatchBatch, first_true
@@ -120,6 +120,7 @@ class BucketSender:
         self._before_first = before_first  # called once, on the caller's thread, before bucket 0 leaves
         self.packer = BucketPacker(version, kind, bucket_bytes, checksum, kept=kept, keys=channel.digest_key)
         if kind in BULK_KINDS:  # it numbers the tensors anew: the old catalogue goes now, the new one if it all went
+            self.packer.dense = channel.catalog  # (the receivers' too: whole tensors of it go by id)
             channel.catalog = None
             self.packer.record = CatalogBuilder()
         else:
@@ -312,14 +313,16 @@ def _prefetch(channel: Channel, slots: _Slots, streamed: bool = True,
 
 
 def receive_stream(channel: Channel, kept: str | None = None, check_bulk: bool = True, streamed: bool = True,
-                   place: Callable[[dict], dict[int, torch.Tensor]] | None = None
+                   place: Callable[[dict], dict[int, torch.Tensor]] | None = None, dense: bool = False
                    ) -> Iterator[tuple[dict, list[tuple[dict, Patch]]]]:
     """``(header, [(entry, patch), ...])`` per bucket of one version, checked (checksum, per-entry
     digests, bounds, tiling) before it is yielded; the next bucket is received meanwhile. Without
     ``check_bulk`` the dense entries of seed/full buckets are yielded with their digests unchecked
     (the consumer checks them, see :func:`receive_update`). Without ``streamed``, bulk buckets get
     buffers of their own, as delta buckets do (the consumer keeps them all). ``place``: see
-    :meth:`Channel.recv_bucket` (streamed bulk buckets only).
+    :meth:`Channel.recv_bucket` (streamed bulk buckets only). ``dense``: a bulk bucket's dense table
+    (:class:`~delta_sync.catalog.DenseTable`) is handed over as it is, in ``header["_dense"]``; without
+    it, its tensors come as entries after the bucket's others.
 
     A bad bucket raises after the rest of the version was drained, so the channel stays in step
     with the sender. Raises :class:`UpdateAborted` for an aborted update."""
@@ -327,7 +330,7 @@ def receive_stream(channel: Channel, kept: str | None = None, check_bulk: bool =
     first_error: Exception | None = None
     version = None
     expect_seq = 0
-    catalog = record = None
+    catalog = record = once = None
     stream = _prefetch(channel, slots, streamed, place)
     try:
         for bucket in stream:
@@ -336,10 +339,9 @@ def receive_stream(channel: Channel, kept: str | None = None, check_bulk: bool =
                 raise UpdateAborted(f"sender aborted version {h['version']}: {h.get('reason')}", kept=kept)
             if version is None:
                 version = h["version"]
+                catalog = getattr(channel, "catalog", None)  # a bulk update's dense tables name the one before
                 if h["kind"] in BULK_KINDS:  # it numbers the tensors anew (see delta_sync.catalog)
-                    channel.catalog, record = None, CatalogBuilder()
-                else:
-                    catalog = getattr(channel, "catalog", None)
+                    channel.catalog, record, once = None, CatalogBuilder(), _BulkOnce(catalog)
             if first_error is None:
                 try:
                     if h["seq"] != expect_seq or h["version"] != version:
@@ -348,13 +350,18 @@ def receive_stream(channel: Channel, kept: str | None = None, check_bulk: bool =
                     t0 = time.perf_counter()
                     entries = entry_patches(bucket, kept, check_dense=check_bulk or h["kind"] not in BULK_KINDS,
                                             catalog=catalog)
+                    if once is not None:
+                        once.see(h["entries"], bucket.dense, kept)
+                    if bucket.dense is not None and not dense:
+                        entries += bucket.dense.patches()
                     h["_check_s"] = time.perf_counter() - t0
                 except Exception as e:  # noqa: BLE001 - keep draining so the channel stays in step
                     first_error = e
                 else:
                     if record is not None:
-                        record.see_entries(h["entries"])
+                        record.see_entries(h["entries"], bucket.dense)
                     h["_table"] = bucket.table
+                    h["_dense"] = bucket.dense if dense else None
                     h["_payload_bytes"] = bucket.payload_bytes
                     h["_peak_buckets"] = slots.peak
                     yield h, entries
@@ -367,9 +374,43 @@ def receive_stream(channel: Channel, kept: str | None = None, check_bulk: bool =
         channel.catalog = record  # numbered when a delta first needs it
 
 
+class _BulkOnce:
+    """Each tensor of a bulk update once: its dense tables' ids increase across its buckets, and no
+    tensor is both in a dense table and among the JSON entries (``catalog``: the one the tables
+    name; the entries of tensors it lacks cannot be in a table)."""
+
+    def __init__(self, catalog: Catalog | None):
+        self.catalog, self.last = catalog, -1
+        self.named: set[int] = set()  # catalogued tensors among the JSON entries so far
+        self.tabled: torch.Tensor | None = None  # per catalogued tensor: in a dense table so far
+
+    def see(self, entries: list[dict], dense: DenseTable | None, kept: str | None) -> None:
+        if self.catalog is None:
+            return
+        ids = self.catalog.ids
+        named = {ids[e["name"]] for e in entries if e.get("name") in ids}
+        if dense is not None:
+            if self.tabled is None:
+                self.tabled = torch.zeros(len(self.catalog), dtype=torch.bool)
+            both = sorted((self.named | named) & set(dense.ids.tolist()))
+            if int(dense.ids[0]) <= self.last or both:
+                i = both[0] if both else int(dense.ids[0])
+                raise PatchValidationError(self.catalog.names[i], f"{dense.where}: sent twice in one update (in a "
+                                           "dense table after an entry of its own or another table)", kept=kept)
+            self.last = int(dense.ids[-1])
+            self.tabled[dense.ids] = True
+        if named and self.tabled is not None:
+            again = [i for i in named if bool(self.tabled[i])]
+            if again:
+                raise PatchValidationError(self.catalog.names[again[0]], "sent twice in one update (as an entry of "
+                                           "its own after a dense table)", kept=kept)
+        self.named |= named
+
+
 def receive_update(channel: Channel, kept: str | None = None,
                    bulk_sink: Callable[[list[tuple[dict, Patch]]], None] | None = None,
                    sink_checks: bool = False,
+                   dense_sink: Callable[[DenseTable], None] | None = None,
                    place: Callable[[dict], dict[int, torch.Tensor]] | None = None,
                    tables: bool = False, stage: torch.device | None = None,
                    stage_table: Callable[[TableSlice], TableSlice] | None = None) -> ReceivedUpdate:
@@ -383,6 +424,11 @@ def receive_update(channel: Channel, kept: str | None = None,
     dense entries unchecked and must run :func:`~delta_sync.bucket.check_dense_entry` on each, e.g.
     over the digest of the pass that applies it (the engine's case: a failed bulk update needs a
     seed anyway, so checking after the write loses nothing and saves a pass over the bytes).
+
+    ``dense_sink`` (with ``bulk_sink``): takes each bulk bucket's dense table
+    (:class:`~delta_sync.catalog.DenseTable`) after ``bulk_sink`` took its entries, to write its whole
+    tensors by id (with ``sink_checks`` it checks their digests too,
+    :func:`~delta_sync.bucket.check_dense_table`); without it they come as entries.
 
     ``place(header)`` (with ``bulk_sink``): where the bulk bucket's ``seg`` entries are received,
     by entry position, e.g. the parameter slices they belong in. Their patches then hold those
@@ -403,7 +449,8 @@ def receive_update(channel: Channel, kept: str | None = None,
     sink_error: Exception | None = None
     # without a sink a seed is assembled whole like a delta: its buckets must not share arenas
     for h, entries in receive_stream(channel, kept, check_bulk=not (sink_checks and bulk_sink is not None),
-                                     streamed=bulk_sink is not None, place=place if bulk_sink else None):
+                                     streamed=bulk_sink is not None, place=place if bulk_sink else None,
+                                     dense=bulk_sink is not None and dense_sink is not None):
         if update is None:
             update = ReceivedUpdate(int(h["version"]), h["kind"])
         elif h["kind"] != update.kind and sink_error is None:  # drained below, raised at the end
@@ -417,6 +464,8 @@ def receive_update(channel: Channel, kept: str | None = None,
             if sink_error is None:
                 try:
                     bulk_sink(entries)
+                    if h["_dense"] is not None:
+                        dense_sink(h["_dense"])
                 except Exception as err:  # noqa: BLE001 - keep draining: the channel stays in step with the sender
                     sink_error = err
         elif sink_error is None:

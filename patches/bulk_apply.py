@@ -15,14 +15,15 @@ from typing import Protocol
 
 import torch
 
-from delta_sync.bucket import check_dense_entry
+from delta_sync.bucket import check_dense_entry, check_dense_table
+from delta_sync.catalog import DenseTable
 from delta_sync.digest import (Digest, parse_texts, row_spec, rows_supported, scan_many, scan_range, scan_rows_table,
                                sum_rows)
-from delta_sync.errors import DeltaSyncError, PatchValidationError
+from delta_sync.errors import DeltaSyncError, NeedsSeed, PatchValidationError
 from delta_sync.patch import DTYPES, Patch
 
-from .loader_views import (apply_dense_range, dense_range_copies, dense_range_rows, dense_range_target,
-                           param_extent)
+from .loader_views import (apply_dense_range, dense_range_copies, dense_range_rows, dense_range_target, flat_param,
+                           param_extent, routes_for)
 
 
 class WorkerWeights(Protocol):
@@ -44,6 +45,8 @@ class WorkerWeights(Protocol):
     routes_key: tuple | None
 
     def probe(self, names_shapes: list[tuple[str, tuple[int, ...], torch.dtype]]) -> None: ...
+
+    def check_catalog(self, catalog) -> None: ...  # raises NeedsSeed where it numbers a tensor not as seeded
 
     def holds_whole_tensors(self) -> bool: ...
 
@@ -78,6 +81,9 @@ class BulkWrite:
         self._params = None
         self._extents: dict[str, tuple[int, int] | None] = {}  # host parameters' extents (the rows' targets)
         self._dtypes: dict[str, torch.dtype] = {}  # parameters' dtypes, read once per update
+        #: dense tables written by id (:meth:`apply_table`): their catalogue and ids, and the routes taken
+        self.tabled: list[torch.Tensor] = []
+        self._table_routes = None
 
     def params(self) -> dict[str, torch.Tensor]:
         if self._params is None:
@@ -173,6 +179,55 @@ class BulkWrite:
             raise DeltaSyncError(f"apply of {what} failed: {type(e).__name__}: {e}", kept=PARTIAL) from e
         finally:
             self.apply_s += time.perf_counter() - t0
+
+    def apply_table(self, table: DenseTable) -> None:
+        """A bulk bucket's dense table (whole catalogued tensors): each tensor copied to the one run of
+        a host parameter that a delta's table entry of it goes to (:class:`~patches.loader_views.TableRoutes`),
+        digested in the same pass and checked after it, as columns: no Python step per tensor. Where
+        any of them is routed otherwise (not probed here yet, strided, off the host, not seeded as
+        catalogued), the table is written tensor by tensor as entries (:meth:`apply_bucket`)."""
+        dst = self._table_targets(table)
+        if dst is None:
+            self.apply_bucket(table.patches())
+            return
+        self.begin()
+        t0 = time.perf_counter()
+        try:
+            check_dense_table(table, "needs_seed", dst)
+        except DeltaSyncError:
+            raise
+        except Exception as e:
+            raise DeltaSyncError(f"apply of {table.where}'s dense table failed: {type(e).__name__}: {e}",
+                                 kept=PARTIAL) from e
+        finally:
+            self.apply_s += time.perf_counter() - t0
+        self.tabled.append(table.ids)
+
+    def _table_targets(self, table: DenseTable) -> torch.Tensor | None:
+        """The host address each tensor of ``table`` is written to, in order; None where one of them
+        is not one run of a host parameter (the caller then writes them as entries)."""
+        r = self.r
+        if not (r.holds_whole_tensors() and rows_supported()):
+            return None
+        try:
+            r.check_catalog(table.catalog)
+        except NeedsSeed:  # named tensor by tensor, as entries
+            return None
+        routes = routes_for(r, table.catalog)
+        if routes is not self._table_routes:  # (once per update) its parameters are still where they were
+            params = self.params()
+            if any(name not in params or flat_param(params[name]).data_ptr() != flat.data_ptr()
+                   for name, flat in routes.targets.items()):
+                r.routes = None  # made again, from the parameters as they are now
+                routes = routes_for(r, table.catalog)
+            self._table_routes = routes
+        ids = table.ids
+        if bool((routes.how[ids] != 1).any()):
+            return None
+        cols = routes.cols[ids]
+        if bool((cols[:, 1] + table.counts > cols[:, 2]).any()):  # (routes hold whole tensors: never)
+            return None
+        return cols[:, 0] + cols[:, 1] * (cols[:, 3] & 0xFF)
 
     def _whole_rows(self, entries: list[tuple[dict, Patch]]) -> dict[int, tuple[dict, Patch, list]] | None:
         """:meth:`_write_range`'s rows, by position, for the ranges of a bucket that hold whole
@@ -301,21 +356,32 @@ class BulkWrite:
         if short:
             raise PatchValidationError(short[0], f"{upd.kind} v{upd.version} ended with {self.done[short[0]]} of "
                                        f"{self.numel[short[0]]} elements written", kept=kept)
-        missing = sorted(set(self.r.shapes) - set(self.done))
+        ids = torch.cat(self.tabled) if self.tabled else None  # (each once: the receive checked it)
+        names = self._table_routes.catalog.names if ids is not None else []
+        missing = sorted(set(self.r.shapes) - set(self.done) - {names[i] for i in ids.tolist()}) if ids is not None \
+            else sorted(set(self.r.shapes) - set(self.done))
         if missing:
             raise PatchValidationError(missing[0], f"{upd.kind} v{upd.version} left out {len(missing)} seeded "
                                        f"tensor(s); they would keep stale values", kept=kept)
-        self._check_every_parameter_written(upd)
+        self._check_every_parameter_written(upd, ids)
 
-    def _check_every_parameter_written(self, upd) -> None:
+    def _check_every_parameter_written(self, upd, tabled: torch.Tensor | None) -> None:
         """A seed/full update must write every element of every parameter this worker holds (through
         the loader views of the names it sent); an element it left out would keep the value this
         engine loaded at start, and every digest of the names sent would still agree. Names that went
         through vLLM's own loader write where that decides: with one of those in the update, the
-        parameters are not counted against it."""
+        parameters are not counted against it. ``tabled``: the ids of the tensors written by id
+        (:meth:`apply_table`), each one whole in one run of the parameter its route names."""
         if any(name in self.r.fallback for name in self.done):
             return
         written = covered(self.r.views[name] for name in self.done)
+        if tabled is not None:  # their runs' elements summed per parameter, as columns
+            routes = self._table_routes
+            at, inverse = torch.unique(routes.cols[tabled, 0], return_inverse=True)
+            sums = torch.zeros(at.numel(), dtype=torch.int64).index_add_(0, inverse, routes.catalog.numel[tabled])
+            param_at = {flat.data_ptr(): name for name, flat in routes.targets.items()}
+            for address, n in zip(at.tolist(), sums.tolist()):
+                written[param_at[address]] = written.get(param_at[address], 0) + n
         short = [(pname, written.get(pname, 0), p.numel()) for pname, p in self.params().items()
                  if p.numel() and written.get(pname, 0) < p.numel()]
         if short:

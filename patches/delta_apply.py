@@ -20,7 +20,7 @@ from delta_sync.patch import Patch, apply_patch
 
 from . import vllm_compat
 from .bulk_apply import WorkerWeights
-from .loader_views import LoaderView, SparsePlan, TableRoutes, UndoLog, apply_dense, plan_sparse, plan_tables
+from .loader_views import LoaderView, SparsePlan, UndoLog, apply_dense, plan_sparse, plan_tables, routes_for
 
 
 @dataclass
@@ -73,19 +73,6 @@ def _plan_tables(r: WorkerWeights, tables: list, params: dict[str, torch.Tensor]
     if not tables:
         return None, []
     return plan_tables(routes_for(r, tables[0].catalog, params, cache), tables)
-
-
-def routes_for(r: WorkerWeights, catalog, params: dict[str, torch.Tensor] | None = None,
-               cache: bool = True) -> TableRoutes:
-    """``r``'s :class:`TableRoutes` for ``catalog`` (kept while the catalogue, the parameters and
-    the views stay; ``cache=False``: made for ``params`` and not kept)."""
-    key = (catalog.fingerprint, id(r.param_table), len(r.views), len(r.fallback))
-    routes = r.routes if cache and r.routes is not None and r.routes_key == key else None
-    if routes is None:
-        routes = TableRoutes(catalog, r.views, r.param_table.params() if params is None else params)
-        if cache:
-            r.routes, r.routes_key = routes, key
-    return routes
 
 
 def layout_of(params: dict[str, torch.Tensor]) -> dict[str, tuple]:

@@ -569,8 +569,23 @@ class TableRoutes:
         self.any_strided = bool(self.strided.any())
         #: the parameters of ``how == 2``, by number
         self.flats = [flats[p] for p in number]
-        self._flats = flats  # the addresses in cols stay theirs
+        #: per parameter: the flat storage that ``cols``' addresses and ``flats`` are of (kept alive)
+        self.targets = flats
         self.kinds = set(how)  # which ways any id is routed
+
+
+def routes_for(r, catalog, params: dict[str, torch.Tensor] | None = None,
+               cache: bool = True) -> TableRoutes:
+    """:class:`TableRoutes` for ``catalog`` of ``r`` (a :class:`~patches.bulk_apply.WorkerWeights`),
+    kept while the catalogue, the parameters and the views stay; ``cache=False``: made for
+    ``params`` and not kept."""
+    key = (catalog.fingerprint, id(r.param_table), len(r.views), len(r.fallback))
+    routes = r.routes if cache and r.routes is not None and r.routes_key == key else None
+    if routes is None:
+        routes = TableRoutes(catalog, r.views, r.param_table.params() if params is None else params)
+        if cache:
+            r.routes, r.routes_key = routes, key
+    return routes
 
 
 def plan_tables(routes: TableRoutes, tables: list, keep_old: bool = True) -> tuple["SparsePlan | None", list]:

@@ -45,6 +45,7 @@ import torch
 
 from delta_sync import accelerator
 from delta_sync.auth import Verifier
+from delta_sync.catalog import Catalog
 from delta_sync.channel import Channel
 from delta_sync.digest import digest_tensor, digest_texts
 from delta_sync.errors import DeltaSyncError, LayoutNotSupported, NeedsSeed, PatchValidationError
@@ -175,6 +176,8 @@ class DeltaSyncReceiver:
         self.param_table = ParamTable(model)
         self.routes, self.routes_key = None, None  # where a delta's table entries land (delta_apply)
         self._catalog_checked: str | None = None  # the catalogue whose names were checked against shapes
+        #: the catalogue of the last whole bulk update (what the channel numbers by), kept for a new channel
+        self._numbering = None
         self._bulk = BulkWrite(self)
         self._fingerprint: dict | None = None
         self.last_timings: dict[str, float] = {}
@@ -230,6 +233,7 @@ class DeltaSyncReceiver:
         device = self.device if self.device.type != "cpu" else torch.device("cpu")
         self.channel = Channel.connect(init_info.host, init_info.port, rank, init_info.world_size, token,
                                        backend=init_info.backend, device=device, timeout_s=init_info.timeout_s)
+        self.channel.catalog = self._numbering  # a trainer that knows it numbers by it too (see report)
 
     def start_weight_update(self) -> None:
         self.guard.require("start")
@@ -259,6 +263,7 @@ class DeltaSyncReceiver:
         self._bulk = BulkWrite(self)
         try:
             upd = receive_update(self.channel, kept=self.kept(), bulk_sink=self._bulk.apply_bucket, sink_checks=True,
+                                 dense_sink=self._bulk.apply_table,
                                  place=self._bulk.place if self._in_place() else None, tables=True,
                                  stage=torch.device("cpu") if self.stage == "host" else None,  # (no copy on a host)
                                  stage_table=self._stage_table if self.stage == "host" else None)
@@ -275,9 +280,11 @@ class DeltaSyncReceiver:
             if isinstance(e, NeedsSeed):  # e.g. a delta numbered by a catalogue this engine lacks: ask for a seed
                 self.needs_seed = True
             raise
+        finally:
+            self._numbering = self.channel.numbering  # (a bulk update whose receive failed leaves none)
         self.last_timings = {"receive_s": time.perf_counter() - t0, "peak_buckets": float(upd.peak_buckets),
                              "bulk_apply_s": self._bulk.apply_s, "placed_ranges": float(self._bulk.placed),
-                             "check_s": upd.check_s}
+                             "tabled": float(sum(ids.numel() for ids in self._bulk.tabled)), "check_s": upd.check_s}
         if upd.kind not in BULK_KINDS:
             self._plan = plan
             self.last_timings["plan_s"] = plan.plan_s
@@ -309,11 +316,13 @@ class DeltaSyncReceiver:
                                  "it was built on another base and was not staged", kept=self.kept())
         for p in upd.patches:
             self._validate(p)
-        if upd.tables and self._catalog_checked != upd.tables[0].catalog.fingerprint:
-            self._check_catalog(upd.tables[0].catalog)
+        if upd.tables:
+            self.check_catalog(upd.tables[0].catalog)
 
-    def _check_catalog(self, catalog) -> None:
+    def check_catalog(self, catalog) -> None:
         """The tensors a catalogue numbers are the ones seeded here, as seeded (once per catalogue)."""
+        if self._catalog_checked == catalog.fingerprint:
+            return
         for name, shape, dname in zip(catalog.names, catalog.shapes, catalog.dtypes):
             known = self.shapes.get(name)
             if known is None or known != (shape, DTYPES[dname]):
@@ -413,7 +422,7 @@ class DeltaSyncReceiver:
     def report(self, digests: bool = False, names: list[str] | None = None) -> dict:
         out = {**self.status(), "rank": self.channel.rank if self.channel else None, "views": len(self.views),
                "fallback": sorted(self.fallback), "last_error": self.last_error,
-               "timings": dict(self.last_timings)}
+               "timings": dict(self.last_timings), "catalog": self._fingerprint_of_numbering()}
         if digests:
             t0 = time.perf_counter()
             params = dict(self.model.named_parameters())
@@ -433,6 +442,12 @@ class DeltaSyncReceiver:
             out["digests"] = d
             out["digest_s"] = time.perf_counter() - t0
         return out
+
+    def _fingerprint_of_numbering(self) -> str | None:
+        """The fingerprint of the catalogue a new channel of this worker starts from (numbered once)."""
+        if self._numbering is not None and not isinstance(self._numbering, Catalog):
+            self._numbering = self._numbering.build()
+        return self._numbering.fingerprint if self._numbering is not None else None
 
     def shutdown(self) -> None:
         if self.channel is not None:

@@ -17,6 +17,7 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 from delta_sync.bucket import Bucket  # noqa: E402
 from delta_sync.digest import scan_range  # noqa: E402
+import delta_sync.bucket as bucket_mod  # noqa: E402
 from delta_sync.errors import EngineError, PatchValidationError  # noqa: E402
 from delta_sync.patch import Patch  # noqa: E402
 from delta_sync.sync import DriftDetected, WeightSync  # noqa: E402
@@ -93,6 +94,40 @@ def test_seed_and_deltas_equal_fresh_engine(engine, tmp_path):
     assert [r["token_ids"] for r in live] == [r["token_ids"] for r in fresh]
     assert live == fresh, f"max logprob error {max_logprob_error(live, fresh)}"
     sync.close()
+
+
+def test_later_bulk_updates_write_whole_tensors_by_id_and_equal_named_ones(engine):
+    """After a bulk update, the next ones (a full update, the seed of a new trainer session that
+    finds the engine numbering by the catalogue it kept) carry the small catalogued tensors by id and
+    the engine writes them straight to their parameters, as columns: every tensor's digest then
+    equals the trainer's, and the engine answers as it did after the same weights came by name. An
+    engine that lost the catalogue refuses such an update naming it; the trainer's next update (a
+    seed) goes by name and repairs it."""
+    kind, path, llm = engine
+    state = load_state(path)
+    receiver = _worker_engine(llm)
+    named = WeightSync([llm], mode="full")
+    assert named.update(state.items()).kind == "seed"
+    by_name = greedy(llm, PROMPTS)
+    # (the suite sends tensors from 4 KiB on in a broadcast each, by name, into their parameters)
+    small = sum(t.numel() * t.element_size() < bucket_mod.DIRECT_MIN_BYTES for t in state.values())
+    assert named.update(state.items()).kind == "full" and receiver.last_timings["tabled"] == small > 0
+    assert greedy(llm, PROMPTS) == by_name
+    named.close()
+    later = WeightSync([llm], mode="full", verify_every=1)  # a new session: a new channel
+    rep = later.update(state.items())
+    assert rep.kind == "seed" and rep.verified and receiver.last_timings["tabled"] == small
+    assert greedy(llm, PROMPTS) == by_name
+    evolve(state, 1)
+    rep = later.update(state.items())
+    assert rep.kind == "full" and rep.verified and receiver.last_timings["tabled"] == small
+    receiver.channel.catalog = None  # as if its last bulk update had not gone through whole
+    with pytest.raises(EngineError, match="NeedsSeed.*catalogue"):
+        later.update(state.items())
+    rep = later.update(state.items())
+    assert rep.kind == "seed" and rep.verified and receiver.last_timings["tabled"] == 0
+    later.verify()
+    later.close()
 
 
 def _raw_update(sync: WeightSync, llm, patches, version, corrupt_checksum=False, tables=True, headers=None):
