@@ -3,12 +3,15 @@
 A bucket is a small JSON header plus one ``int32`` index buffer and one value buffer per dtype::
 
     header = {version, seq, last, kind, entries: [{name, dtype, shape, encoding, count, start,
-              index_offset, value_offset}], index_count, value_counts: {dtype: n}, checksum}
+              index_offset, value_offset}], index_count, value_counts: {dtype: n}, checksum,
+              table | dense}
 
 ``encoding`` is ``sparse`` (``count`` indices + values) or ``dense`` (``count`` values for flat
 elements ``start .. start+count-1``). A tensor larger than the room left in a bucket is split
 into several entries, across buckets, by index range; the receiver concatenates them (a delta)
-or applies each range as it arrives (a seed or full update). Entries tile the buffers exactly.
+or applies each range as it arrives (a seed or full update). Entries tile the buffers exactly,
+up to a table's elements at their ends: a delta's ``table`` or a bulk bucket's ``dense`` table
+names catalogued tensors by id instead of an entry each (:mod:`delta_sync.catalog`).
 
 Integrity: a dense entry carries ``digest``, the :mod:`delta_sync.digest` of its values at their
 flat positions, computed by the packer in the same pass that checks them for Inf/NaN. The
@@ -52,6 +55,8 @@ from .errors import ChecksumMismatch, PatchValidationError
 from .patch import DTYPE_NAMES, DTYPES, Patch, PatchBatch, dtype_name, first_true
 
 _ON_HOST = operator.attrgetter("is_cpu")
+#: per dtype a bucket carries: its name and its bytes per element
+_WIRE_DTYPES = {dt: (name, torch.empty(0, dtype=dt).element_size()) for dt, name in DTYPE_NAMES.items()}
 
 DEFAULT_BUCKET_BYTES = 512 << 20
 #: the smallest bucket (bytes of payload): room for an element of any dtype and its index
@@ -223,8 +228,9 @@ class BucketPacker:
             sums = scan_rows_table(rows, key=key)
         else:
             sums = scan_rows_table(torch.cat([torch.tensor(rows, dtype=torch.int64).view(-1, 6), extra]), key=key)
-        masked = key.masked_table(sums, [r[0] for r, (row, _) in zip(ranges, slots) if row]
-                                  + list(range(first, first + n_extra)))
+        masked = key.masked_table(sums[:len(rows)], [r[0] for r, (row, _) in zip(ranges, slots) if row])
+        if n_extra:  # (a dense table's positions follow each other: its pads are one slice)
+            masked = torch.cat([masked, key.masked_table(sums[len(rows):], range(first, first + n_extra))])
         named = [k for (_, entry, *_), (row, k) in zip(ranges, slots) if row and entry is not None]
         texts = iter(digest_texts(masked[:len(rows)] if len(named) == len(rows)
                                   else masked[torch.tensor(named, dtype=torch.int64)]))
@@ -264,16 +270,17 @@ class BucketPacker:
         fill = _Filling()
         room = self.bucket_bytes
         dense = self.dense
-        ids = dense.ids if dense is not None else {}
+        ids, shapes, dtypes = (dense.ids, dense.shapes, dense.dtypes) if dense is not None else ({}, [], [])
         alone = self.direct_min_bytes if self.direct_min_bytes is not None else 1 << 62
         for p in patches:
             if type(p) is Patch and p.indices is None:  # (a seed's ~19k tensors at 30B-A3B: inline)
-                n, per = p.values.numel(), p.values.element_size()
-                dname = DTYPE_NAMES.get(p.dtype)
-                if n and dname is not None and fill.nbytes + n * per <= room:
+                kind = _WIRE_DTYPES.get(p.dtype)
+                n = p.values.numel()
+                if n and kind is not None and fill.nbytes + n * kind[1] <= room:
+                    dname, per = kind
                     tid = ids.get(p.name)  # whole, into the bucket being filled: by id where catalogued
                     if (tid is not None and tid > self._table_last and n * per < alone
-                            and dense.shapes[tid] == p.shape and dense.dtypes[tid] == dname):
+                            and shapes[tid] == p.shape and dtypes[tid] == dname):
                         fill.add_dense(p, tid, dname, per, n)
                         self._table_last = tid
                     else:
@@ -592,8 +599,9 @@ class _Filling:
         self.dense = True
         self.t_ids.append(tid)
         self.t_parts.append((dname, p, 0, n))
-        self.t_vals[dname] = self.t_vals.get(dname, 0) + n
-        self.values[dname] = self.values.get(dname, 0) + n
+        t_vals, values = self.t_vals, self.values
+        t_vals[dname] = t_vals.get(dname, 0) + n
+        values[dname] = values.get(dname, 0) + n
         self.nbytes += n * per
 
     def add_table(self, p: Patch, tid: int, dname: str, per: int, done: int, take: int) -> None:
@@ -742,7 +750,7 @@ def check_dense_table(table: DenseTable, kept: str | None = None, dst: torch.Ten
         return
     sums = scan_rows_table(rows, key=table.key)
     n = table.ids.numel()
-    wrong = (table.key.masked_table(sums, list(range(table.first, table.first + n))) != table.digests).any(1) \
+    wrong = (table.key.masked_table(sums, range(table.first, table.first + n)) != table.digests).any(1) \
         | (sums[:, -1] != 0)
     if bool(wrong.any()):
         k = first_true(wrong)

@@ -106,17 +106,40 @@ class CatalogBuilder:
         return self._built
 
     def _unchanged(self) -> Catalog | None:
-        """The catalogue of this update's dense tables where they alone carried it, every one of its
-        tensors once in its order (no JSON entry): a seed of the same model, numbered as before."""
-        if not self._buckets or any(seen or dense is None for seen, dense, _ in self._buckets):
+        """The catalogue this update's dense tables name, where the update carried its tensors once
+        each in its order (by id, or by name: a tensor split over buckets, one sent in a broadcast
+        of its own) and nothing else: a later seed of the same model, numbered as before. None
+        otherwise (numbered anew). Checked per JSON entry and per run of table ids, not per tensor."""
+        base = next((dense.catalog for _, dense, _ in self._buckets if dense is not None), None)
+        if base is None or any(dense is not None and dense.catalog is not base for _, dense, _ in self._buckets):
             return None
-        catalog = self._buckets[0][1].catalog
-        if any(dense.catalog is not catalog for _, dense, _ in self._buckets):
-            return None
-        ids = torch.cat([dense.ids for _, dense, _ in self._buckets])
-        if ids.numel() != len(catalog) or bool((ids != torch.arange(len(catalog))).any()):
-            return None
-        return catalog
+        expect, prev = 0, None  # the next id in the catalogue's order; the last tensor by name
+
+        def run(ids: torch.Tensor) -> bool:
+            nonlocal expect, prev
+            if ids.numel() and not torch.equal(ids, torch.arange(expect, expect + ids.numel())):
+                return False
+            expect += ids.numel()
+            prev = None if ids.numel() else prev
+            return True
+
+        for seen, dense, after in self._buckets:
+            ids = dense.ids if dense is not None else torch.zeros(0, dtype=torch.int64)
+            done = 0
+            for (name, shape, dname), a in zip(seen, after or [0] * len(seen)):
+                if not run(ids[done:max(done, a)]):
+                    return None
+                done = max(done, a)
+                i = base.ids.get(name)
+                if i is None or base.shapes[i] != tuple(shape) or base.dtypes[i] != dname:
+                    return None
+                if name != prev:  # (a tensor's next piece follows it; anything else comes once, in order)
+                    if i != expect:
+                        return None
+                    expect, prev = expect + 1, name
+            if not run(ids[done:]):
+                return None
+        return base if expect == len(base) else None
 
 
 def _in_order(seen: list[tuple], dense: "DenseTable | None", after: list[int]):

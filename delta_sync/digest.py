@@ -122,18 +122,21 @@ class DigestKey:
                                      .to(torch.int64) & 0xFFFF).view(PAD_BLOCK, _LANES)
         return block
 
-    def pads(self, positions: list[int]) -> torch.Tensor:
+    def pads(self, positions: list[int] | range) -> torch.Tensor:
         """(n, lanes) int64: :meth:`pad` of each header position, as numbers (positions that lie
-        close together, a bucket's entries, from whole blocks at once)."""
+        close together, a bucket's entries, from whole blocks at once; a ``range`` of them, a dense
+        table's, as one slice)."""
         if not positions:
             return torch.zeros(0, _LANES, dtype=torch.int64)
         lo, hi = min(positions) // PAD_BLOCK, max(positions) // PAD_BLOCK
         if hi - lo >= len(positions) // PAD_BLOCK + 8:  # scattered: pad by pad
             return torch.tensor([self._pad(i) for i in positions], dtype=torch.int64).view(-1, _LANES)
         rows = torch.cat([self._block(b) for b in range(lo, hi + 1)])
+        if isinstance(positions, range) and positions.step == 1:
+            return rows[positions.start - lo * PAD_BLOCK:positions.stop - lo * PAD_BLOCK]
         return rows[torch.tensor(positions, dtype=torch.int64) - lo * PAD_BLOCK]
 
-    def masked_table(self, sums: torch.Tensor, positions: list[int]) -> torch.Tensor:
+    def masked_table(self, sums: torch.Tensor, positions: list[int] | range) -> torch.Tensor:
         """:meth:`masked` of many digests at once, as numbers: ``sums`` (n, >= lanes) int64 lane
         residues (a kernel's output rows) plus the pads of header ``positions``, mod the primes
         (:func:`digest_texts` writes them as a header's texts, :func:`parse_texts` reads those)."""

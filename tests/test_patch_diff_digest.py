@@ -1169,7 +1169,8 @@ def test_rows_from_addresses_digest_and_copy_as_scan_many(monkeypatch, threads):
 
 def test_a_buckets_digest_texts_made_and_read_together_equal_one_by_one():
     """A bucket's header digests written from a kernel table in one go (the packer's) are
-    :meth:`DigestKey.masked` of each, at every position, pad blocks crossed; read back (the
+    :meth:`DigestKey.masked` of each, at every position, pad blocks crossed (positions as a list, or
+    as a range: a dense table's); read back (the
     engine's compare) they give the masked residues; anything that is not a digest's text is
     refused (None: the engine then checks entry by entry, naming the one that is wrong)."""
     import delta_sync.digest as dg
@@ -1181,6 +1182,7 @@ def test_a_buckets_digest_texts_made_and_read_together_equal_one_by_one():
     texts = dg.digest_texts(key.masked_table(sums, positions))
     assert texts == [key.masked(dg.Digest.of_residues(tuple(r[:4])), i) for r, i in zip(sums.tolist(), positions)]
     assert torch.equal(dg.parse_texts(texts), key.masked_table(sums, positions))
+    assert torch.equal(key.masked_table(sums, range(3, 3 + n)), key.masked_table(sums, positions))  # (a slice)
     scattered = [7, 40 * dg.PAD_BLOCK + 1, 3, dg.CHECKSUM_PADS + 2]  # pad by pad, not whole blocks
     assert dg.digest_texts(key.masked_table(sums[:4], scattered)) == \
         [key.masked(dg.Digest.of_residues(tuple(r[:4])), i) for r, i in zip(sums[:4].tolist(), scattered)]

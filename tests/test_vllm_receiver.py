@@ -366,15 +366,18 @@ def test_seed_failure_leaves_needs_seed_and_next_update_reseeds(engine, monkeypa
     fresh = WeightSync([llm], mode="delta")  # a new trainer: its first update is a seed
     calls = {"n": 0}
 
-    def failing(real):
+    def failing(real, at=3):
         def wrapped(*args, **kwargs):
             calls["n"] += 1
-            if calls["n"] == 3:
+            if calls["n"] >= at:
                 raise RuntimeError("injected seed failure")
             return real(*args, **kwargs)
         return wrapped
     for fn in ("apply_dense_range", "dense_range_copies", "dense_range_rows"):  # checked before the write / after it
         monkeypatch.setattr(bulk_apply, fn, failing(getattr(bulk_apply, fn)))
+    # a new session's seed sends the small tensors by id (the engine kept the catalogue): their
+    # table is written after the bucket's entries, and fails there
+    monkeypatch.setattr(bulk_apply, "check_dense_table", failing(bulk_apply.check_dense_table, at=1))
     with pytest.raises(EngineError, match="injected seed failure.*needs_seed"):
         fresh.update(state.items())
     assert fresh.needs_seed and _worker_engine(llm).needs_seed
