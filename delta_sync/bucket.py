@@ -52,7 +52,7 @@ from .catalog import (CODES, Catalog, CatalogBuilder, DenseTable, TableSlice, ch
 from .digest import (MAX_WORDS, PUBLIC, Digest, DigestKey, checksum_bytes, digest_texts, nonfinite_count, range_row,
                      row_spec, rows_supported, scan_many, scan_rows_table)
 from .errors import ChecksumMismatch, PatchValidationError
-from .patch import DTYPE_NAMES, DTYPES, Patch, PatchBatch, dtype_name, first_true
+from .patch import DTYPE_NAMES, DTYPES, Patch, PatchBatch, Whole, dtype_name, first_true
 
 _ON_HOST = operator.attrgetter("is_cpu")
 #: per dtype a bucket carries: its name and its bytes per element
@@ -261,7 +261,7 @@ class BucketPacker:
             return masked if len(tabled) == len(rows) else masked[torch.tensor(tabled, dtype=torch.int64)]
         return torch.cat([masked[m:m + 1] if type(m) is int else m for m in tabled])
 
-    def pack(self, patches: Iterable[Patch], close: bool = True) -> Iterator[Bucket]:
+    def pack(self, patches: Iterable[Patch | PatchBatch | Whole], close: bool = True) -> Iterator[Bucket]:
         """Yield buckets; with ``close`` the last one has ``header['last'] = True`` (possibly with no
         entries); without it the caller packs the rest later (another ``pack`` that closes).
 
@@ -273,19 +273,23 @@ class BucketPacker:
         ids, shapes, dtypes = (dense.ids, dense.shapes, dense.dtypes) if dense is not None else ({}, [], [])
         alone = self.direct_min_bytes if self.direct_min_bytes is not None else 1 << 62
         for p in patches:
-            if type(p) is Patch and p.indices is None:  # (a seed's ~19k tensors at 30B-A3B: inline)
-                kind = _WIRE_DTYPES.get(p.dtype)
-                n = p.values.numel()
+            whole = type(p) is Whole
+            if whole or (type(p) is Patch and p.indices is None):  # (a seed's ~19k tensors at 30B-A3B: inline)
+                t = p.tensor if whole else p.values
+                kind = _WIRE_DTYPES.get(t.dtype)
+                n = t.numel()
                 if n and kind is not None and fill.nbytes + n * kind[1] <= room:
                     dname, per = kind
                     tid = ids.get(p.name)  # whole, into the bucket being filled: by id where catalogued
                     if (tid is not None and tid > self._table_last and n * per < alone
-                            and shapes[tid] == p.shape and dtypes[tid] == dname):
+                            and shapes[tid] == (t.shape if whole else p.shape) and dtypes[tid] == dname):
                         fill.add_dense(p, tid, dname, per, n)
                         self._table_last = tid
                     else:
-                        fill.add(p, dname, per, 0, n)
+                        fill.add(p.patch() if whole else p, dname, per, 0, n)
                     continue
+                if whole:
+                    p = p.patch()
             if isinstance(p, PatchBatch):
                 yield from self._pack_batch(fill, p)
             else:
@@ -450,7 +454,7 @@ class BucketPacker:
                 table = (rows, first, fill.t_parts)
             else:
                 for k, (dname, p, _, take) in enumerate(fill.t_parts):
-                    dense.append((first + k, None, p, 0, take, vals[dname], at[dname]))
+                    dense.append((first + k, None, p.patch() if type(p) is Whole else p, 0, take, vals[dname], at[dname]))
                     at[dname] += take
         return sources, self._scan_dense(dense, key, table)
 
@@ -460,7 +464,7 @@ class BucketPacker:
         tensors: no Python step per tensor beyond reading its address): each one's values copied
         to its place in the bucket from ``at[dtype]`` on. None where a tensor or the bucket is off the
         host or not contiguous, or no kernel is built."""
-        values = [p.values for _, p, _, _ in fill.t_parts]
+        values = [p.tensor if type(p) is Whole else p.values for _, p, _, _ in fill.t_parts]
         if not rows_supported() or not all(v.is_cpu for v in vals.values()) or not all(map(_ON_HOST, values)) \
                 or not all(map(torch.Tensor.is_contiguous, values)):
             return None

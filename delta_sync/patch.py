@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -129,6 +130,37 @@ class Patch:
             raise bad(f"indices dtype {idx.dtype}, expected torch.int32")
         if idx.dim() != 1 or idx.numel() != v.numel():
             raise bad(f"{idx.numel()} indices for {v.numel()} values")
+
+
+class Whole(NamedTuple):
+    """A whole tensor as a bulk update reads it from the stream, before it is a :class:`Patch`: what
+    the packer puts in a dense table as it is (by address), making the patch (:meth:`patch`, a flat
+    view: ~1.3 us, ~25 ms of a 30B-A3B seed's ~19k tensors) only for what goes by name."""
+
+    name: str
+    tensor: torch.Tensor
+
+    indices = None
+    dense = True
+
+    @property
+    def count(self) -> int:
+        return self.tensor.numel()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tensor.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.tensor.shape)
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.tensor.reshape(-1)
+
+    def patch(self) -> Patch:
+        return Patch.full(self.name, self.tensor)
 
 
 @dataclass

@@ -17,7 +17,7 @@ from delta_sync.catalog import Catalog, CatalogBuilder, known, remember
 from delta_sync.channel import LOCAL, Channel
 from delta_sync.errors import ChecksumMismatch, NeedsSeed, PatchValidationError
 from delta_sync.memory_receiver import MemoryReceiver
-from delta_sync.patch import Patch
+from delta_sync.patch import Patch, Whole
 from delta_sync.sync import WeightSync
 from delta_sync.transfer import receive_update
 
@@ -87,7 +87,9 @@ def test_a_dense_table_is_checked_and_a_failure_names_the_tensor(checks, monkeyp
     if checks == "torch ops":
         monkeypatch.setattr(bucket_mod, "rows_supported", lambda: False)
     cat = _catalog(["a", "b", "c"])
-    good = [_full("a", 1.0), _full("n", 5.0, (2, 3)), _full("b", 2.0), _full("c", 3.0)]
+    # ("b" and "n" as a bulk update's stream gives them: whole tensors, not patches yet)
+    good = [_full("a", 1.0), Whole("n", torch.full((2, 3), 5.0, dtype=torch.bfloat16)),
+            Whole("b", torch.full((4, 4), 2.0, dtype=torch.bfloat16)), _full("c", 3.0)]
     (bucket,) = _packed(cat, good)
     assert [e["name"] for e in bucket.header["entries"]] == ["n"] and bucket.header["entries"][0]["after"] == 1
     out = entry_patches(bucket, catalog=cat)

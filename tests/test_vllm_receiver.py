@@ -105,18 +105,20 @@ def test_later_bulk_updates_write_whole_tensors_by_id_and_equal_named_ones(engin
     seed) goes by name and repairs it."""
     kind, path, llm = engine
     state = load_state(path)
-    receiver = _worker_engine(llm)
     named = WeightSync([llm], mode="full")
     assert named.update(state.items()).kind == "seed"
+    receiver = _worker_engine(llm)
     by_name = greedy(llm, PROMPTS)
     # (the suite sends tensors from 4 KiB on in a broadcast each, by name, into their parameters)
     small = sum(t.numel() * t.element_size() < bucket_mod.DIRECT_MIN_BYTES for t in state.values())
     assert named.update(state.items()).kind == "full" and receiver.last_timings["tabled"] == small > 0
     assert greedy(llm, PROMPTS) == by_name
     named.close()
+    routes = receiver.routes
     later = WeightSync([llm], mode="full", verify_every=1)  # a new session: a new channel
     rep = later.update(state.items())
     assert rep.kind == "seed" and rep.verified and receiver.last_timings["tabled"] == small
+    assert receiver.routes is routes  # nothing moved: the tensors' routes were not made again
     assert greedy(llm, PROMPTS) == by_name
     evolve(state, 1)
     rep = later.update(state.items())
