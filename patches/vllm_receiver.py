@@ -379,16 +379,18 @@ class DeltaSyncReceiver:
         self.partial = False
         # the layout the writes went to; vLLM's loader (the fallback path, a bulk update) may move storage
         moved = plan is None or plan.slow or self.last_timings.get("replanned")
-        self._fingerprint = self._layout_now() if moved else plan.layout
+        loaded = bool(self.fallback) and not self.fallback.keys().isdisjoint(self._bulk.done)  # by vLLM's loader
+        self._fingerprint = self._layout_now(anew=loaded) if moved else plan.layout
         self._retired = (upd, plan)
         self._record_loader_params()
 
-    def _layout_now(self) -> dict[str, tuple]:
+    def _layout_now(self, anew: bool = False) -> dict[str, tuple]:
         """The parameters' layout after writes that may have moved storage; the parameter table is
-        made again only where it did move (a new one makes every catalogue's routes again: ~0.1 s
-        per 18,867 tensors, which a bulk update written through the views alone never needs)."""
+        made again where it did move, or ``anew`` (names went through vLLM's loader, which may
+        replace what holds them). A new table makes every catalogue's routes again: ~0.1 s per
+        18,867 tensors, which a bulk update written through the views alone never needs."""
         try:
-            now = layout_of(self.param_table.params())
+            now = None if anew else layout_of(self.param_table.params())
         except (KeyError, AttributeError):  # a parameter left its module
             now = None
         if now is None or now != self._fingerprint:
