@@ -130,6 +130,9 @@ class Channel:
         #: host channels keep their bulk arenas between updates (see :meth:`arenas`)
         self._arenas: list = []
         self._catalog = None  # a Catalog, or the CatalogBuilder of the last whole bulk update (see catalog)
+        #: may a bulk update name catalogued tensors by id (dense tables)? Every receiver must read
+        #: them: a trainer's channel says no where an engine worker does not say it does
+        self.dense_tables = True
 
     @property
     def catalog(self) -> Catalog | None:

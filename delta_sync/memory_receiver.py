@@ -127,7 +127,9 @@ class MemoryReceiver:
         return [n for n, t in expected if n not in self.tensors or not torch.equal(bits(self.tensors[n]), bits(t))]
 
     def report(self, digests: bool = False, names: list[str] | None = None) -> list[dict]:
-        out = {"version": self.version, "needs_seed": self.version is None or self.needs_seed, "rank": None}
+        # (it reads dense tables, and keeps no catalogue across channels: see patches.vllm_receiver)
+        out = {"version": self.version, "needs_seed": self.version is None or self.needs_seed, "rank": None,
+               "catalog": None}
         if digests:
             out["digests"] = {n: [digest_tensor(t).hex(), t.numel(), t.numel()] for n, t in self.tensors.items()
                               if names is None or n in names}

@@ -90,6 +90,8 @@ class Engines:
         # every worker keeps numbering by the catalogue of its last whole bulk update (a new channel
         # starts from it): where all say the same one and this process knows it, so does this channel
         numbered = {w.get("catalog") for r in reports for w in r}
+        # a worker that says nothing of catalogues is of a version before dense tables: name every tensor
+        dense = all("catalog" in w for r in reports for w in r)
         world = 1 + sum(workers)
         backend = self.backend or (LOCAL if all(isinstance(e, InProcessEngine) for e in self.clients) else None)
         # the store's port is bound before the engines learn it: nothing else can take it meanwhile
@@ -117,7 +119,8 @@ class Engines:
                 channel.close()
                 raise
         self.channel = channel
-        if len(numbered) == 1:
+        channel.dense_tables = dense
+        if len(numbered) == 1 and dense:
             channel.catalog = known(numbered.pop())
         log.info("delta-sync channel: %d engine worker(s) on %s", world - 1, self.channel.backend)
 

@@ -120,7 +120,8 @@ class BucketSender:
         self._before_first = before_first  # called once, on the caller's thread, before bucket 0 leaves
         self.packer = BucketPacker(version, kind, bucket_bytes, checksum, kept=kept, keys=channel.digest_key)
         if kind in BULK_KINDS:  # it numbers the tensors anew: the old catalogue goes now, the new one if it all went
-            self.packer.dense = channel.catalog  # (the receivers' too: whole tensors of it go by id)
+            # (the receivers' too: whole tensors of it go by id, where every receiver reads dense tables)
+            self.packer.dense = channel.catalog if getattr(channel, "dense_tables", True) else None
             channel.catalog = None
             self.packer.record = CatalogBuilder()
         else:

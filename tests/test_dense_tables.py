@@ -234,3 +234,27 @@ def test_a_bulk_update_of_the_same_tensors_in_order_keeps_its_catalogue(case):
     assert (got is base) == (case == "same")
     assert got.names == [n for n, _ in items] and got.fingerprint == \
         Catalog([n for n, _ in items], [tuple(t.shape) for _, t in items], ["bfloat16"] * len(items)).fingerprint
+
+
+def test_a_receiver_that_says_nothing_of_catalogues_gets_every_tensor_by_name():
+    """An engine of a version before dense tables does not report a catalogue: a trainer keeps
+    naming every tensor in JSON for it (it would refuse a table), and its updates stay exact."""
+
+    class Older(MemoryReceiver):
+        def report(self, digests=False, names=None):
+            out = super().report(digests, names)
+            for w in out:
+                w.pop("catalog")
+            return out
+
+    g = torch.Generator().manual_seed(7)
+    state = _state(20, g)
+    for rx, by_id in ((Older(), False), (MemoryReceiver(), True)):
+        sync = WeightSync([rx], mode="full")
+        sync.update(state.items())
+        headers = _recording(sync)
+        for t in state.values():
+            t.add_(1.0)
+        sync.update(state.items())
+        assert any("dense" in h for h in headers) == by_id and not rx.mismatched(state.items())
+        sync.close()
