@@ -47,10 +47,9 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from . import native
-from .catalog import (CODES, Catalog, CatalogBuilder, DenseTable, TableSlice, check_after, encode_dense, encode_table,
-                      starts_by_dtype)
-from .digest import (MAX_WORDS, PUBLIC, Digest, DigestKey, checksum_bytes, digest_texts, nonfinite_count, range_row,
-                     row_spec, rows_supported, scan_many, scan_rows_table)
+from .catalog import CODES, Catalog, CatalogBuilder, DenseTable, TableSlice, check_after, encode_dense, encode_table
+from .digest import (MAX_WORDS, PUBLIC, Digest, DigestKey, checksum_bytes, digest_texts, nonfinite_count, parse_texts,
+                     range_row, row_spec, rows_supported, scan_many, scan_rows_table)
 from .errors import ChecksumMismatch, PatchValidationError
 from .patch import DTYPE_NAMES, DTYPES, Patch, PatchBatch, Whole, dtype_name, first_true
 
@@ -189,19 +188,17 @@ class BucketPacker:
         return (self.direct_min_bytes is not None and take * p.values.element_size() >= self.direct_min_bytes
                 and (self.keep is not None or (p.values.device == device and p.values.is_contiguous())))
 
-    def _scan_dense(self, ranges: list[tuple[int, dict | None, Patch, int, int, torch.Tensor | None, int]],
-                    key: DigestKey, table: tuple[list, int, list] | None = None) -> torch.Tensor | None:
+    def _scan_dense(self, ranges: list[tuple[int, dict, Patch, int, int, torch.Tensor | None, int]],
+                    key: DigestKey, table: tuple[torch.Tensor, DenseTable, list] | None = None) -> None:
         """Per ``(position, entry, patch, done, take, buffer, at)``: copy the patch's values ``[done,
         done+take)`` into ``buffer[at:at+take]`` (``buffer`` None: only read them) while digesting them
         under ``key`` and checking them for Inf/NaN (one pass over the source, all of a bucket's
         ranges spread over the threads together); the digest, masked with the key's pad for the
         entry's position, goes into the entry. Raises for the first range, in order, that holds
         Inf/NaN. Host ranges go to the kernel as rows of addresses (:func:`range_row`): a seed of
-        30B-A3B's ~19k tensors would otherwise pay a slice and a view or two per range. Ranges
-        without an entry (a dense table's, after the others) return their masked digests as
-        (n, lanes) residues, in order; None where there are none. ``table``: a dense table's tensors
-        as kernel rows made already, ``(rows, first header position, parts)``: scanned with the
-        others, their masked digests returned."""
+        30B-A3B's ~19k tensors would otherwise pay a slice and a view or two per range. ``table``:
+        a dense table's tensors as kernel rows made already, ``(rows, the table, its parts)``: scanned
+        with the others, their masked digests set as the table's."""
         t0 = time.perf_counter()
         items, rows, slots = [], [], []  # slots: per range, (True, row) or (False, item) position
         as_rows = rows_supported()
@@ -221,45 +218,27 @@ class BucketPacker:
                 items.append((out, done, None))
             else:
                 items.append((src, done, out))
-        extra, first, parts = table if table is not None else (None, 0, [])
-        n_extra = 0 if extra is None else extra.shape[0]
+        extra, dense, parts = table if table is not None else (None, None, [])
         # the rows' digests (the table's after the others), masked and written as text together
-        if extra is None:
-            sums = scan_rows_table(rows, key=key)
-        else:
-            sums = scan_rows_table(torch.cat([torch.tensor(rows, dtype=torch.int64).view(-1, 6), extra]), key=key)
-        masked = key.masked_table(sums[:len(rows)], [r[0] for r, (row, _) in zip(ranges, slots) if row])
-        if n_extra:  # (a dense table's positions follow each other: its pads are one slice)
-            masked = torch.cat([masked, key.masked_table(sums[len(rows):], range(first, first + n_extra))])
-        named = [k for (_, entry, *_), (row, k) in zip(ranges, slots) if row and entry is not None]
-        texts = iter(digest_texts(masked[:len(rows)] if len(named) == len(rows)
-                                  else masked[torch.tensor(named, dtype=torch.int64)]))
+        sums = scan_rows_table(rows if extra is None else torch.cat([torch.tensor(rows, dtype=torch.int64).view(-1, 6),
+                                                                    extra]), key=key)
+        texts = digest_texts(key.masked_table(sums[:len(rows)], [r[0] for r, (row, _) in zip(ranges, slots) if row]))
+        if extra is not None:  # (a dense table's positions follow each other: its pads are one slice)
+            dense.digests = key.masked_table(sums[len(rows):], range(dense.first, dense.first + len(parts)))
         bads = sums[:, -1].tolist()
         from_items = scan_many(items, key=key)
         self.digest_s += time.perf_counter() - t0
-        tabled: list = []  # the table's digests in order: rows of ``masked``, or an item's (1, lanes)
         for (i, entry, p, done, take, _, _), (row, k) in zip(ranges, slots):
             if bads[k] if row else from_items[k][1]:
                 where = done + first_true(~torch.isfinite(p.values[done:done + take]))
                 raise PatchValidationError(p.name, f"non-finite value at flat index {where}", index=where,
                                            kept=self.kept)
-            if entry is not None:
-                entry["digest"] = next(texts) if row else key.masked(from_items[k][0], i)
-            else:
-                tabled.append(k if row else key.masked_table(torch.tensor([list(from_items[k][0])]), [i]))
-        if extra is not None:
-            bad = next((k for k, b in enumerate(bads[len(rows):]) if b), None)
-            if bad is not None:
-                p = parts[bad][1]
-                where = first_true(~torch.isfinite(p.values))
-                raise PatchValidationError(p.name, f"non-finite value at flat index {where}", index=where,
-                                           kept=self.kept)
-            return masked[len(rows):]
-        if not tabled:
-            return None
-        if all(type(m) is int for m in tabled):
-            return masked if len(tabled) == len(rows) else masked[torch.tensor(tabled, dtype=torch.int64)]
-        return torch.cat([masked[m:m + 1] if type(m) is int else m for m in tabled])
+            entry["digest"] = texts[k] if row else key.masked(from_items[k][0], i)
+        bad = next((k for k, b in enumerate(bads[len(rows):]) if b), None)
+        if bad is not None:
+            p = parts[bad][1]
+            where = first_true(~torch.isfinite(p.values))
+            raise PatchValidationError(p.name, f"non-finite value at flat index {where}", index=where, kept=self.kept)
 
     def pack(self, patches: Iterable[Patch | PatchBatch | Whole], close: bool = True) -> Iterator[Bucket]:
         """Yield buckets; with ``close`` the last one has ``header['last'] = True`` (possibly with no
@@ -424,13 +403,13 @@ class BucketPacker:
         bufs = arena.carve([(torch.int32, fill.indices)] + [(DTYPES[k], fill.values[k]) for k in names])
         return bufs[0], dict(zip(names, bufs[1:]))
 
-    def _write_dense(self, fill: "_Filling", idx: torch.Tensor, vals: dict[str, torch.Tensor], key: DigestKey
-                     ) -> tuple[dict[int, torch.Tensor], torch.Tensor | None]:
+    def _write_dense(self, fill: "_Filling", idx: torch.Tensor, vals: dict[str, torch.Tensor], key: DigestKey,
+                     dense: DenseTable | None) -> dict[int, torch.Tensor]:
         """A bulk bucket's parts into its buffers, dense ranges and the dense table's tensors in one
-        fused pass (copy, digest, Inf/NaN check). Returns the ``seg`` entries' sources by entry
-        position, and the dense table's masked digests (None without one)."""
+        fused pass (copy, digest, Inf/NaN check), the table's digests set as its own. Returns the
+        ``seg`` entries' sources by entry position."""
         sources: dict[int, torch.Tensor] = {}
-        dense = []
+        ranges = []
         for i, (entry, p, done, take) in enumerate(fill.parts):
             buf, at = vals[entry["dtype"]], entry["value_offset"]
             if p.dense and self._direct(p, take, buf.device):
@@ -438,45 +417,40 @@ class BucketPacker:
                 # itself (digested, not copied), or from the copy a snapshot keeps
                 entry["seg"] = True
                 kept_copy = self.keep is not None
-                dense.append((i, entry, p, done, take, buf if kept_copy else None, at))
+                ranges.append((i, entry, p, done, take, buf if kept_copy else None, at))
                 sources[i] = buf.narrow(0, at, take) if kept_copy else p.values.narrow(0, done, take)
             elif p.dense:
-                dense.append((i, entry, p, done, take, buf, at))
+                ranges.append((i, entry, p, done, take, buf, at))
             else:
                 idx.narrow(0, entry["index_offset"], take).copy_(p.indices[done:done + take])
                 buf.narrow(0, at, take).copy_(p.values[done:done + take])
-        table = None
-        if fill.dense:  # the table's tensors, whole, after the JSON entries' values in each buffer
-            at = {k: vals[k].numel() - n for k, n in fill.t_vals.items()}
-            first = len(fill.entries)
-            rows = self._table_rows(fill, vals, at)
+        table, made = None, []  # (elsewhere: the table's tensors as entries of their own, read back after)
+        if dense is not None:  # the table's tensors, whole, after the JSON entries' values in each buffer
+            rows = self._table_rows(dense, fill.t_parts)
             if rows is not None:
-                table = (rows, first, fill.t_parts)
+                table = (rows, dense, fill.t_parts)
             else:
-                for k, (dname, p, _, take) in enumerate(fill.t_parts):
-                    dense.append((first + k, None, p.patch() if type(p) is Whole else p, 0, take, vals[dname], at[dname]))
-                    at[dname] += take
-        return sources, self._scan_dense(dense, key, table)
+                for k, ((dname, p, _, take), at) in enumerate(zip(fill.t_parts, dense.value_starts.tolist())):
+                    made.append({})
+                    ranges.append((dense.first + k, made[-1], p.patch() if type(p) is Whole else p, 0, take,
+                                   dense.values[dname], at))
+        self._scan_dense(ranges, key, table)
+        if made:
+            dense.digests = parse_texts([e["digest"] for e in made])
+        return sources
 
-    def _table_rows(self, fill: "_Filling", vals: dict[str, torch.Tensor], at: dict[str, int]
-                    ) -> torch.Tensor | None:
+    @staticmethod
+    def _table_rows(dense: DenseTable, parts: list) -> torch.Tensor | None:
         """The dense table's tensors as kernel rows, made as columns (a 30B-A3B seed's ~19k small
-        tensors: no Python step per tensor beyond reading its address): each one's values copied
-        to its place in the bucket from ``at[dtype]`` on. None where a tensor or the bucket is off the
-        host or not contiguous, or no kernel is built."""
-        values = [p.tensor if type(p) is Whole else p.values for _, p, _, _ in fill.t_parts]
-        if not rows_supported() or not all(v.is_cpu for v in vals.values()) or not all(map(_ON_HOST, values)) \
-                or not all(map(torch.Tensor.is_contiguous, values)):
+        tensors: no Python step per tensor beyond reading its address), each one's values copied to
+        its place in the bucket. None where a tensor or the bucket is off the host or not contiguous,
+        or no kernel is built."""
+        values = [p.tensor if type(p) is Whole else p.values for _, p, _, _ in parts]
+        dst = _host_rows(dense)
+        if dst is None or not all(map(_ON_HOST, values)) or not all(map(torch.Tensor.is_contiguous, values)):
             return None
-        ids = torch.tensor(fill.t_ids, dtype=torch.int64)
-        codes, counts = self.dense.codes[ids], self.dense.numel[ids]
-        spec = _SPECS[codes]
-        base = torch.zeros(len(CODES), dtype=torch.int64)
-        for dname, start in at.items():
-            base[CODES.index(dname)] = vals[dname].data_ptr() + start * int(_SPECS[CODES.index(dname), 0])
-        dst = base[codes] + starts_by_dtype(codes, counts) * spec[:, 0]  # after those of its dtype before it
-        return table_rows(torch.tensor(list(map(torch.Tensor.data_ptr, values)), dtype=torch.int64), counts, codes,
-                          dst)
+        return table_rows(torch.tensor(list(map(torch.Tensor.data_ptr, values)), dtype=torch.int64), dense.counts,
+                          dense.codes, dst)
 
     @staticmethod
     def _write_sparse(parts: list[tuple[str, Patch, int, int]], idx: torch.Tensor, vals: dict[str, torch.Tensor],
@@ -499,19 +473,18 @@ class BucketPacker:
         nonce = secrets.token_hex(12) if self.keys is not None else None
         key = self.keys(nonce) if nonce is not None else PUBLIC
         sources: dict[int, torch.Tensor] = {}
-        digests = None  # the dense table's
-        if fill.dense or any(p.dense for _, p, _, _ in fill.parts):  # bulk buckets: one fused pass per range
-            sources, digests = self._write_dense(fill, idx, vals, key)
+        where = f"bucket {self.seq} of v{self.version}"
+        table = dense = None
+        if fill.dense:  # (its digests: written with its values)
+            dense = DenseTable(self.dense, torch.tensor(fill.t_ids), None,
+                               {k: vals[k][vals[k].numel() - n:] for k, n in fill.t_vals.items()}, len(fill.entries),
+                               where, key)
+        if dense is not None or any(p.dense for _, p, _, _ in fill.parts):  # bulk buckets: one fused pass per range
+            sources = self._write_dense(fill, idx, vals, key, dense)
         elif fill.parts:
             self._write_sparse([(e["dtype"], p, d, t) for e, p, d, t in fill.parts], idx, vals)
         j_idx = idx.numel() - fill.t_idx  # the JSON entries' indices; the table's follow them
-        table = dense = None
-        where = f"bucket {self.seq} of v{self.version}"
-        if fill.dense:
-            dense = DenseTable(self.dense, torch.tensor(fill.t_ids), digests,
-                               {k: vals[k][vals[k].numel() - n:] for k, n in fill.t_vals.items()}, len(fill.entries),
-                               where, key)
-        elif fill.t_ids:
+        if fill.t_ids and dense is None:
             j_vals = {k: vals[k].numel() - n for k, n in fill.t_vals.items()}
             self._write_sparse(fill.t_parts, idx, vals, j_idx, j_vals)
             table = TableSlice(self.catalog, torch.tensor(fill.t_ids), torch.tensor(fill.t_counts), idx[j_idx:],
@@ -522,7 +495,7 @@ class BucketPacker:
         if table is not None:
             header["table"] = encode_table(self.catalog, fill.t_ids, fill.t_counts)
         if dense is not None:
-            header["dense"] = encode_dense(self.dense, fill.t_ids, digests)
+            header["dense"] = encode_dense(self.dense, fill.t_ids, dense.digests)
         if self.record is not None:
             self.record.see_entries(header["entries"], dense)
         if nonce is not None:
@@ -766,13 +739,20 @@ def _dense_rows(table: DenseTable, dst: torch.Tensor | None) -> torch.Tensor | N
     """The digest kernel's rows (:func:`~delta_sync.digest.range_row`) of a dense table's tensors as
     they lie in its buffers, in table order, made as columns; None where its values are off the host
     or no kernel is built."""
+    src = _host_rows(table)
+    return None if src is None else table_rows(src, table.counts, table.codes, dst)
+
+
+def _host_rows(table: DenseTable) -> torch.Tensor | None:
+    """The host address of each tensor's values in a dense table's buffers (its rows' sources on the
+    receiver, their destinations on the sender); None where a buffer is off the host or not
+    contiguous, or no kernel is built to read them."""
     if not rows_supported() or not all(v.is_cpu and v.is_contiguous() for v in table.values.values()):
         return None
     base = torch.zeros(len(CODES), dtype=torch.int64)
     for dname, v in table.values.items():
         base[CODES.index(dname)] = v.data_ptr()
-    size = _SPECS[table.codes, 0]
-    return table_rows(base[table.codes] + table.value_starts * size, table.counts, table.codes, dst)
+    return base[table.codes] + table.value_starts * _SPECS[table.codes, 0]
 
 
 #: per catalogue dtype code (:data:`delta_sync.catalog.CODES`): its :func:`row_spec`

@@ -211,6 +211,18 @@ def _check_numbering(table, catalog: Catalog | None, what: str, where: str, kept
                         f"has {have}: {then}", kept=kept)
 
 
+def _check_ids(ids: torch.Tensor, catalog: Catalog, what: str, where: str, kept: str | None) -> None:
+    """A received table's ids name catalogued tensors, each once, in increasing order."""
+    if int(ids.min()) < 0 or int(ids.max()) >= len(catalog) or bool((ids[1:] <= ids[:-1]).any()):
+        raise PatchValidationError("<bucket table>", f"{where}: {what} ids must increase strictly within the "
+                                   f"{len(catalog)} catalogued tensors", kept=kept)
+
+
+def _per_dtype(codes: torch.Tensor, counts: torch.Tensor) -> dict[str, int]:
+    """A table's elements per dtype name (its entries' catalogue dtype ``codes``, ``counts`` each)."""
+    return {CODES[c]: int(counts[codes == c].sum()) for c in codes.unique().tolist()}
+
+
 def starts_by_dtype(codes: torch.Tensor, counts: torch.Tensor, code_list: list[int] | None = None) -> torch.Tensor:
     """Where each of a table's entries (dtype ``codes``, ``counts`` elements) starts in its dtype's
     value buffer: after the entries of that dtype before it."""
@@ -276,14 +288,12 @@ class TableSlice:
         if ids.numel() != counts.numel() or not ids.numel():
             raise PatchValidationError("<bucket table>", f"{where}: {ids.numel()} ids, {counts.numel()} counts",
                                        kept=kept)
-        if int(ids.min()) < 0 or int(ids.max()) >= len(catalog) or bool((ids[1:] <= ids[:-1]).any()):
-            raise PatchValidationError("<bucket table>", f"{where}: table ids must increase strictly within "
-                                       f"the {len(catalog)} catalogued tensors", kept=kept)
+        _check_ids(ids, catalog, "table", where, kept)
         if bool((counts <= 0).any()):
             raise PatchValidationError("<bucket table>", f"{where}: a table entry without elements", kept=kept)
         n_idx = int(counts.sum())
         codes = catalog.codes[ids]
-        per_dtype = {CODES[c]: int(counts[codes == c].sum()) for c in codes.unique().tolist()}
+        per_dtype = _per_dtype(codes, counts)
         if n_idx > indices.numel() or any(k not in values or n > values[k].numel() for k, n in per_dtype.items()):
             raise PatchValidationError("<bucket table>", f"{where}: the table's {n_idx} elements "
                                        f"{per_dtype} overrun the buffers", kept=kept)
@@ -363,12 +373,9 @@ class DenseTable:
         if not ids.numel() or len(raw) != 2 * lanes * ids.numel():
             raise PatchValidationError("<bucket table>", f"{where}: {ids.numel()} dense table ids, "
                                        f"{len(raw)} bytes of digests", kept=kept)
-        if int(ids.min()) < 0 or int(ids.max()) >= len(catalog) or bool((ids[1:] <= ids[:-1]).any()):
-            raise PatchValidationError("<bucket table>", f"{where}: dense table ids must increase strictly "
-                                       f"within the {len(catalog)} catalogued tensors", kept=kept)
+        _check_ids(ids, catalog, "dense table", where, kept)
         digests = torch.from_numpy(np.frombuffer(raw, dtype="<i2").astype(np.int64)).view(-1, lanes)
-        codes, counts = catalog.codes[ids], catalog.numel[ids]
-        per_dtype = {CODES[c]: int(counts[codes == c].sum()) for c in codes.unique().tolist()}
+        per_dtype = _per_dtype(catalog.codes[ids], catalog.numel[ids])
         if any(k not in values or n > values[k].numel() for k, n in per_dtype.items()):
             raise PatchValidationError("<bucket table>", f"{where}: the dense table's tensors {per_dtype} "
                                        f"overrun the value buffers", kept=kept)
@@ -378,10 +385,6 @@ class DenseTable:
     @property
     def value_counts(self) -> dict[str, int]:
         return {k: v.numel() for k, v in self.values.items()}
-
-    def names(self) -> list[str]:
-        names = self.catalog.names
-        return [names[i] for i in self.ids.tolist()]
 
     def patches(self, which: list[int] | None = None) -> list[tuple[dict, Patch]]:
         """``(entry, patch)`` per tensor (or those at positions ``which``), as a JSON dense entry would

@@ -210,15 +210,11 @@ class BucketSender:
         t0 = clock()
         for p in patches:
             stats.source_s += clock() - t0
-            if type(p) is Whole:
-                stats.elements += p.tensor.numel()
+            stats.elements += p.count
+            if isinstance(p, PatchBatch):
+                names.update(p.names)
+            elif p.count or p.dense:
                 names.add(p.name)
-            else:
-                stats.elements += p.count
-                if isinstance(p, PatchBatch):
-                    names.update(p.names)
-                elif p.count or p.dense:
-                    names.add(p.name)
             yield p
             t0 = clock()
         stats.source_s += clock() - t0
@@ -384,31 +380,28 @@ class _BulkOnce:
     name; the entries of tensors it lacks cannot be in a table)."""
 
     def __init__(self, catalog: Catalog | None):
-        self.catalog, self.last = catalog, -1
+        self.catalog, self.last = catalog, -1  # the last id of the dense tables so far
         self.named: set[int] = set()  # catalogued tensors among the JSON entries so far
-        self.tabled: torch.Tensor | None = None  # per catalogued tensor: in a dense table so far
+        self.tabled: set[int] = set()  # those in the dense tables so far
 
     def see(self, entries: list[dict], dense: DenseTable | None, kept: str | None) -> None:
         if self.catalog is None:
             return
         ids = self.catalog.ids
         named = {ids[e["name"]] for e in entries if e.get("name") in ids}
+        tabled = set(dense.ids.tolist()) if dense is not None else set()
+        if dense is not None and int(dense.ids[0]) <= self.last:
+            self._twice(int(dense.ids[0]), f"{dense.where}: in a dense table after another one", kept)
+        both = sorted(((self.named | named) & tabled) | (named & self.tabled))
+        if both:
+            self._twice(both[0], "in a dense table and as an entry of its own", kept)
         if dense is not None:
-            if self.tabled is None:
-                self.tabled = torch.zeros(len(self.catalog), dtype=torch.bool)
-            both = sorted((self.named | named) & set(dense.ids.tolist()))
-            if int(dense.ids[0]) <= self.last or both:
-                i = both[0] if both else int(dense.ids[0])
-                raise PatchValidationError(self.catalog.names[i], f"{dense.where}: sent twice in one update (in a "
-                                           "dense table after an entry of its own or another table)", kept=kept)
             self.last = int(dense.ids[-1])
-            self.tabled[dense.ids] = True
-        if named and self.tabled is not None:
-            again = [i for i in named if bool(self.tabled[i])]
-            if again:
-                raise PatchValidationError(self.catalog.names[again[0]], "sent twice in one update (as an entry of "
-                                           "its own after a dense table)", kept=kept)
         self.named |= named
+        self.tabled |= tabled
+
+    def _twice(self, i: int, how: str, kept: str | None) -> None:
+        raise PatchValidationError(self.catalog.names[i], f"sent twice in one update ({how})", kept=kept)
 
 
 def receive_update(channel: Channel, kept: str | None = None,

@@ -81,7 +81,7 @@ class BulkWrite:
         self._params = None
         self._extents: dict[str, tuple[int, int] | None] = {}  # host parameters' extents (the rows' targets)
         self._dtypes: dict[str, torch.dtype] = {}  # parameters' dtypes, read once per update
-        #: dense tables written by id (:meth:`apply_table`): their catalogue and ids, and the routes taken
+        #: the ids of the dense tables written by id (:meth:`apply_table`), and the routes they took
         self.tabled: list[torch.Tensor] = []
         self._table_routes = None
 
@@ -357,9 +357,11 @@ class BulkWrite:
             raise PatchValidationError(short[0], f"{upd.kind} v{upd.version} ended with {self.done[short[0]]} of "
                                        f"{self.numel[short[0]]} elements written", kept=kept)
         ids = torch.cat(self.tabled) if self.tabled else None  # (each once: the receive checked it)
-        names = self._table_routes.catalog.names if ids is not None else []
-        missing = sorted(set(self.r.shapes) - set(self.done) - {names[i] for i in ids.tolist()}) if ids is not None \
-            else sorted(set(self.r.shapes) - set(self.done))
+        written = set(self.done)
+        if ids is not None:
+            names = self._table_routes.catalog.names
+            written.update(names[i] for i in ids.tolist())
+        missing = sorted(set(self.r.shapes) - written)
         if missing:
             raise PatchValidationError(missing[0], f"{upd.kind} v{upd.version} left out {len(missing)} seeded "
                                        f"tensor(s); they would keep stale values", kept=kept)
