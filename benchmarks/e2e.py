@@ -525,16 +525,22 @@ def _digest_marginal(state: dict[str, torch.Tensor], reps: int = 2) -> dict:
 
 
 def _diff_alone(sync, state: dict[str, torch.Tensor], g: torch.Generator, reps: int = 3) -> float:
-    """The snapshot store's diff of a headline-density step, same process and memory as the sync's
-    but with nothing around it (best of ``reps``; rolled back, so the snapshot stays as synced)."""
+    """The diff of a headline-density step as a one-rank delta runs it (its stream read in lists,
+    the snapshot store's kernel batches), same process and memory as the sync's but with nothing
+    around it (best of ``reps``; rolled back, so the snapshot stays as synced)."""
     from delta_sync.gc_hold import gc_held  # as the sync holds it
+    from delta_sync.prepare import DeltaDiff, TensorStream
 
     _perturb(state, HEADLINE_DENSITY, g)
-    items, best = list(state.items()), float("inf")
+    best = float("inf")
     for _ in range(reps):
         with gc_held():
             t0 = time.perf_counter()
-            sync.store.prepare_many(items)
+            diff = DeltaDiff(TensorStream(state.items(), sync.name_map, sync.dtype, "bench"), sync.store,
+                             sync._catalog, None, {})
+            diff.batched = True
+            for _ready in diff:
+                pass
             best = min(best, time.perf_counter() - t0)
             sync.store.rollback()
     return round(best, 4)

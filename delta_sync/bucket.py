@@ -352,10 +352,8 @@ class BucketPacker:
         if self.catalog is None:
             return out
         cat, last = self.catalog, self._table_last
-        ids = list(map(cat.ids.get, b.names))
-        if (None not in ids and ids[0] > last and all(map(operator.lt, ids, ids[1:]))
-                and list(map(cat.shapes.__getitem__, ids)) == list(b.shapes)
-                and list(map(cat.dtypes.__getitem__, ids)).count(dname) == len(ids)):
+        ids = cat.run_ids(b.names, b.shapes, dname)
+        if ids is not None and ids[0] > last:
             self._table_last = ids[-1]
             return ids
         for k, (name, shape) in enumerate(zip(b.names, b.shapes)):
@@ -476,7 +474,7 @@ class BucketPacker:
         where = f"bucket {self.seq} of v{self.version}"
         table = dense = None
         if fill.dense:  # (its digests: written with its values)
-            dense = DenseTable(self.dense, torch.tensor(fill.t_ids), None,
+            dense = DenseTable(self.dense, native.host_ints(fill.t_ids), None,
                                {k: vals[k][vals[k].numel() - n:] for k, n in fill.t_vals.items()}, len(fill.entries),
                                where, key)
         if dense is not None or any(p.dense for _, p, _, _ in fill.parts):  # bulk buckets: one fused pass per range
@@ -487,7 +485,7 @@ class BucketPacker:
         if fill.t_ids and dense is None:
             j_vals = {k: vals[k].numel() - n for k, n in fill.t_vals.items()}
             self._write_sparse(fill.t_parts, idx, vals, j_idx, j_vals)
-            table = TableSlice(self.catalog, torch.tensor(fill.t_ids), torch.tensor(fill.t_counts), idx[j_idx:],
+            table = TableSlice(self.catalog, native.host_ints(fill.t_ids), native.host_ints(fill.t_counts), idx[j_idx:],
                                {k: vals[k][j_vals[k]:] for k in fill.t_vals}, where)
         header = {"version": self.version, "seq": self.seq, "last": last, "kind": self.kind,
                   "entries": list(fill.entries), "index_count": int(idx.numel()),
@@ -697,11 +695,11 @@ def check_table(table: TableSlice, kept: str | None = None) -> None:
     """Order, bounds and finiteness of a table's entries: one pass of the host kernel and one scan
     per value buffer; elsewhere, or to name what is wrong, :func:`check_sparse_entries` over its
     entries stated as JSON entries would be."""
-    counts, limits = table.counts.tolist(), table.catalog.numel[table.ids].tolist()
-    ok = native.sparse_in_order(table.indices, counts, limits)
+    limits = table.catalog.numel[table.ids]
+    ok = native.sparse_in_order(table.indices, table.counts, limits)
     if ok is None:  # buffers off the host: the torch checks over the table's columns, no entry per tensor
         names, ids = table.catalog.names, table.ids.tolist()
-        _check_order_bounds(counts, limits, table.indices, kept, lambda k: names[ids[k]])
+        _check_order_bounds(table.counts.tolist(), limits.tolist(), table.indices, kept, lambda k: names[ids[k]])
         ok = True
     if ok and not any(nonfinite_count(v) for v in table.values.values()):
         return

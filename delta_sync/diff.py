@@ -156,12 +156,15 @@ class BitwiseDiff:
         return batches, out
 
     def absorb_known(self, olds: list[torch.Tensor], news: list[torch.Tensor], known: list[KernelFacts],
-                     new_ptrs: list[int], members: list[int] | None = None) -> "Absorbed":
+                     new_ptrs: list[int], members: list[int] | None = None,
+                     facts: tuple[list[int], list[int]] | None = None) -> "Absorbed":
         """:meth:`absorb_batched` of pairs the caller found ready for the host kernel (present) in one
         element width: each ``old``'s facts ``known``, each new tensor host memory of its shape and
         dtype, contiguous, at ``new_ptrs`` (8-byte aligned). One batch (``members``: the pairs'
-        positions in the caller's list, 0.. by default); all or nothing."""
-        facts = ([k.words for k in known], [k.ptr for k in known], new_ptrs)
+        positions in the caller's list, 0.. by default); all or nothing. ``facts``: the words and
+        addresses of ``known`` as two lists, where the caller keeps them."""
+        words, ptrs = facts if facts is not None else ([k.words for k in known], [k.ptr for k in known])
+        facts = (words, ptrs, new_ptrs)
         found = self._scan_batch(olds, news, known[0].width, facts)
         return Absorbed(list(range(len(olds))) if members is None else members, *found)
 

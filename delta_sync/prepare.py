@@ -13,8 +13,10 @@ FSDP's ``full_tensor`` are collective, and the other ranks are still in them.
 
 from __future__ import annotations
 
+import operator
 import time
-from typing import Callable, Iterable, Iterator
+from itertools import islice
+from typing import Callable, Iterable, Iterator, NamedTuple
 
 import torch
 
@@ -35,6 +37,23 @@ DIFF_BATCH_BYTES = 256 << 20
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_PLAIN_TYPES = frozenset(_PLAIN)
+_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
+_DTYPE, _GRAD, _NBYTES = (operator.attrgetter(a) for a in ("dtype", "requires_grad", "nbytes"))
+
+
+class Chunk(NamedTuple):
+    """Consecutive items of a stream, all plain tensors checked as a whole (:meth:`TensorStream.chunks`):
+    stream positions ``seq``, ``seq + 1``, ..., their checkpoint names and tensors, their bytes."""
+
+    seq: int
+    names: list[str]
+    tensors: list[torch.Tensor]
+    nbytes: int
+
+    def items(self) -> Iterator[tuple[int, str, torch.Tensor]]:
+        """``(seq, name, tensor)`` of each, as :meth:`TensorStream.__iter__` gives them."""
+        return zip(range(self.seq, self.seq + len(self.names)), self.names, self.tensors)
 
 
 def _materialize(t: torch.Tensor) -> torch.Tensor:
@@ -62,10 +81,52 @@ class TensorStream:
         self.named_tensors, self.name_map, self.dtype, self.kept = named_tensors, name_map, dtype, kept
         self.seen: dict[str, int] = {} if seen is None else seen
         self.elements = 0
+        self.nbytes = 0  # of the tensors in ``seen``
 
     def __iter__(self) -> Iterator[tuple[int, str, torch.Tensor | Exception]]:
+        return self._items(enumerate(self.named_tensors))
+
+    def chunks(self, room: Callable[[], int]) -> Iterator[Chunk | list[tuple[int, str, torch.Tensor | Exception]]]:
+        """The stream a list at a time, each of at most ``room()`` items (asked before each list is
+        read: the consumer bounds what it holds). A list of plain tensors of the wanted dtype under
+        names not seen before comes as a :class:`Chunk`, checked with whole-list operations (a
+        model's ~19k tensors then cost no Python step each); any other as the items of
+        :meth:`__iter__` (the same results, in the same order)."""
+        it, seq = iter(self.named_tensors), 0
+        while True:
+            pairs = list(islice(it, max(1, room())))
+            if not pairs:
+                return
+            chunk = self._plain(pairs, seq)
+            yield chunk if chunk is not None else list(self._items(enumerate(pairs, seq)))
+            seq += len(pairs)
+
+    def _plain(self, pairs: list, seq: int) -> Chunk | None:
+        """``pairs`` as a :class:`Chunk` where every one is a plain tensor of the wanted dtype under a
+        name mapped, new and given once (counted in ``seen`` and ``elements``); else None, nothing
+        counted."""
+        tensors = list(map(_SECOND, pairs))
+        if not set(map(type, tensors)) <= _PLAIN_TYPES:
+            return None
+        want = self.dtype
+        if want is not None and list(map(_DTYPE, tensors)).count(want) != len(tensors):
+            return None
+        many = getattr(self.name_map, "many", None)
+        names = many(list(map(_FIRST, pairs))) if many is not None else list(map(self.name_map, map(_FIRST, pairs)))
+        if None in names or len(set(names)) != len(names) or not self.seen.keys().isdisjoint(names):
+            return None
+        if any(map(_GRAD, tensors)):
+            tensors = [t.detach() if t.requires_grad else t for t in tensors]
+        sizes = list(map(_NBYTES, tensors))
+        self.seen.update(zip(names, sizes))
+        total = sum(sizes)
+        self.elements += total // want.itemsize if want is not None else sum(map(torch.Tensor.numel, tensors))
+        self.nbytes += total
+        return Chunk(seq, names, tensors, total)
+
+    def _items(self, pairs: Iterable[tuple[int, tuple]]) -> Iterator[tuple[int, str, torch.Tensor | Exception]]:
         name_map, seen, want = self.name_map, self.seen, self.dtype
-        for seq, (mname, tensor) in enumerate(self.named_tensors):
+        for seq, (mname, tensor) in pairs:
             name = name_map(mname)
             if name is None:
                 continue
@@ -73,7 +134,8 @@ class TensorStream:
             if type(tensor) in _PLAIN and (want is None or tensor.dtype is want) and name not in seen:
                 t = tensor.detach() if tensor.requires_grad else tensor
                 self.elements += t.numel()
-                seen[name] = t.nbytes
+                seen[name] = nbytes = t.nbytes
+                self.nbytes += nbytes
                 yield seq, name, t
                 continue
             try:
@@ -97,7 +159,8 @@ class TensorStream:
                                        kept=self.kept)
         n = t.numel()
         self.elements += n
-        self.seen[name] = n * t.element_size()
+        self.seen[name] = nbytes = n * t.element_size()
+        self.nbytes += nbytes
         return t
 
 
@@ -114,7 +177,10 @@ class DeltaDiff:
         self.fast = sharded is not None and sharded.ready()  # the source diffs its own shards
         self.kept = tensors.kept
         self.failure: BaseException | None = None
-        self.batch: list[tuple[int, str, torch.Tensor]] = []  # owned, not yet diffed
+        # owned, not yet diffed: stream positions, checkpoint names, tensors
+        self.seqs: list[int] = []
+        self.names: list[str] = []
+        self.news: list[torch.Tensor] = []
         self.held = 0  # bytes in the batch
         #: the kernel's batches come whole (:class:`~delta_sync.patch.PatchBatch`; with several
         #: ranks, each tensor's stream position in ``seqs``), for a packer or a gather; else one
@@ -133,15 +199,14 @@ class DeltaDiff:
             self.timings["diff_s"] += time.perf_counter() - t0
             yield out
             return
-        catalog, store, seen, batch = self.catalog, self.store, self.tensors.seen, self.batch
-        alone = store.world_size == 1
-        for seq, name, t in self.tensors:
-            if alone and self.failure is None and name in catalog and type(t) in _PLAIN:
-                batch.append((seq, name, t))  # (per tensor of ~19k: one rank's usual case, inline)
-                self.held += seen[name]
-                ready = self._diff_batch() if len(batch) >= DIFF_BATCH_TENSORS or self.held >= DIFF_BATCH_BYTES else []
+        catalog, alone = self.catalog, self.store.world_size == 1
+        for got in self.tensors.chunks(self._room):
+            if type(got) is Chunk and alone and self.failure is None and all(map(catalog.__contains__, got.names)):
+                ready = self._add(got)  # (one rank's usual case: a list of tensors, no step per tensor)
             else:
-                ready = self._take(seq, name, t)
+                ready = []
+                for seq, name, t in (got.items() if type(got) is Chunk else got):
+                    ready += self._take(seq, name, t)
             if ready:
                 self.timings["diff_s"] += time.perf_counter() - t0
                 yield ready
@@ -152,6 +217,25 @@ class DeltaDiff:
             raise self.failure
         if ready:
             yield ready
+
+    def _room(self) -> int:
+        """Tensors to read next: what the batch has room for, by count and, at the stream's mean
+        tensor so far, by bytes (at least one)."""
+        stream = self.tensors
+        mean = stream.nbytes // len(stream.seen) if stream.seen else DIFF_BATCH_BYTES
+        return max(1, min(DIFF_BATCH_TENSORS - len(self.names), (DIFF_BATCH_BYTES - self.held) // max(1, mean)))
+
+    def _full(self) -> bool:
+        return len(self.names) >= DIFF_BATCH_TENSORS or self.held >= DIFF_BATCH_BYTES
+
+    def _add(self, chunk: Chunk) -> list[Ordered]:
+        """A chunk of tensors this rank owns (all of them, in the seed) into the batch; the batch's
+        patches once it is full."""
+        self.seqs.extend(range(chunk.seq, chunk.seq + len(chunk.names)))
+        self.names += chunk.names
+        self.news += chunk.tensors
+        self.held += chunk.nbytes
+        return self._diff_batch() if self._full() else []
 
     def _take(self, seq: int, name: str, t: torch.Tensor | Exception) -> list[Ordered]:
         """Add one tensor to the batch if this rank owns it; the batch's patches once it is full."""
@@ -165,9 +249,11 @@ class DeltaDiff:
                                            "needs a new seed)", kept=self.kept)
             nbytes = self.tensors.seen[name]  # (counted by the stream)
             if self.store.owns(name, nbytes):
-                self.batch.append((seq, name, t))
+                self.seqs.append(seq)
+                self.names.append(name)
+                self.news.append(t)
                 self.held += nbytes
-                if len(self.batch) >= DIFF_BATCH_TENSORS or self.held >= DIFF_BATCH_BYTES:
+                if self._full():
                     return self._diff_batch()
         except Exception as e:  # noqa: BLE001 - raised once the stream is read to its end
             self.failure = e
@@ -181,14 +267,16 @@ class DeltaDiff:
             return []
 
     def _diffed(self) -> list[Ordered]:
-        patches = self.store.prepare_many([(name, t) for _, name, t in self.batch], batched=self.batched)
-        out = [Ordered(seq, p) for (seq, _, _), p in zip(self.batch, patches) if p is not None]
+        seqs, names = self.seqs, self.names
+        patches = self.store.prepare_many(list(zip(names, self.news)), batched=self.batched,
+                                          streamed=self.tensors.dtype or True)
+        out = [Ordered(seq, p) for seq, p in zip(seqs, patches) if p is not None]
         if self.batched and self.store.world_size > 1 and any(isinstance(o.patch, PatchBatch) for o in out):
-            seq_of = {name: seq for seq, name, _ in self.batch}  # (the ranks' gather orders a batch's tensors by it)
+            seq_of = dict(zip(names, seqs))  # (the ranks' gather orders a batch's tensors by it)
             for o in out:
                 if isinstance(o.patch, PatchBatch):
                     o.patch.seqs = [seq_of[n] for n in o.patch.names]
-        self.batch.clear()
+        self.seqs, self.names, self.news = [], [], []
         self.held = 0
         return out
 
@@ -196,7 +284,7 @@ class DeltaDiff:
         """The stream ended: diff what is left, check nothing seeded was left out, let a sharded
         source settle (collective on every rank, even one that failed)."""
         ready: list[Ordered] = []
-        if self.failure is None and self.batch:
+        if self.failure is None and self.names:
             try:
                 ready = self._diff_batch()
             except Exception as e:  # noqa: BLE001 - raised once the stream is read to its end

@@ -14,6 +14,7 @@ patch's indices (memory O(changed)): :meth:`commit` then has nothing left to wri
 
 from __future__ import annotations
 
+import functools
 import operator
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
@@ -71,19 +72,52 @@ class _Staged:
 _NAME, _TENSOR = operator.itemgetter(0), operator.itemgetter(1)
 _SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
 _GRAD, _ON_HOST = operator.attrgetter("requires_grad"), operator.attrgetter("is_cpu")
+_KERNEL, _WIDTH, _WORDS, _PTR = (operator.attrgetter(a) for a in ("kernel", "width", "words", "ptr"))
+#: delta batch plans a store keeps (a model's ~19k tensors make ~10 batches)
+MAX_PLANS = 256
 
 
 class _Members(NamedTuple):
     """A kernel batch's members, in member order: checkpoint names, the tensors diffed, the caller's
-    tensors (a full patch copies where they are the same memory), snapshot facts, positions in the
-    output."""
+    tensors (a full patch copies where they are the same memory), their snapshots' shapes, dtypes
+    (``dtype``: the one of all, else None) and 64-bit words (int64, on the host), the element width
+    the kernel scanned them with, positions in the output."""
 
     names: list[str]
     news: list[torch.Tensor]
     given: list[torch.Tensor]
-    facts: list["_Facts"]
+    shapes: list[tuple[int, ...]]
+    dtypes: list[torch.dtype]
+    dtype: torch.dtype | None
+    words: torch.Tensor
+    width: int
     at: list[int] | range
 
+    @classmethod
+    def of(cls, names: list[str], news: list[torch.Tensor], given: list[torch.Tensor], facts: list["_Facts"],
+           at: list[int] | range) -> "_Members":
+        dtypes = list(map(_DTYPE, facts))
+        return cls(names, news, given, list(map(_SHAPE, facts)), dtypes, _one(dtypes),
+                   torch.tensor([f.kernel.words for f in facts], dtype=torch.int64), facts[0].kernel.width, at)
+
+
+def _one(dtypes: list[torch.dtype]) -> torch.dtype | None:
+    """The dtype all of ``dtypes`` are, else None."""
+    return dtypes[0] if dtypes and dtypes.count(dtypes[0]) == len(dtypes) else None
+
+
+class _Plan(NamedTuple):
+    """A delta batch of these names as the host kernel and the patches need its snapshots, worked
+    out at its first delta and kept while the snapshots live (their memory never moves; a commit
+    that replaces one, a reset or a clear forgets every plan): the next delta of the same names
+    checks only the new tensors against it."""
+
+    names: list[str]
+    bases: list[torch.Tensor]
+    known: list[KernelFacts]
+    words: list[int]
+    ptrs: list[int]
+    members: "_Members"  # (news, given and at filled in per delta)
 
 class _Facts(NamedTuple):
     """What a delta needs of a snapshot, fixed while it lives: the kernel's facts, its shape, dtype."""
@@ -120,6 +154,7 @@ class SnapshotStore:
         #: each snapshot's kernel facts, shape and dtype, worked out at its first diff (a snapshot's
         #: memory never moves): a delta reads them here, not from the tensor (~19k tensors at 30B-A3B)
         self._facts: dict[str, _Facts] = {}
+        self._plans: dict[tuple[str, int] | None, _Plan] = {}  # by first name and length (see _Plan)
         #: a delta's kernel batches: each one's old bits and the snapshots they go back into
         self._undo: list[tuple[Absorbed, list[torch.Tensor]]] = []
 
@@ -145,17 +180,19 @@ class SnapshotStore:
         """
         return self.prepare_many([(name, tensor)], full=full)[0]
 
-    def prepare_many(self, items: list[tuple[str, torch.Tensor]], *, full: bool = False, batched: bool = False
-                     ) -> list[Patch | PatchBatch | None]:
+    def prepare_many(self, items: list[tuple[str, torch.Tensor]], *, full: bool = False, batched: bool = False,
+                     streamed: torch.dtype | bool = False) -> list[Patch | PatchBatch | None]:
         """:meth:`prepare` of ``(name, tensor)`` items, their diffs run together (a model's many small
         tensors share the host kernel's calls). A bad item raises before anything of ``items`` is
         diffed; what was staged before stays staged until :meth:`rollback`.
 
         With ``batched``, the sparse patches of the tensors the kernel scanned together come as one
         :class:`~delta_sync.patch.PatchBatch` per element width, at the position of its first tensor
-        (None at the others', and where nothing changed): no Python object per changed tensor."""
+        (None at the others', and where nothing changed): no Python object per changed tensor.
+        ``streamed``: the tensors come from a :class:`~delta_sync.prepare.TensorStream` (none needs
+        its gradient dropped), of the dtype given here where it is one (that of the stream)."""
         if not full and self._facts:
-            known = self._prepare_known(items, batched)
+            known = self._prepare_known(items, batched, streamed)
             if known is not None:
                 return known
         out: list[Patch | PatchBatch | None] = [None] * len(items)
@@ -206,35 +243,59 @@ class SnapshotStore:
             self._diff(items, diffs, pairs, facts, batched, out)
         return out
 
-    def _prepare_known(self, items: list[tuple[str, torch.Tensor]], batched: bool) -> list | None:
+    def _prepare_known(self, items: list[tuple[str, torch.Tensor]], batched: bool, streamed: torch.dtype | bool
+                       ) -> list | None:
         """:meth:`prepare_many` of a delta whose every tensor the host kernel scans in one width: each
         one's snapshot and its facts known, the new tensor host memory of the snapshot's shape and
         dtype, contiguous, word-aligned (the usual delta of a host trainer). Those checks run over
-        whole lists (map of C calls, list compares), not as a Python step per tensor; None where one
-        does not hold: the general path then decides (and names the tensor)."""
+        whole lists (map of C calls, list compares) against the batch's :class:`_Plan`, not as a
+        Python step per tensor; None where one does not hold: the general path then decides (and
+        names the tensor)."""
         if self.device.type != "cpu" or not self.differ.use_native or native.kernel() is None:
             return None
         names, news = list(map(_NAME, items)), list(map(_TENSOR, items))
+        plan = self._plan(names)
+        if plan is None or (not streamed and any(map(_GRAD, news))) or not all(map(_ON_HOST, news)):
+            return None
+        ptrs = list(map(torch.Tensor.data_ptr, news))
+        if functools.reduce(operator.or_, ptrs, 0) & 7 or not all(map(torch.Tensor.is_contiguous, news)):
+            return None
+        m = plan.members
+        if list(map(_SHAPE, news)) != m.shapes:
+            return None
+        if streamed is not m.dtype or m.dtype is None:  # (a stream of the snapshots' one dtype: checked)
+            dtypes = list(map(_DTYPE, news))
+            if dtypes.count(m.dtype) != len(dtypes) if m.dtype is not None else dtypes != m.dtypes:
+                return None
+        self._unstaged_all(names)
+        out: list[Patch | PatchBatch | None] = [None] * len(items)
+        b = self.differ.absorb_known(plan.bases, news, plan.known, ptrs, facts=(plan.words, plan.ptrs))
+        self._take([(b, m._replace(news=news, given=news, at=range(len(items))), plan.bases)], batched, out)
+        return out
+
+    def _plan(self, names: list[str]) -> _Plan | None:
+        """The :class:`_Plan` of ``names`` (kept, or worked out now); None where one of them has no
+        snapshot, or they are not all of one width the kernel scans."""
+        key = (names[0], len(names)) if names else None
+        plan = self._plans.get(key)
+        if plan is not None and plan.names == names:  # (equal names are mostly the same objects)
+            return plan
         facts = list(map(self._facts.get, names))
         if None in facts:  # (the first delta after a seed: its snapshots' facts, worked out together)
             facts = self._facts_of(names, facts)
-        if facts is None or any(map(_GRAD, news)) or not all(map(_ON_HOST, news)):
+        if not facts:
             return None
-        known = [f.kernel for f in facts]
+        known = list(map(_KERNEL, facts))
         width = known[0].width
-        if not width or any(k.width != width for k in known):
+        if not width or list(map(_WIDTH, known)).count(width) != len(known):
             return None
-        ptrs = list(map(torch.Tensor.data_ptr, news))
-        if any(p & 7 for p in ptrs) or not all(map(torch.Tensor.is_contiguous, news)):
-            return None
-        if list(map(_SHAPE, news)) != [f.shape for f in facts] or list(map(_DTYPE, news)) != [f.dtype for f in facts]:
-            return None
-        self._unstaged_all(names)
         bases = list(map(self._base.__getitem__, names))
-        out: list[Patch | PatchBatch | None] = [None] * len(items)
-        b = self.differ.absorb_known(bases, news, known, ptrs)
-        self._take([(b, _Members(names, news, news, facts, range(len(items))), bases)], batched, out)
-        return out
+        plan = _Plan(list(names), bases, known, list(map(_WORDS, known)), list(map(_PTR, known)),
+                     _Members.of(names, [], [], facts, range(0)))
+        if len(self._plans) >= MAX_PLANS:
+            self._plans.clear()
+        self._plans[key] = plan
+        return plan
 
     def _facts_of(self, names: list[str], facts: list["_Facts | None"]) -> list["_Facts"] | None:
         """``facts`` (of ``names``) with the missing ones worked out from their snapshots together and
@@ -266,8 +327,8 @@ class SnapshotStore:
         taken = []
         for b in batches:
             at = [diffs[k][0] for k in b.members]
-            taken.append((b, _Members([items[i][0] for i in at], [diffs[k][1] for k in b.members],
-                                      [items[i][1] for i in at], [facts[k] for k in b.members], at),
+            taken.append((b, _Members.of([items[i][0] for i in at], [diffs[k][1] for k in b.members],
+                                         [items[i][1] for i in at], [facts[k] for k in b.members], at),
                           [pairs[k][0] for k in b.members]))
         self._take(taken, batched, out)
         if alone:
@@ -305,19 +366,15 @@ class SnapshotStore:
         """``b``'s sparse patches as one :class:`PatchBatch` per dtype (a kernel batch holds one
         element width), each at its first changed member's position of ``out``; full patches for
         those where dense is smaller (the batches' buffers then leave them out). The members' shapes,
-        dtypes and sizes are their snapshots' (``m.facts``): no call on a tensor per member."""
+        dtypes and sizes are their snapshots' (``m``): no call on a tensor per member."""
         counts = b.counts.tolist()
-        width = m.facts[0].kernel.width
-        words = torch.tensor([f.kernel.words for f in m.facts], dtype=torch.int64)
-        dense = b.counts * (4 + width) > words * 8  # dense_is_smaller, for every member at once
+        dense = b.counts * (4 + m.width) > m.words * 8  # dense_is_smaller, for every member at once
         for k in dense.nonzero().squeeze(1).tolist():
             out[m.at[k]] = Patch.full(m.names[k], _own(m.news[k], m.given[k]))
         nonzero = b.counts > 0
         changed = nonzero & ~dense
-        dtypes = [f.dtype for f in m.facts]
-        mixed = any(d is not dtypes[0] for d in dtypes)
-        for dt in dict.fromkeys(dtypes):
-            sparse = changed & torch.tensor([d is dt for d in dtypes]) if mixed else changed
+        for dt in (m.dtype,) if m.dtype is not None else dict.fromkeys(m.dtypes):
+            sparse = changed if m.dtype is not None else changed & torch.tensor([d is dt for d in m.dtypes])
             ks = sparse.nonzero().squeeze(1).tolist()
             if not ks:
                 continue
@@ -326,9 +383,9 @@ class SnapshotStore:
                 keep = torch.repeat_interleave(sparse, b.counts).to(idx.device)  # (counts live on the host)
                 idx, bits = idx[keep], bits[keep]
             if len(ks) == len(counts):  # (every member changed, sparse: the lists as they are)
-                names, shapes, kept = m.names, [f.shape for f in m.facts], counts
+                names, shapes, kept = m.names, m.shapes, counts
             else:
-                names, shapes, kept = [m.names[k] for k in ks], [m.facts[k].shape for k in ks], [counts[k] for k in ks]
+                names, shapes, kept = [m.names[k] for k in ks], [m.shapes[k] for k in ks], [counts[k] for k in ks]
             out[m.at[ks[0]]] = PatchBatch(names, shapes, dt, kept, idx, bits.view(dt))
 
     def adopt(self, name: str, tensor: torch.Tensor) -> None:
@@ -361,6 +418,7 @@ class SnapshotStore:
             if st.full is not None:  # (a delta's snapshots advanced during its diff already)
                 self._base[name] = st.full if st.full.shape == st.shape else st.full.reshape(st.shape)
                 self._facts.pop(name, None)
+                self._plans.clear()
         self._staged.clear()
         self._undo.clear()
         self._spare.clear()
@@ -385,6 +443,7 @@ class SnapshotStore:
         self._spare.update(self._base)
         self._base.clear()
         self._facts.clear()
+        self._plans.clear()
         self.version = None
 
     def clear(self) -> None:
@@ -394,6 +453,7 @@ class SnapshotStore:
         self._undo.clear()
         self._base.clear()
         self._facts.clear()
+        self._plans.clear()
         self._spare.clear()
         self.version = None
 

@@ -468,8 +468,8 @@ def test_a_delta_of_known_snapshots_checked_as_lists_equals_the_tensor_by_tensor
     taken = []
     real = SnapshotStore._prepare_known
 
-    def spy(self, items, batched):
-        got = real(self, items, batched) if self is stores["lists"] else None
+    def spy(self, items, *args):
+        got = real(self, items, *args) if self is stores["lists"] else None
         taken.append(got is not None)
         return got
     monkeypatch.setattr(SnapshotStore, "_prepare_known", spy)
@@ -509,6 +509,43 @@ def test_a_delta_of_known_snapshots_checked_as_lists_equals_the_tensor_by_tensor
         store.rollback()
         for n, t in base.items():
             assert torch.equal(int_view(store.snapshot_of(n)), int_view(t)), n
+
+
+def test_a_delta_plan_is_not_used_after_a_seed_moved_the_snapshots():
+    """A store keeps each delta batch's plan (its snapshots' addresses, words, shapes) from one delta
+    to the next; a seed gives the same names new snapshot memory, so the next delta of the same
+    names and shapes must diff against that, not the memory of the plan: exact patches, the new
+    snapshots advanced, the old ones untouched."""
+    g = torch.Generator().manual_seed(5)
+    state = {f"t{i}": torch.randn(64, generator=g).bfloat16() for i in range(5)}
+    store = SnapshotStore()
+    store.prepare_many(list(state.items()), full=True)
+    store.commit(0)
+    for v in (1, 2):  # the first delta learns the snapshots' facts, the second makes the plan
+        for t in state.values():
+            t.view(-1)[v::7] += 1
+        store.prepare_many(list(state.items()), batched=True)
+        store.commit(v)
+    assert store._plans
+    old = {n: store.snapshot_of(n) for n in state}
+    kept = {n: t.clone() for n, t in old.items()}
+    reseed = {n: torch.randn(64, generator=g).bfloat16() for n in state}
+    store.prepare_many(list(reseed.items()), full=True)
+    store.commit(3)
+    assert all(store.snapshot_of(n).data_ptr() != old[n].data_ptr() for n in state)
+    before = reseed
+    for v in (4, 5):  # (the first delta learns the new snapshots' facts, the second goes by a plan)
+        new = {n: t.clone() for n, t in before.items()}
+        for t in new.values():
+            t.view(-1)[v::5] += 1
+        got = _patches(store.prepare_many(list(new.items()), batched=True))
+        for n, t in new.items():
+            changed = (int_view(t) != int_view(before[n])).nonzero().squeeze(1)
+            assert got[n] == (changed.tolist(), int_view(t)[changed].tolist()), (v, n)
+            assert torch.equal(int_view(store.snapshot_of(n)), int_view(t)), (v, n)
+            assert torch.equal(int_view(old[n]), int_view(kept[n])), (v, n)  # the old memory is not written
+        store.commit(v)
+        before = new
 
 
 def test_a_bucket_whose_ranges_go_by_address_and_as_tensors_digests_each_right():

@@ -727,3 +727,47 @@ def test_a_delta_bucket_that_cannot_be_staged_fails_the_update_and_the_channel_s
     assert isinstance(got[1], MemoryError) and "bucket 1" in str(got[1])
     # deltas of several buckets: version 1's after its second were drained, and version 2 arrived whole
     assert got[2].version == 2 and got[2].kind == "delta" and len(got[2].tables) > 2
+
+
+@pytest.mark.parametrize("room", [1, 3, 64])
+def test_a_stream_read_in_lists_gives_what_it_gives_item_by_item(room):
+    """A delta reads its stream a list at a time (``TensorStream.chunks``): plain tensors of the
+    wanted dtype under new names are checked as whole lists, any list holding something else goes
+    item by item. Either way every item comes out as one by one: names mapped (wrapper prefixes
+    stripped, names mapped to None left out), a float32 tensor cast, an integer one refused, a
+    second tensor of one name refused, a parameter detached; and the names' bytes and the element
+    count are the same."""
+    from delta_sync.prepare import Chunk, TensorStream
+    from delta_sync.sync import default_name_map
+
+    g = torch.Generator().manual_seed(3)
+
+    def items():
+        out = [(f"w{i}", torch.randn(4 + i, generator=g).bfloat16()) for i in range(10)]
+        out.insert(2, ("module.wrapped", torch.randn(3, generator=g).bfloat16()))
+        out.insert(5, ("as_float", torch.randn(5, generator=g)))
+        out.insert(7, ("ints", torch.arange(4)))
+        out.insert(9, ("w1", torch.zeros(2, dtype=torch.bfloat16)))  # given twice
+        out.append(("param", torch.nn.Parameter(torch.randn(6, generator=g).bfloat16())))
+        out += [(f"x{i}", torch.randn(8, generator=g).bfloat16()) for i in range(7)]
+        return out
+
+    def name_map(name):
+        return None if name == "w3" else default_name_map(name)
+    name_map.many = lambda names: [name_map(n) for n in names]
+
+    def seen_of(stream, got):
+        return ([(seq, name, str(t) if isinstance(t, Exception) else (t.dtype, t.requires_grad, t.tolist()))
+                 for seq, name, t in got], dict(stream.seen), stream.elements, stream.nbytes)
+
+    pairs = items()
+    one = TensorStream(pairs, name_map, torch.bfloat16, "v0")
+    lists = TensorStream(pairs, name_map, torch.bfloat16, "v0")
+    chunks = list(lists.chunks(lambda: room))
+    flat = [x for c in chunks for x in (c.items() if isinstance(c, Chunk) else c)]
+    assert seen_of(lists, flat) == seen_of(one, list(one))
+    assert sum(len(c.names) if isinstance(c, Chunk) else len(c) for c in chunks) == len(pairs) - 1  # w3 left out
+    # the lists of plain tensors alone went whole (with room for all, the one list holds the others too)
+    assert any(isinstance(c, Chunk) for c in chunks) == (room < len(pairs))
+    errors = [str(t) for _, _, t in flat if isinstance(t, Exception)]
+    assert len(errors) == 2 and "ints" in errors[0] and "given twice" in errors[1]
