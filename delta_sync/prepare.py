@@ -289,7 +289,8 @@ class DeltaDiff:
                 ready = self._diff_batch()
             except Exception as e:  # noqa: BLE001 - raised once the stream is read to its end
                 self.failure = e
-        missing = [n for n in self.catalog if n not in self.tensors.seen]
+        seen = self.tensors.seen  # (without a failure, every name seen is in the catalogue: _take checks)
+        missing = [n for n in self.catalog if n not in seen] if len(seen) < len(self.catalog) else []
         if self.failure is None and missing:
             self.failure = PatchValidationError(
                 missing[0], f"left out of this delta with {len(missing) - 1} other seeded tensor(s): every "

@@ -267,7 +267,8 @@ class SnapshotStore:
             dtypes = list(map(_DTYPE, news))
             if dtypes.count(m.dtype) != len(dtypes) if m.dtype is not None else dtypes != m.dtypes:
                 return None
-        self._unstaged_all(names)
+        if not streamed:  # (a stream names each tensor once per update: its own check)
+            self._unstaged_all(names)
         out: list[Patch | PatchBatch | None] = [None] * len(items)
         b = self.differ.absorb_known(plan.bases, news, plan.known, ptrs, facts=(plan.words, plan.ptrs))
         self._take([(b, m._replace(news=news, given=news, at=range(len(items))), plan.bases)], batched, out)
