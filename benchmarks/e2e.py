@@ -546,6 +546,29 @@ def _diff_alone(sync, state: dict[str, torch.Tensor], g: torch.Generator, reps: 
     return round(best, 4)
 
 
+def _flat_pass(run, state: dict[str, torch.Tensor], g: torch.Generator, lr: float) -> None:
+    """``flat ...`` rows: the trainer's weights moved into :class:`~delta_sync.flat.FlatWeights`
+    (as a trainer whose weights live in flat buffers keeps them: Megatron's DDP, FSDP's flat
+    parameters), a delta-mode sync's seed, the headline deltas and an Adam step from them."""
+    from delta_sync import FlatWeights, WeightSync
+
+    engines = run.engines
+    flat = FlatWeights(list(state.items()))
+    state.clear()  # (its memory goes: the buffers hold the weights now)
+    state.update(flat.tensors)
+    sync = WeightSync(engines, mode="delta", dtype=torch.bfloat16, bucket_bytes=run.bucket, group=None)
+    try:
+        run(sync, "flat reseed", source=flat)
+        for k in range(1, REPEATS + 1):
+            _perturb(flat.tensors, HEADLINE_DENSITY, g)
+            run(sync, f"flat delta {HEADLINE_DENSITY:g}" + (f" #{k}" if k > 1 else ""), source=flat, repeat=k > 1)
+        _adam_step(flat.tensors, lr, g)
+        run(sync, "flat adam", source=flat)
+        sync.verify()
+    finally:
+        sync.close()
+
+
 def _trainer_rank(rank, world, port, files, url, bucket, densities, lr, timeout_s):
     """Every rank: the same full state through ``WeightSync.update`` (rank 0 drives the engine)."""
     import gc
@@ -564,13 +587,13 @@ def _trainer_rank(rank, world, port, files, url, bucket, densities, lr, timeout_
         rows = []
         digest_cost = _digest_marginal(state) if rank == 0 else None
 
-        def run(sync, label, density=None, repeat=False):
+        def run(sync, label, density=None, repeat=False, source=None):
             # settle: memory freed just now (the mapped checkpoint, perturbation temporaries) leaves RSS
             # before the sampler's last sample ahead of t0, which is the update's baseline
             time.sleep(5 * SAMPLE_S)
             dist.barrier()
             t0, c0 = time.monotonic(), cpu_times()
-            rep = sync.update(state.items())
+            rep = sync.update(state.items() if source is None else source)
             t1, c1 = time.monotonic(), cpu_times()
             row = {"label": label, "kind": rep.kind, "density": density, "version": rep.version,
                    "total_s": rep.timings.get("total_s", t1 - t0), "timings": dict(rep.timings),
@@ -621,6 +644,9 @@ def _trainer_rank(rank, world, port, files, url, bucket, densities, lr, timeout_
             diff_alone_s = _diff_alone(sync, state, g) if world == 1 else None
         finally:
             sync.close()
+        # the same trainer with its weights in flat buffers: deltas diff whole buffers
+        run.engines, run.bucket = engines, bucket
+        _flat_pass(run, state, g, lr)
         return {"pid": os.getpid(), "rows": rows, "verify_s": round(verify_s, 4), "verified": True,
                 "digest_marginal": digest_cost, "diff_alone_s": diff_alone_s}
     finally:
@@ -819,6 +845,9 @@ def _pass_summary(rows: list[dict], wire_s: float, digest_marginal_s: float = 0.
     seed = min(seeds, key=lambda r: r["total_s"]) if seeds else None
     full = min(fulls, key=lambda r: r["total_s"]) if fulls else None
     adam = by.get("adam")
+    flat_runs = [r for r in rows if r["label"].startswith("flat delta")]  # FlatWeights (_flat_pass)
+    flat = min(flat_runs, key=lambda r: r["total_s"]) if flat_runs else None
+    flat_adam = by.get("flat adam")
 
     def trainer_growth(row):
         if not row or not row.get("trainer_rss"):
@@ -848,6 +877,12 @@ def _pass_summary(rows: list[dict], wire_s: float, digest_marginal_s: float = 0.
         "delta_over_wire": _ratio(head and head["total_s"], wire_s),
         "delta_pause_over_wire": _ratio(head and head["pause_window_s"], wire_s),
         "adam_over_wire": _ratio(adam and adam["total_s"], wire_s),
+        # the same trainer, its weights in flat buffers (FlatWeights): the headline deltas and Adam
+        "flat_reseed_s": by.get("flat reseed", {}).get("total_s"),
+        "flat_delta_s": flat and flat["total_s"], "flat_delta_runs_s": [r["total_s"] for r in flat_runs],
+        "flat_delta_pause_s": flat and flat["pause_window_s"], "flat_adam_s": flat_adam and flat_adam["total_s"],
+        "flat_delta_over_wire": _ratio(flat and flat["total_s"], wire_s),
+        "flat_adam_over_wire": _ratio(flat_adam and flat_adam["total_s"], wire_s),
         # verification's cost, measured beside the sync, same run (see _digest_marginal): what the
         # digest adds to the sender's checking pass, the engine's digest of what it received, and
         # the engine's own bucket checks (check_s)
@@ -871,6 +906,12 @@ def _pass_summary(rows: list[dict], wire_s: float, digest_marginal_s: float = 0.
         "trainer_full_peak_over_model": worst(fulls, trainer_growth),
         "trainer_delta_peak_over_model": worst(head_runs, trainer_growth),
     }
+
+
+def _headline(summary: dict, key: str = "delta_s") -> float | None:
+    """The headline density's value of a pass summary's per-density ``key``."""
+    head = summary.get("headline_density")
+    return None if head is None else (summary.get(key) or {}).get(f"{head:g}")
 
 
 def _plot(result: dict, path: Path) -> str | None:
@@ -1141,6 +1182,14 @@ def main(argv: list[str]) -> dict:
         "full_over_wire": s.get("full_over_wire"),
         "delta_over_wire": s.get("delta_over_wire"), "delta_pause_over_wire": s.get("delta_pause_over_wire"),
         "adam_over_wire": s.get("adam_over_wire"), "vllm_load_over_wire": result["vllm_load_over_wire"],
+        "flat_delta_s": s.get("flat_delta_s"), "flat_delta_pause_s": s.get("flat_delta_pause_s"),
+        "flat_adam_s": s.get("flat_adam_s"), "flat_reseed_s": s.get("flat_reseed_s"),
+        "flat_delta_over_wire": s.get("flat_delta_over_wire"),
+        # against vLLM's own load of the whole model from memory (the scale goals' yardstick)
+        **{f"{k}_over_vllm_load": _ratio(v, result.get("vllm_load_s"))
+           for k, v in (("seed", s.get("seed_s")), ("full", s.get("full_s")), ("delta", _headline(s)),
+                        ("delta_pause", _headline(s, "delta_pause_s")), ("flat_delta", s.get("flat_delta_s")),
+                        ("flat_delta_pause", s.get("flat_delta_pause_s")))},
         "verify_over_seed": s.get("verify_over_seed"), "sweep_over_delta": s.get("sweep_over_delta"),
         "engine_seed_peak_over_bucket": s.get("engine_seed_peak_over_bucket"),
         "engine_delta_peak_over_bucket": s.get("engine_delta_peak_over_bucket"),

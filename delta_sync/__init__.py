@@ -7,7 +7,7 @@ from .errors import (ChannelError, ChecksumMismatch, DeltaSyncError, EngineError
                      LayoutNotSupported, NeedsSeed, PatchValidationError)
 from .patch import Patch
 
-__all__ = ["WeightSync", "UpdateReport", "Patch", "DeltaSyncError", "PatchValidationError", "ChecksumMismatch",
+__all__ = ["WeightSync", "UpdateReport", "FlatWeights", "Patch", "DeltaSyncError", "PatchValidationError", "ChecksumMismatch",
            "GatherError", "ChannelError", "LayoutNotSupported", "NeedsSeed", "EngineError"]
 
 
@@ -16,4 +16,8 @@ def __getattr__(name):  # WeightSync pulls in torch.distributed; import it on fi
         from . import sync
 
         return getattr(sync, name)
+    if name == "FlatWeights":
+        from .flat import FlatWeights
+
+        return FlatWeights
     raise AttributeError(name)

@@ -86,6 +86,16 @@ def all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> None:
     dist.all_reduce(t, op=op, group=group)
 
 
+def all_agree(ok: bool, group) -> bool:
+    """True on every rank of ``group`` (a host group) where ``ok`` on all of them; ``ok`` itself
+    without an initialized world."""
+    if not dist.is_initialized():
+        return ok
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    all_reduce(flag, group, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
 def send(t: torch.Tensor, dst_group_rank: int, group) -> None:
     check("send", group, t)
     dist.send(t, global_rank(group, dst_group_rank), group=group)

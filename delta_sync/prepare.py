@@ -28,11 +28,13 @@ from .transfer import BucketSender, SendStats
 
 #: A delta's owned tensors are diffed in batches of at most this many tensors or bytes: the host
 #: kernel scans a batch of small tensors in a few calls instead of paying its per-call costs per
-#: tensor, and each batch waits for its slowest thread (small batches cost a large diff ~15%).
+#: tensor, and each batch waits for its slowest thread (small batches cost a large diff ~15%;
+#: a batch's own costs, ~0.5 ms, are paid ~2 times at 30B-A3B's ~19k tensors, not ~9).
 #: A batch is read after the later tensors of it were produced, so a stream that reuses one
 #: buffer for every tensor must yield copies; a stream of fresh tensors (an export) has at most
-#: this many bytes of them alive, not yet diffed.
-DIFF_BATCH_TENSORS = 2048
+#: this many bytes of them alive, not yet diffed (and the last list read: at the stream's mean
+#: tensor size so far, see ``DeltaDiff._room``).
+DIFF_BATCH_TENSORS = 8192
 DIFF_BATCH_BYTES = 256 << 20
 
 

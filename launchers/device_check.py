@@ -278,7 +278,7 @@ def check_in_place(device, g) -> dict:
 
 
 def check_fast_path(device, g) -> dict:
-    from update_weight.megatron_runs import host_runs, map_changes, owned_runs, place_runs, run_table
+    from delta_sync.runs import host_runs, map_changes, owned_runs, place_runs, run_table
 
     local = torch.arange(0, 4096)
     b0, n0, t0 = owned_runs(local[:1024], True)  # one run, shifted by 7 in the checkpoint

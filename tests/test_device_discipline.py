@@ -144,7 +144,7 @@ def test_loader_views_read_on_the_device():
 
 
 def test_fast_path_mapping_runs_where_the_shard_lives():
-    from update_weight.megatron_runs import few_runs, host_runs, owned_runs, place_runs, run_table
+    from delta_sync.runs import few_runs, host_runs, owned_runs, place_runs, run_table
 
     local = torch.arange(0, 32)
     (b0, n0, t0), (b1, n1, t1) = owned_runs(local[:16], True), owned_runs(local[16:], True)

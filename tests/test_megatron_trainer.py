@@ -230,7 +230,7 @@ def _digests_both_ways(rank, world, port, path, ep):
     """The fast path's shard digests, run by run and element by element, against the export's."""
     import torch.distributed as dist
 
-    import update_weight.megatron_runs as runs_mod
+    import delta_sync.runs as runs_mod
     import update_weight.megatron_shard_delta as fast
     from delta_sync.digest import digest_tensor
     from delta_sync.memory_receiver import MemoryReceiver

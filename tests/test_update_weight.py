@@ -93,10 +93,10 @@ def test_owned_runs_are_maximal(chunk, monkeypatch):
     local offsets ends a run."""
     import torch
 
-    from update_weight import megatron_runs
-    from update_weight.megatron_runs import expand, owned_runs
+    from delta_sync import runs as runs_mod
+    from delta_sync.runs import expand, owned_runs
 
-    monkeypatch.setattr(megatron_runs, "RUN_CHUNK", chunk)
+    monkeypatch.setattr(runs_mod, "RUN_CHUNK", chunk)
     # checkpoint order: local 2..7, foreign, 8..13, 30, 31 (int32, as small parameters' probes are)
     local = torch.tensor([2, 3, 4, 5, 6, 7, -1, 8, 9, 10, 11, 12, 13, 30, 31], dtype=torch.int32)
     mine = local >= 0
@@ -138,13 +138,13 @@ def test_a_delta_maps_every_parameters_changes_in_one_pass(way, monkeypatch):
     operations do."""
     import torch
 
-    from update_weight import megatron_runs
-    from update_weight.megatron_runs import FEW_RUNS, few_runs, map_changes, place_runs, run_table
+    from delta_sync import runs as runs_mod
+    from delta_sync.runs import FEW_RUNS, few_runs, map_changes, place_runs, run_table
 
     if way == "torch-ops":
-        monkeypatch.setattr(megatron_runs.native, "kernel", lambda: None)
+        monkeypatch.setattr(runs_mod.native, "kernel", lambda: None)
     else:
-        assert megatron_runs.native.kernel() is not None
+        assert runs_mod.native.kernel() is not None
 
     g = torch.Generator().manual_seed(0)
     # fused q/k/v-like blocks with gaps (elements owned elsewhere), runs in local order; then a
@@ -272,7 +272,7 @@ def test_fast_path_seed_check_catches_one_differing_element(long_runs):
     pass, one differing bit fails, whether its runs are compared slice by slice or element by element."""
     import torch
 
-    from update_weight.megatron_runs import LONG_RUNS, Runs
+    from delta_sync.runs import LONG_RUNS, Runs
     from update_weight.megatron_shard_delta import MegatronShardDelta
 
     rows, cols = 4, (LONG_RUNS if long_runs else 8)

@@ -4,7 +4,7 @@ Each element of a local parameter is given its own id (``rank << shift | offset`
 Bridge's own ``megatron_to_hf`` conversions; every converted element then names the rank and offset
 it came from. :class:`Planner` settles who owns each converted element, window by window (one
 exchange of codes for whole tensors, a per-element ``all_reduce(MIN)`` only where a rank holds part
-of one), and keeps this rank's runs (:func:`update_weight.megatron_runs.owned_runs`). In a one-pass
+of one), and keeps this rank's runs (:func:`delta_sync.runs.owned_runs`). In a one-pass
 seed the ids ride in the export itself (:class:`OnePassMapping`: an id and a value's bits in one
 int64, or apart for large tensors), and a task laid out as an earlier one (:func:`layout_key`) takes
 that task's map instead of converting a probe; :func:`same_bits` proves every owned element against
@@ -24,7 +24,7 @@ import torch.distributed as dist
 from delta_sync import collectives, native
 from delta_sync.diff import int_view
 
-from .megatron_runs import expand, long_runs, owned_runs
+from delta_sync.runs import expand, long_runs, owned_runs
 
 if TYPE_CHECKING:
     from .megatron_shard_delta import MegatronShardDelta

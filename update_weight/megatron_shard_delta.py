@@ -37,7 +37,7 @@ moving, a dtype cast), the fast path stays off and every delta takes the referen
 
 This module is the source's lifecycle (seed, delta, commit, rollback, digests); the map is learned
 in :mod:`update_weight.megatron_probes` and a delta's changes go through it in
-:mod:`update_weight.megatron_runs`.
+:mod:`delta_sync.runs`.
 """
 
 from __future__ import annotations
@@ -59,10 +59,10 @@ from delta_sync.errors import DeltaSyncError
 from delta_sync.digest import Digest, digest_elements, scan_many
 from delta_sync.gather import Ordered
 from delta_sync.patch import Patch, PatchBatch
+from delta_sync.runs import Runs, RunTable, build_runs, expand, long_runs, map_changes, run_table
 
 from .megatron_probes import (NOBODY, ONE_PASS_DTYPES, PACKED_MAX_ELEMENTS, OnePassMapping, Planner, clear_caches,
                               id_layout, layout_key, own_mask, peer_probes, same_bits, unpack_probe)
-from .megatron_runs import Runs, RunTable, build_runs, expand, long_runs, map_changes, run_table
 from .megatron_source import BridgeExportSource
 
 log = logging.getLogger(__name__)
@@ -309,11 +309,7 @@ class MegatronShardDelta(BridgeExportSource):
         return self._groups.host_group
 
     def _agree(self, ok: bool) -> bool:
-        if not dist.is_initialized():
-            return ok
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-        collectives.all_reduce(flag, self._host_group(), op=dist.ReduceOp.MIN)
-        return bool(flag.item())
+        return collectives.all_agree(ok, self._host_group() if dist.is_initialized() else None)
 
     def _world(self) -> int:
         return dist.get_world_size(self.group) if dist.is_initialized() else 1

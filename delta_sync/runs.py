@@ -1,5 +1,7 @@
-"""Where a rank's owned shard elements land in the checkpoint, as runs, and a delta's changed
-elements mapped through them (the fast path's per-delta work, :mod:`update_weight.megatron_shard_delta`).
+"""Where a rank's owned elements of flat buffers land in the checkpoint, as runs, and a delta's
+changed elements mapped through them: the per-delta work of the sources that diff their own
+buffers (:mod:`update_weight.megatron_shard_delta`'s Megatron shards, :mod:`delta_sync.flat`'s
+flat weights).
 
 A parameter's owned elements are kept as *runs* contiguous in both coordinates (local flat offset,
 length, checkpoint tensor, checkpoint flat index): a few per row of a weight, whatever Bridge's
