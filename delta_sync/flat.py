@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from . import collectives
 from .diff import BitwiseDiff, restore
-from .digest import Digest, scan_many
+from .digest import Digest, range_row, row_spec, rows_supported, scan_many, scan_rows
 from .gather import Ordered
 from .patch import PatchBatch, check_indexable, dtype_name
 from .runs import Runs, map_changes, run_table
@@ -262,7 +262,9 @@ class FlatWeights:
         return out
 
     def local_digests(self, names: set[str] | None = None) -> dict[str, Digest]:
-        """Digests of the committed values of this rank's tensors (whole: shares are whole tensors)."""
+        """Digests of the committed values of this rank's tensors (whole: shares are whole tensors),
+        as rows of one kernel scan where the snapshots are host memory (a sweep's window is hundreds
+        of tensors), else range by range."""
         chosen: list[tuple[str, torch.Tensor]] = []
         for name in (self.names if names is None else names):
             where = self._where.get(name)
@@ -272,7 +274,11 @@ class FlatWeights:
             i = where[1]
             if b.first <= i < b.last:
                 chosen.append((name, self._snaps[where[0]].narrow(0, b.offsets[i] - b.lo, b.numels[i])))
-        return {n: d for (n, _), (d, _) in zip(chosen, scan_many([(t, 0, None) for _, t in chosen]))}
+        if rows_supported() and all(t.is_cpu for _, t in chosen):
+            got = scan_rows([range_row(t.data_ptr(), t.numel(), 0, row_spec(t.dtype)) for _, t in chosen])
+        else:
+            got = scan_many([(t, 0, None) for _, t in chosen])
+        return {n: d for (n, _), (d, _) in zip(chosen, got)}
 
     # ---- ranks -----------------------------------------------------------------------------------
     def _world(self) -> int:
