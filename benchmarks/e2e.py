@@ -37,7 +37,9 @@ Last line: one JSON object with the ratios (``seed_over_wire``: a full-mode
 trainer's first update; ``reseed_over_wire``: a delta-mode trainer's seed, which also builds its
 snapshot; ``full_over_wire``, ``delta_over_wire``, ``delta_pause_over_wire``, ``verify_over_seed``,
 ``sweep_over_delta``, ``engine_seed_peak_over_bucket``, ``trainer_seed_peak_over_model``,
-``apply_over_native``, ``diff_over_copy``) and the times behind them.
+``apply_over_native``, ``diff_over_copy``; ``flat_*``: the same trainer with its weights moved into
+:class:`~delta_sync.flat.FlatWeights` after the stream's deltas, a seed, the headline deltas and an
+Adam step from it; ``*_over_vllm_load``: against vLLM's own load) and the times behind them.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ contiguous share of each buffer, whole tensors only: the shares are disjoint, th
 
 from __future__ import annotations
 
+import bisect
 import logging
 import operator
 from typing import Callable, Iterable, Iterator
@@ -60,7 +61,7 @@ class _Buffer:
         cuts = [0]
         for r in range(1, world):
             want = total * r // world
-            k = next((i for i, e in enumerate(ends) if e >= want), len(ends))
+            k = bisect.bisect_left(ends, want)  # the tensor the cut falls in: the rank that holds more of it
             cuts.append(max(cuts[-1], k if k == len(ends) or ends[k] - want > want - self.offsets[k] else k + 1))
         cuts.append(len(ends))
         self.first, self.last = cuts[rank], cuts[rank + 1]

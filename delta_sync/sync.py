@@ -279,6 +279,8 @@ class WeightSync:
             self.state = SyncState.NEEDS_SEED  # an engine restarted or lost its base: only a seed repairs it
             self._engines.drop_channel()  # a restarted engine also left the channel: rejoin everyone
         sharded = named_tensors if isinstance(named_tensors, ShardedSource) else None
+        if sharded is not None and not self._serves_dtype(sharded):
+            sharded = None  # read as the stream it also is, each tensor cast to this sync's dtype
         if sharded is not self.sharded:
             # One snapshot owner: a sharded source keeps its own shard snapshots, and while it serves
             # the deltas the plain snapshot store is not updated. After a switch neither knows what
@@ -292,6 +294,20 @@ class WeightSync:
             self._reset()  # the snapshot kept so far (at v-1) lends its memory to the seed's copy
             return "seed"
         return "full" if self.mode == "full" else "delta"
+
+    def _serves_dtype(self, source) -> bool:
+        """Can ``source``'s own deltas be this sync's (its floating weights of the dtype sent)? A source
+        that says its ``dtypes`` (FlatWeights) and holds others (fp32 master weights for a bf16 engine)
+        is read as a stream instead, cast tensor by tensor (logged once)."""
+        dtypes = getattr(source, "dtypes", None)
+        if self.dtype is None or dtypes is None or all(d == self.dtype or not d.is_floating_point for d in dtypes):
+            return True
+        if not getattr(source, "_dtype_warned", False):
+            source._dtype_warned = True
+            log.warning("delta-sync: %s holds %s weights but this sync sends %s: its deltas go tensor by tensor, "
+                        "each cast (keep the weights in %s to diff them whole)", type(source).__name__,
+                        sorted({str(d) for d in dtypes if d != self.dtype}), self.dtype, self.dtype)
+        return False
 
     def _settle(self, version: int, kind: str, outcome: Outcome, error: BaseException | None) -> None:
         """Every rank: commit ``version`` where rank 0's outcome is good, else roll back and raise."""

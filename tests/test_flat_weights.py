@@ -210,3 +210,24 @@ def test_snapshots_that_cannot_be_taken_leave_the_deltas_to_the_stream(monkeypat
             assert flat.ready() and not list(sync.store.snapshots())  # the buffers' snapshots took over
     finally:
         sync.close()
+
+
+def test_float32_flat_weights_for_a_bfloat16_sync_go_by_the_stream_cast(caplog):
+    """fp32 weights in FlatWeights, a sync that sends bf16: diffing the fp32 buffers would send fp32
+    bits, so the sync reads them as a stream, each tensor cast (logged once), exact in bf16."""
+    named = {n: t.float() for n, t in _named().items()}
+    flat = FlatWeights(named.items())
+    receiver = MemoryReceiver()
+    sync = WeightSync([receiver], mode="delta", dtype=torch.bfloat16, timeout_s=60)
+    g = torch.Generator().manual_seed(6)
+    try:
+        with caplog.at_level(logging.WARNING, logger="delta_sync.sync"):
+            assert sync.update(flat).kind == "seed"
+        assert "holds ['torch.float32'] weights but this sync sends torch.bfloat16" in caplog.text
+        for _ in range(2):
+            _step(flat.tensors, g)
+            assert sync.update(flat).kind == "delta"
+            assert receiver.mismatched([(n, t.bfloat16()) for n, t in flat.tensors.items()]) == []
+        assert sync.sharded is None and not flat.ready()
+    finally:
+        sync.close()
