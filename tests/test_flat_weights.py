@@ -231,3 +231,46 @@ def test_float32_flat_weights_for_a_bfloat16_sync_go_by_the_stream_cast(caplog):
         assert sync.sharded is None and not flat.ready()
     finally:
         sync.close()
+
+
+def _patches(out) -> dict[str, tuple[list[int], list[int]]]:
+    got = {}
+    for o in out:
+        b = o.patch
+        for name, idx, vals in zip(b.names, b.indices.split(b.counts), b.values.split(b.counts)):
+            got[name] = (idx.tolist(), vals.view(torch.int16).tolist())
+    return got
+
+
+def test_the_torch_op_path_a_device_runs_matches_the_kernel_with_no_op_per_tensor(monkeypatch):
+    """A device's FlatWeights delta takes the torch-op path (no host kernel): the same patches as the
+    kernel's, in the same number of torch operations and host syncs whether the buffers hold 40 or
+    400 tensors (counted by dispatch mode, as `bench skeleton --torch-path` counts them)."""
+    from delta_sync import native
+    from launchers.device_check import OpCounter
+
+    counts = []
+    for n in (40, 400):
+        g = torch.Generator().manual_seed(n)
+        named = {f"t{i}": torch.randn(3 + i % 7, 5, generator=g).bfloat16() for i in range(n)}
+        got = {}
+        for path in ("kernel", "torch"):
+            if path == "torch":
+                monkeypatch.setattr(native, "kernel", lambda: None)
+            flat = FlatWeights(named.items())
+            flat.seeded()
+            flat.commit()
+            _step(flat.tensors, torch.Generator().manual_seed(7), 0.1)
+            flat.local_patches()  # (its run tables made)
+            flat.rollback()
+            counter = OpCounter()
+            with counter:
+                out = flat.local_patches()
+            got[path] = _patches(out)
+            if path == "torch":
+                counts.append(counter.counts())
+            flat.rollback()
+        monkeypatch.undo()
+        assert got["kernel"] == got["torch"] and len(got["torch"]) == n
+    assert counts[0] == counts[1], counts  # ops and syncs: none per tensor
+    assert counts[0]["syncs"] <= 10
