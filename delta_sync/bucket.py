@@ -51,9 +51,10 @@ from .catalog import CODES, Catalog, CatalogBuilder, DenseTable, TableSlice, che
 from .digest import (MAX_WORDS, PUBLIC, Digest, DigestKey, checksum_bytes, digest_texts, nonfinite_count, parse_texts,
                      range_row, row_spec, rows_supported, scan_many, scan_rows_table)
 from .errors import ChecksumMismatch, PatchValidationError
-from .patch import DTYPE_NAMES, DTYPES, Patch, PatchBatch, Whole, dtype_name, first_true
+from .patch import DTYPE_NAMES, DTYPES, Patch, PatchBatch, Whole, WholeRun, dtype_name, first_true
 
 _ON_HOST = operator.attrgetter("is_cpu")
+_DTYPE, _SHAPE = operator.attrgetter("dtype"), operator.attrgetter("shape")
 #: per dtype a bucket carries: its name and its bytes per element
 _WIRE_DTYPES = {dt: (name, torch.empty(0, dtype=dt).element_size()) for dt, name in DTYPE_NAMES.items()}
 
@@ -240,18 +241,25 @@ class BucketPacker:
             where = first_true(~torch.isfinite(p.values))
             raise PatchValidationError(p.name, f"non-finite value at flat index {where}", index=where, kept=self.kept)
 
-    def pack(self, patches: Iterable[Patch | PatchBatch | Whole], close: bool = True) -> Iterator[Bucket]:
+    def pack(self, patches: Iterable[Patch | PatchBatch | Whole | WholeRun], close: bool = True,
+             fill: "_Filling | None" = None) -> Iterator[Bucket]:
         """Yield buckets; with ``close`` the last one has ``header['last'] = True`` (possibly with no
         entries); without it the caller packs the rest later (another ``pack`` that closes).
+        ``fill``: the bucket being filled, where a caller packs into one it holds (its last bucket
+        then stays open to it).
 
         A bucket's parts are only noted while it fills; at flush they are written into its buffers
         (carved from :attr:`arena` when set), dense ranges digested in the same pass."""
-        fill = _Filling()
+        own = fill is None
+        fill = _Filling() if own else fill
         room = self.bucket_bytes
         dense = self.dense
         ids, shapes, dtypes = (dense.ids, dense.shapes, dense.dtypes) if dense is not None else ({}, [], [])
         alone = self.direct_min_bytes if self.direct_min_bytes is not None else 1 << 62
         for p in patches:
+            if type(p) is WholeRun:
+                yield from self._pack_run(fill, p)
+                continue
             whole = type(p) is Whole
             if whole or (type(p) is Patch and p.indices is None):  # (a seed's ~19k tensors at 30B-A3B: inline)
                 t = p.tensor if whole else p.values
@@ -273,8 +281,40 @@ class BucketPacker:
                 yield from self._pack_batch(fill, p)
             else:
                 yield from self._pack_one(fill, p)
-        if close or not fill.empty:
+        if own and (close or not fill.empty):
             yield self._flush(fill, close)
+
+    def _pack_run(self, fill: "_Filling", run: WholeRun) -> Iterator[Bucket]:
+        """A run of whole tensors into ``fill``: those the catalogue of the last bulk update holds (in its
+        order, shape and dtype, each below ``direct_min_bytes``) that fit whole go in its dense
+        table a bucket's share at a time (a few list operations, no step per tensor), each one that
+        does not fit through :meth:`pack`'s own path (it splits it over buckets, by name); anything
+        else in the run goes tensor by tensor that way."""
+        names, tensors = run
+        dense, kind = self.dense, _WIRE_DTYPES.get(tensors[0].dtype) if tensors else None
+        ids = numels = None
+        if dense is not None and kind is not None and list(map(_DTYPE, tensors)).count(tensors[0].dtype) == len(tensors):
+            dname, per = kind
+            ids = dense.run_ids(names, list(map(_SHAPE, tensors)), dname)
+            numels = list(map(torch.Tensor.numel, tensors))
+            alone = self.direct_min_bytes if self.direct_min_bytes is not None else 1 << 62
+            if ids is not None and (ids[0] <= self._table_last or max(numels) * per >= alone or 0 in numels):
+                ids = None
+        if ids is None:  # (a first seed, a tensor new or reshaped, mixed dtypes: as single tensors)
+            yield from self.pack(run.wholes(), close=False, fill=fill)
+            return
+        ends = list(itertools.accumulate(numels, initial=0))
+        k, n = 0, len(names)
+        while k < n:
+            room = (self.bucket_bytes - fill.nbytes) // per
+            j = bisect.bisect_right(ends, ends[k] + room, lo=k + 1) - 1  # tensors k..j-1 fit whole
+            if j > k:
+                fill.add_dense_run(list(map(Whole, names[k:j], tensors[k:j])), ids[k:j], numels[k:j], dname, per)
+                self._table_last = ids[j - 1]
+                k = j
+            if k < n:  # tensor k does not fit in this bucket's room: split over buckets, as any would be
+                yield from self.pack([Whole(names[k], tensors[k])], close=False, fill=fill)
+                k += 1
 
     def _pack_one(self, fill: "_Filling", p: Patch, tid: int | None = None) -> Iterator[Bucket]:
         """``p`` into ``fill``, flushing it as it fills up; ``tid``: its table id, known already."""
@@ -577,6 +617,16 @@ class _Filling:
         t_vals, values = self.t_vals, self.values
         t_vals[dname] = t_vals.get(dname, 0) + n
         values[dname] = values.get(dname, 0) + n
+        self.nbytes += n * per
+
+    def add_dense_run(self, wholes: list[Whole], tids: list[int], numels: list[int], dname: str, per: int) -> None:
+        """:meth:`add_dense` of each of ``wholes`` (catalogued as ``tids``, of ``numels`` elements), as lists."""
+        self.dense = True
+        self.t_ids += tids
+        self.t_parts += zip(itertools.repeat(dname), wholes, itertools.repeat(0), numels)
+        n = sum(numels)
+        self.t_vals[dname] = self.t_vals.get(dname, 0) + n
+        self.values[dname] = self.values.get(dname, 0) + n
         self.nbytes += n * per
 
     def add_table(self, p: Patch, tid: int, dname: str, per: int, done: int, take: int) -> None:

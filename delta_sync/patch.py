@@ -163,6 +163,24 @@ class Whole(NamedTuple):
         return Patch.full(self.name, self.tensor)
 
 
+class WholeRun(NamedTuple):
+    """Consecutive whole tensors of a bulk update's stream (plain tensors, checked as a list by the
+    stream): what the packer puts in a bucket's dense table with a few list operations for all of
+    them where they are catalogued, fit and come in catalogue order, else one :class:`Whole` at a time."""
+
+    names: list[str]
+    tensors: list[torch.Tensor]
+
+    dense = True
+
+    @property
+    def count(self) -> int:
+        return sum(map(torch.Tensor.numel, self.tensors))
+
+    def wholes(self):
+        return map(Whole, self.names, self.tensors)
+
+
 @dataclass
 class PatchBatch:
     """Sparse patches of many tensors of one dtype in shared buffers, as one diff kernel batch

@@ -22,7 +22,7 @@ import torch
 
 from .errors import GatherError, PatchValidationError
 from .gather import Ordered
-from .patch import INT32_MAX, Patch, PatchBatch, Whole, check_indexable
+from .patch import INT32_MAX, Patch, PatchBatch, Whole, WholeRun, check_indexable
 from .snapshot import SnapshotStore
 from .transfer import BucketSender, SendStats
 
@@ -36,6 +36,10 @@ from .transfer import BucketSender, SendStats
 #: tensor size so far, see ``DeltaDiff._room``).
 DIFF_BATCH_TENSORS = 8192
 DIFF_BATCH_BYTES = 256 << 20
+#: A bulk update reads its stream a list of about this many bytes (at most this many tensors) at a
+#: time, handed to the packer whole: so many more of an export's fresh tensors are alive at once.
+BULK_READ_AHEAD_BYTES = 64 << 20
+BULK_READ_AHEAD_TENSORS = 2048
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -336,32 +340,45 @@ class BulkRead:
         #: a sharded source that expects to serve the deltas: no rank holds or stages its exported
         #: shares (asked once the stream started: the source plans first; the same on every rank)
         self.source_snapshots: bool | None = None
-        self._items = iter(tensors)
+        self._items = tensors.chunks(self._room)
 
-    def patches(self) -> Iterator[Whole]:
+    def _room(self) -> int:
+        """Tensors to read next: ``BULK_READ_AHEAD_BYTES`` at the stream's mean tensor so far."""
+        stream = self.tensors
+        mean = stream.nbytes // len(stream.seen) if stream.seen else BULK_READ_AHEAD_BYTES
+        return max(1, min(BULK_READ_AHEAD_TENSORS, BULK_READ_AHEAD_BYTES // max(1, mean)))
+
+    def patches(self) -> Iterator[Whole | WholeRun]:
         """The stream as whole tensors to pack (rank 0); ``prepare_s``: reading it and staging snapshots."""
         clock, timings = time.perf_counter, self.timings
         timings["prepare_s"] = 0.0
         defer, rank0 = self.defer, self.rank == 0
         t0 = clock()
-        for _, name, t in self._items:  # (per tensor of a seed's ~19k: inline)
+        for got in self._items:
             if self.source_snapshots is None:
                 self.source_snapshots = defer and expects_to_serve(self.sharded)
-            try:
-                if isinstance(t, Exception):
-                    raise t
-                if defer and not self.source_snapshots and self.store.owns(name, t.numel() * t.element_size()):
-                    self.later.append((name, t))
-                if rank0 and t.numel() > INT32_MAX:
-                    check_indexable(name, t.numel())
-            except Exception as e:  # noqa: BLE001 - raised once the stream has drained
-                self.failures.append(e)
+            if type(got) is Chunk and not defer and not (rank0 and max(map(torch.Tensor.numel, got.tensors)) > INT32_MAX):
                 timings["prepare_s"] += clock() - t0
-                return
-            timings["prepare_s"] += clock() - t0
-            if rank0:
-                yield Whole(name, t)
-            t0 = clock()
+                if rank0:  # (a list of plain tensors: the packer takes it whole)
+                    yield WholeRun(got.names, got.tensors)
+                t0 = clock()
+                continue
+            for _, name, t in (got.items() if type(got) is Chunk else got):
+                try:
+                    if isinstance(t, Exception):
+                        raise t
+                    if defer and not self.source_snapshots and self.store.owns(name, t.numel() * t.element_size()):
+                        self.later.append((name, t))
+                    if rank0 and t.numel() > INT32_MAX:
+                        check_indexable(name, t.numel())
+                except Exception as e:  # noqa: BLE001 - raised once the stream has drained
+                    self.failures.append(e)
+                    timings["prepare_s"] += clock() - t0
+                    return
+                timings["prepare_s"] += clock() - t0
+                if rank0:
+                    yield Whole(name, t)
+                t0 = clock()
         if self.source_snapshots is None:
             self.source_snapshots = defer and expects_to_serve(self.sharded)
         timings["prepare_s"] += clock() - t0

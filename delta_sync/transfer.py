@@ -28,7 +28,7 @@ from .bucket import Arena, Bucket, BucketPacker, DEFAULT_BUCKET_BYTES, TensorAss
 from .catalog import Catalog, CatalogBuilder, DenseTable, TableSlice
 from .channel import Channel
 from .errors import DeltaSyncError, PatchValidationError
-from .patch import Patch, PatchBatch, Whole, first_true
+from .patch import Patch, PatchBatch, Whole, WholeRun, first_true
 
 #: buckets alive at once on either side of a bulk update (one on the wire, one being packed/applied)
 BUCKETS_IN_FLIGHT = 2
@@ -211,7 +211,7 @@ class BucketSender:
         for p in patches:
             stats.source_s += clock() - t0
             stats.elements += p.count
-            if isinstance(p, PatchBatch):
+            if isinstance(p, (PatchBatch, WholeRun)):
                 names.update(p.names)
             elif p.count or p.dense:
                 names.add(p.name)
