@@ -258,3 +258,32 @@ def test_a_receiver_that_says_nothing_of_catalogues_gets_every_tensor_by_name():
         sync.update(state.items())
         assert any("dense" in h for h in headers) == by_id and not rx.mismatched(state.items())
         sync.close()
+
+
+@pytest.mark.parametrize("bucket_bytes", [1 << 20, 100, 64])
+def test_a_run_of_whole_tensors_packs_as_its_tensors_one_by_one(bucket_bytes):
+    """A bulk update's stream reaches the packer as runs of whole tensors (``WholeRun``): those the
+    catalogue holds that fit the bucket's room go into its dense table a share at a time, any other
+    (larger than the room left: split by name; not catalogued; reshaped) one by one. The buckets
+    are the same, header and bytes, as for the same tensors given one ``Whole`` at a time."""
+    from delta_sync.patch import WholeRun
+
+    g = torch.Generator().manual_seed(3)
+    sizes = [4, 9, 30, 2, 16, 5, 40, 3, 7, 1, 12, 6]
+    items = [(f"t{i}", torch.randn(n, generator=g).bfloat16()) for i, n in enumerate(sizes)]
+    cat = Catalog([n for n, _ in items if n != "t5"], [tuple(t.shape) for n, t in items if n != "t5"],
+                  ["bfloat16"] * (len(items) - 1))
+    items[8] = ("t8", items[8][1].reshape(7, 1))  # reshaped since the catalogue
+
+    def packed(stream):
+        packer = BucketPacker(1, "full", bucket_bytes)
+        packer.dense = cat
+        return list(packer.pack(stream))
+
+    one = packed([Whole(n, t) for n, t in items])
+    runs = packed([WholeRun([n for n, _ in items[a:b]], [t for _, t in items[a:b]]) for a, b in ((0, 4), (4, 5), (5, 6), (6, 8), (8, 12))])
+    assert len(one) == len(runs) > (1 if bucket_bytes < 1 << 20 else 0)
+    assert any(b.dense is not None for b in runs) and any(b.header["entries"] for b in runs)
+    for x, y in zip(one, runs):
+        assert x.header == y.header
+        assert x.values.keys() == y.values.keys() and all(torch.equal(x.values[k], y.values[k]) for k in x.values)
