@@ -13,6 +13,9 @@ the last delta of each size runs once more under a dispatch-mode counter on both
 operations per delta, and those that read data back or size their output by it (each one a
 device sync on an accelerator), with their slope per tensor.
 
+``--flat``: the sender's weights in :class:`~delta_sync.flat.FlatWeights` (each buffer diffed whole,
+its changes mapped through a run table) instead of separate tensors.
+
 Last line: one JSON object; ``launchers/device_check.sh --pipeline qwen3-30b-a3b --layers N`` runs
 the same pipeline at the real dimensions on a device.
 """
@@ -42,6 +45,7 @@ def main(argv: list[str]) -> dict:
     ap.add_argument("--density", type=float, default=0.002)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--torch-path", action="store_true", help="host kernels off: the code path devices run")
+    ap.add_argument("--flat", action="store_true", help="the sender's weights in FlatWeights (each buffer diffed whole)")
     args = ap.parse_args(argv)
     if args.torch_path:
         os.environ["DELTA_SYNC_NATIVE_DIFF"] = "0"  # before the first kernel() call of this process
@@ -57,7 +61,7 @@ def main(argv: list[str]) -> dict:
         shapes = skeleton_shapes(layers)
         t0 = time.perf_counter()
         got = bench_pipeline(device, torch.Generator().manual_seed(layers), shapes, args.density,
-                             count_ops=torch_ops)
+                             count_ops=torch_ops, source="flat" if args.flat else "stream")
         row = {"layers": layers, "tensors": len(shapes), "model_bytes": got["model_bytes"],
                "wall_s": round(time.perf_counter() - t0, 1),
                **{f"{kind}_{k}": v for kind in ("seed", "delta") for k, v in got[kind].items()}}
@@ -77,5 +81,6 @@ def main(argv: list[str]) -> dict:
         per_tensor[k[:-2] + "_us" if k.endswith("_s") else k] = round(b * scale, 3 if scale == 1 else 1)
         at_full[k] = round(a + b * FULL_TENSORS, 4)
     return {"bench": "skeleton", "path": "torch ops" if torch_ops else "host kernels",
+            "source": "FlatWeights" if args.flat else "a stream of tensors",
             "device": str(device), "density": args.density, "runs": rows, "per_tensor": per_tensor,
             f"at_{FULL_TENSORS}_tensors": at_full}

@@ -380,7 +380,7 @@ PIPELINES = {"qwen3-0.6b": lambda layers: qwen3_shapes(layers=layers or 28),
 
 def bench_pipeline(device, g, shapes: dict[str, tuple[int, ...]], density: float = 0.002,
                    profile_dir: str | None = None, count_ops: bool = False, stage: str = "host",
-                   profile_side: str = "sender") -> dict:
+                   profile_side: str = "sender", source: str = "stream") -> dict:
     """The library's bulk and delta paths on one device, against a device copy of the same bytes.
 
     A sender thread and a receiver thread share an in-process channel on the device (one GPU
@@ -394,13 +394,15 @@ def bench_pipeline(device, g, shapes: dict[str, tuple[int, ...]], density: float
     Every stage's throughput feeds docs/benchmarks.md's scale table. ``count_ops``: one more delta, its
     torch operations counted on both ends (:class:`OpCounter`; not among the timed runs). ``stage``:
     where the receiver keeps a delta until it applies it, as an engine's ``DELTA_SYNC_DELTA_STAGING``
-    (``staged_mb``: the device memory that held, from receipt to the apply)."""
+    (``staged_mb``: the device memory that held, from receipt to the apply). ``source``: the sender's
+    weights as separate tensors (``stream``: the snapshot store diffs them) or in
+    :class:`~delta_sync.flat.FlatWeights` (``flat``: each buffer diffed whole)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from delta_sync import accelerator
     from delta_sync.digest import scan_many
     from delta_sync.gc_hold import gc_held  # as WeightSync and the engine hold it
-    from delta_sync.patch import apply_patch
+    from delta_sync.patch import Patch, apply_patch
     from delta_sync.snapshot import SnapshotStore
     from delta_sync.transfer import receive_update, send_update
 
@@ -408,6 +410,12 @@ def bench_pipeline(device, g, shapes: dict[str, tuple[int, ...]], density: float
 
     sync = accelerator_sync(device)
     state = {n: _randn(math.prod(s), g, device).reshape(s) for n, s in shapes.items()}
+    flat = None
+    if source == "flat":
+        from delta_sync import FlatWeights
+
+        flat = FlatWeights(list(state.items()))
+        state = flat.tensors
     params, got, views = _engine_layout(state)  # the receiver's weights, fused as an engine's
     routes: list = []  # the receiver's TableRoutes, made at the first delta (an engine's, per catalogue)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
@@ -479,14 +487,23 @@ def bench_pipeline(device, g, shapes: dict[str, tuple[int, ...]], density: float
                 with gc_held(), profile if profile and profile_side == "sender" and v == profiled else \
                         counters["sender"] if v == counted else contextlib.nullcontext():
                     t0 = time.perf_counter()
-                    patches = [p for p in store.prepare_many(list(state.items()), full=kind != "delta",
-                                                             batched=kind == "delta") if p is not None]
+                    if flat is None:
+                        patches = [p for p in store.prepare_many(list(state.items()), full=kind != "delta",
+                                                                 batched=kind == "delta") if p is not None]
+                    elif kind == "delta":
+                        patches = [o.patch for o in flat.local_patches()]
+                    else:
+                        patches = [Patch.full(n, t) for n, t in state.items()]
                     sync()
                     t1 = time.perf_counter()
                     sending.append(t1)
                     send_update(tx, v, kind, patches)
                     t2 = time.perf_counter()
                     store.commit(v)
+                    if flat is not None:
+                        if kind != "delta":
+                            flat.seeded()  # (its snapshots are taken at the commit)
+                        flat.commit()
                     while len(done) <= v:
                         if fut.done():
                             fut.result()
@@ -580,6 +597,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="where the pipeline's receiver keeps a delta until it applies it")
     ap.add_argument("--density", type=float, default=0.002,
                     help="the pipeline's delta density (0.02: an Adam step's)")
+    ap.add_argument("--source", choices=["stream", "flat"], default="stream",
+                    help="the pipeline's weights as separate tensors or in FlatWeights")
     args = ap.parse_args(argv)
     from delta_sync import accelerator
     from delta_sync.channel import free_port
@@ -613,8 +632,8 @@ def main(argv: list[str] | None = None) -> dict:
         try:
             out["pipeline"] = dict(bench_pipeline(device, g, PIPELINES[args.pipeline](args.layers),
                                                   density=args.density, profile_dir=args.profile_dir, profile_side=args.profile_side,
-                                                  count_ops=args.count_ops, stage=args.stage),
-                                   shapes=args.pipeline, layers=args.layers, stage=args.stage)
+                                                  count_ops=args.count_ops, stage=args.stage, source=args.source),
+                                   shapes=args.pipeline, layers=args.layers, stage=args.stage, source=args.source)
         except Exception as e:  # noqa: BLE001 - report every part, then fail
             ok = False
             out["pipeline"] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:500]}
