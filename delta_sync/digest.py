@@ -750,10 +750,20 @@ CHECKSUM_PADS = 1 << 40
 
 
 def tensor_texts(tensors: list[torch.Tensor], key: DigestKey | None = None) -> list[str]:
-    """:meth:`Digest.hex` of each whole tensor under ``key`` (None: :data:`PUBLIC`), in order.
-    Contiguous host tensors are rows of one kernel scan, their texts written together (a verify
-    digests every one of a 30B-A3B's ~19k tensors: no digest object per tensor); any other
-    through :func:`scan_many`."""
+    """:meth:`Digest.hex` of each whole tensor under ``key`` (None: :data:`PUBLIC`), in order,
+    written together (a verify digests every one of a 30B-A3B's ~19k tensors: no digest object
+    per tensor)."""
+    return digest_texts(_tensor_table(tensors, key))
+
+
+def tensor_digests(tensors: list[torch.Tensor], key: DigestKey | None = None) -> list[Digest]:
+    """:func:`tensor_texts`, as digests."""
+    return [Digest.of_residues(r) for r in _tensor_table(tensors, key).tolist()]
+
+
+def _tensor_table(tensors: list[torch.Tensor], key: DigestKey | None) -> torch.Tensor:
+    """(n, lanes) residues of each whole tensor: contiguous host tensors as rows of one kernel scan,
+    any other through :func:`scan_many`."""
     table = torch.zeros(len(tensors), _LANES, dtype=torch.int64)
     rows, at, rest = [], [], []
     as_rows = rows_supported()
@@ -768,7 +778,7 @@ def tensor_texts(tensors: list[torch.Tensor], key: DigestKey | None = None) -> l
     if rest:
         table[rest] = torch.tensor([d for d, _ in scan_many([(tensors[k], 0, None) for k in rest], key=key)],
                                    dtype=torch.int64).view(-1, _LANES)
-    return digest_texts(table)
+    return table
 
 
 def add_texts(groups: list[list[str]], key: DigestKey | None = None) -> list[str]:

@@ -32,10 +32,10 @@ import torch.distributed as dist
 
 from . import collectives
 from .diff import BitwiseDiff, restore
-from .digest import Digest, range_row, row_spec, rows_supported, scan_many, scan_rows
+from .digest import Digest, tensor_digests
 from .gather import Ordered
-from .patch import PatchBatch, check_indexable, dtype_name
-from .runs import Runs, map_changes, run_table
+from .patch import check_indexable, dtype_name
+from .runs import Runs, map_changes, patch_batches, run_table
 
 log = logging.getLogger(__name__)
 
@@ -177,12 +177,12 @@ class FlatWeights:
         ok = list(map(torch.Tensor.data_ptr, self._live)) == self._ptrs
         return self._agreed(ok and (not shapes or list(map(_SHAPE, self._live)) == self.shapes))
 
-    def _agreed_snapshots(self, ok: bool) -> bool:
+    def _all(self, ok: bool) -> bool:
+        """``ok`` on every rank (collective where there are several)."""
         return collectives.all_agree(ok, self._host_group()) if self._world() > 1 else ok
 
     def _agreed(self, ok: bool) -> bool:
-        if self._world() > 1:
-            ok = collectives.all_agree(ok, self._host_group())
+        ok = self._all(ok)
         if not ok and not self._moved_warned:  # (logged once: every delta from here goes by the stream)
             self._moved_warned = True
             log.warning("delta-sync: a weight of FlatWeights no longer lies in its buffer (its storage was "
@@ -203,7 +203,7 @@ class FlatWeights:
                 snaps = [b.span().clone() for b in self._buffers]
             except Exception as e:  # noqa: BLE001 - e.g. out of memory: every rank falls back alike
                 snaps, problem = None, f"{type(e).__name__}: {e}"
-            self._snap_failed = not self._agreed_snapshots(problem is None)
+            self._snap_failed = not self._all(problem is None)
             if not self._snap_failed:
                 self._snaps = snaps
             else:  # the stream serves the deltas; WeightSync sends a seed first (it staged no snapshot)
@@ -226,7 +226,8 @@ class FlatWeights:
         for table, ks in self._run_tables():
             got = map_changes(table, [found[k][:2] for k in ks])
             if got is not None:
-                out += self._batches(*got)
+                names, shapes, dtypes = (list(map(lst.__getitem__, got[2])) for lst in (self.names, self.shapes, self.dtypes))
+                out += patch_batches(*got, names, shapes, dtypes)
         return sorted(out, key=lambda o: o.seq)
 
     def _run_tables(self) -> list:
@@ -246,26 +247,10 @@ class FlatWeights:
             self._tables = [(run_table(runs, ks, pos_of), ks) for ks in groups.values()]
         return self._tables
 
-    def _batches(self, idx: torch.Tensor, bits: torch.Tensor, seqs: list[int], counts: list[int]) -> list[Ordered]:
-        """Mapped changes as one :class:`PatchBatch` per dtype (a table holds one element width)."""
-        names, shapes, dtypes = (list(map(lst.__getitem__, seqs)) for lst in (self.names, self.shapes, self.dtypes))
-        out = []
-        for dt in dict.fromkeys(dtypes):
-            if dtypes.count(dt) == len(dtypes):
-                b = PatchBatch(names, shapes, dt, counts, idx, bits.view(dt), seqs)
-            else:  # (dtypes of one width in one table: bf16 and fp16 buffers, rare)
-                ks = [k for k, d in enumerate(dtypes) if d is dt]
-                keep = torch.repeat_interleave(torch.tensor([d is dt for d in dtypes], device=idx.device),
-                                               torch.tensor(counts, device=idx.device), output_size=idx.numel())
-                b = PatchBatch([names[k] for k in ks], [shapes[k] for k in ks], dt, [counts[k] for k in ks],
-                               idx[keep], bits[keep].view(dt), [seqs[k] for k in ks])
-            out.append(Ordered(b.seqs[0], b))
-        return out
-
     def local_digests(self, names: set[str] | None = None) -> dict[str, Digest]:
         """Digests of the committed values of this rank's tensors (whole: shares are whole tensors),
         as rows of one kernel scan where the snapshots are host memory (a sweep's window is hundreds
-        of tensors), else range by range."""
+        of tensors)."""
         chosen: list[tuple[str, torch.Tensor]] = []
         for name in (self.names if names is None else names):
             where = self._where.get(name)
@@ -275,11 +260,7 @@ class FlatWeights:
             i = where[1]
             if b.first <= i < b.last:
                 chosen.append((name, self._snaps[where[0]].narrow(0, b.offsets[i] - b.lo, b.numels[i])))
-        if rows_supported() and all(t.is_cpu for _, t in chosen):
-            got = scan_rows([range_row(t.data_ptr(), t.numel(), 0, row_spec(t.dtype)) for _, t in chosen])
-        else:
-            got = scan_many([(t, 0, None) for _, t in chosen])
-        return {n: d for (n, _), (d, _) in zip(chosen, got)}
+        return dict(zip([n for n, _ in chosen], tensor_digests([t for _, t in chosen])))
 
     # ---- ranks -----------------------------------------------------------------------------------
     def _world(self) -> int:

@@ -92,6 +92,11 @@ class TensorStream:
     def __iter__(self) -> Iterator[tuple[int, str, torch.Tensor | Exception]]:
         return self._items(enumerate(self.named_tensors))
 
+    def mean_nbytes(self, default: int) -> int:
+        """Bytes of the mean tensor read so far (``default`` before the first; at least 1): what a
+        consumer sizes its next :meth:`chunks` list by."""
+        return max(1, self.nbytes // len(self.seen) if self.seen else default)
+
     def chunks(self, room: Callable[[], int]) -> Iterator[Chunk | list[tuple[int, str, torch.Tensor | Exception]]]:
         """The stream a list at a time, each of at most ``room()`` items (asked before each list is
         read: the consumer bounds what it holds). A list of plain tensors of the wanted dtype under
@@ -227,9 +232,8 @@ class DeltaDiff:
     def _room(self) -> int:
         """Tensors to read next: what the batch has room for, by count and, at the stream's mean
         tensor so far, by bytes (at least one)."""
-        stream = self.tensors
-        mean = stream.nbytes // len(stream.seen) if stream.seen else DIFF_BATCH_BYTES
-        return max(1, min(DIFF_BATCH_TENSORS - len(self.names), (DIFF_BATCH_BYTES - self.held) // max(1, mean)))
+        mean = self.tensors.mean_nbytes(DIFF_BATCH_BYTES)
+        return max(1, min(DIFF_BATCH_TENSORS - len(self.names), (DIFF_BATCH_BYTES - self.held) // mean))
 
     def _full(self) -> bool:
         return len(self.names) >= DIFF_BATCH_TENSORS or self.held >= DIFF_BATCH_BYTES
@@ -344,9 +348,7 @@ class BulkRead:
 
     def _room(self) -> int:
         """Tensors to read next: ``BULK_READ_AHEAD_BYTES`` at the stream's mean tensor so far."""
-        stream = self.tensors
-        mean = stream.nbytes // len(stream.seen) if stream.seen else BULK_READ_AHEAD_BYTES
-        return max(1, min(BULK_READ_AHEAD_TENSORS, BULK_READ_AHEAD_BYTES // max(1, mean)))
+        return max(1, min(BULK_READ_AHEAD_TENSORS, BULK_READ_AHEAD_BYTES // self.tensors.mean_nbytes(BULK_READ_AHEAD_BYTES)))
 
     def patches(self) -> Iterator[Whole | WholeRun]:
         """The stream as whole tensors to pack (rank 0); ``prepare_s``: reading it and staging snapshots."""

@@ -20,6 +20,8 @@ import torch
 
 from delta_sync import native
 from delta_sync.accelerator import read_back
+from delta_sync.gather import Ordered
+from delta_sync.patch import PatchBatch
 
 
 #: elements per step of the plan's run search (bounds its temporaries to ~20 MB)
@@ -179,6 +181,26 @@ def map_changes(table: RunTable, found: list[tuple[torch.Tensor, torch.Tensor]]
     counts = torch.zeros(seqs.numel(), dtype=torch.int64, device=n.device).index_add_(0, inverse, n)
     seqs, counts = read_back([seqs, counts])
     return idx, bits, seqs, counts
+
+
+def patch_batches(idx: torch.Tensor, bits: torch.Tensor, seqs: list[int], counts: list[int], names: list[str],
+                  shapes: list[tuple[int, ...]], dtypes: list[torch.dtype]) -> list[Ordered]:
+    """:func:`map_changes`'s changes as one :class:`PatchBatch` per dtype (a table holds one element
+    width; dtypes of one width apart, bf16 and fp16, are rare), its tensors in export order (the
+    gather orders the ranks' batches by it); ``names``, ``shapes``, ``dtypes``: of each changed
+    tensor, in ``seqs``' order."""
+    out = []
+    for dt in dict.fromkeys(dtypes):
+        if dtypes.count(dt) == len(dtypes):
+            b = PatchBatch(names, shapes, dt, counts, idx, bits.view(dt), seqs)
+        else:
+            ks = [k for k, d in enumerate(dtypes) if d is dt]
+            keep = torch.repeat_interleave(torch.tensor([d is dt for d in dtypes], device=idx.device),
+                                           torch.tensor(counts, device=idx.device), output_size=idx.numel())
+            b = PatchBatch([names[k] for k in ks], [shapes[k] for k in ks], dt, [counts[k] for k in ks],
+                           idx[keep], bits[keep].view(dt), [seqs[k] for k in ks])
+        out.append(Ordered(b.seqs[0], b))
+    return out
 
 
 def _run_slices(table: RunTable, at: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

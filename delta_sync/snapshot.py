@@ -119,6 +119,7 @@ class _Plan(NamedTuple):
     ptrs: list[int]
     members: "_Members"  # (news, given and at filled in per delta)
 
+
 class _Facts(NamedTuple):
     """What a delta needs of a snapshot, fixed while it lives: the kernel's facts, its shape, dtype."""
 
@@ -415,11 +416,14 @@ class SnapshotStore:
 
     def commit(self, version: int) -> None:
         """Fold every staged value into the snapshot: it now holds ``version``."""
+        replaced = False
         for name, st in self._staged.items():
             if st.full is not None:  # (a delta's snapshots advanced during its diff already)
                 self._base[name] = st.full if st.full.shape == st.shape else st.full.reshape(st.shape)
                 self._facts.pop(name, None)
-                self._plans.clear()
+                replaced = True
+        if replaced:  # (a plan holds the replaced snapshots' memory)
+            self._plans.clear()
         self._staged.clear()
         self._undo.clear()
         self._spare.clear()

@@ -58,8 +58,8 @@ from delta_sync.diff import BitwiseDiff, int_view, restore
 from delta_sync.errors import DeltaSyncError
 from delta_sync.digest import Digest, digest_elements, scan_many
 from delta_sync.gather import Ordered
-from delta_sync.patch import Patch, PatchBatch
-from delta_sync.runs import Runs, RunTable, build_runs, expand, long_runs, map_changes, run_table
+from delta_sync.patch import Patch
+from delta_sync.runs import Runs, RunTable, build_runs, expand, long_runs, map_changes, patch_batches, run_table
 
 from .megatron_probes import (NOBODY, ONE_PASS_DTYPES, PACKED_MAX_ELEMENTS, OnePassMapping, Planner, clear_caches,
                               id_layout, layout_key, own_mask, peer_probes, same_bits, unpack_probe)
@@ -209,17 +209,7 @@ class MegatronShardDelta(BridgeExportSource):
         patch of its own that shares its source's buffers."""
         names = [self._names[p] for p in seqs]
         dtypes = [self._dtypes[n] for n in names]
-        out = []
-        for dt in dict.fromkeys(dtypes):
-            if len(dtypes) > 1 and any(d is not dt for d in dtypes):  # (several dtypes of one width: rare)
-                ks = [k for k, d in enumerate(dtypes) if d is dt]
-                keep = torch.repeat_interleave(torch.tensor([d is dt for d in dtypes], device=idx.device),
-                                               torch.tensor(counts, device=idx.device), output_size=idx.numel())
-                b = PatchBatch([names[k] for k in ks], [self._shapes[names[k]] for k in ks], dt,
-                               [counts[k] for k in ks], idx[keep], bits[keep].view(dt), [seqs[k] for k in ks])
-            else:
-                b = PatchBatch(names, [self._shapes[n] for n in names], dt, counts, idx, bits.view(dt), seqs)
-            out.append(Ordered(b.seqs[0], b))
+        out = patch_batches(idx, bits, seqs, counts, names, [self._shapes[n] for n in names], dtypes)
         if self._aliases:
             at = dict(zip(names, itertools.accumulate(counts, initial=0)))
             for name, aliases in self._aliases.items():
