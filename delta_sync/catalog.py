@@ -59,6 +59,9 @@ class Catalog:
         self.ids = dict(zip(names, range(len(names))))
         self.numel = torch.tensor(list(map(math.prod, shapes)), dtype=torch.int64)
         self.codes = torch.tensor(list(map(_CODE.__getitem__, dtypes)), dtype=torch.int64)
+        #: the one dtype code of every tensor, where they share one (a bf16 model's): a table's
+        #: per-dtype columns are then its columns (None: several)
+        self.one_code: int | None = _CODE[dtypes[0]] if dtypes and dtypes.count(dtypes[0]) == len(dtypes) else None
         # "name|d0,d1|dtype\n" per tensor (what engines and trainers of every version compare)
         h = hashlib.blake2b(digest_size=12)
         for n, s, d in zip(names, shapes, dtypes):
@@ -241,8 +244,11 @@ def _check_ids(ids: torch.Tensor, catalog: Catalog, what: str, where: str, kept:
                                    f"{len(catalog)} catalogued tensors", kept=kept)
 
 
-def _per_dtype(codes: torch.Tensor, counts: torch.Tensor) -> dict[str, int]:
-    """A table's elements per dtype name (its entries' catalogue dtype ``codes``, ``counts`` each)."""
+def _per_dtype(codes: torch.Tensor, counts: torch.Tensor, one: int | None = None) -> dict[str, int]:
+    """A table's elements per dtype name (its entries' catalogue dtype ``codes``, ``counts`` each;
+    ``one``: the code every entry has, where the catalogue knows it)."""
+    if one is not None:
+        return {CODES[one]: int(counts.sum())}
     return {CODES[c]: int(counts[codes == c].sum()) for c in codes.unique().tolist()}
 
 
@@ -297,8 +303,10 @@ class TableSlice:
         self.routed: tuple | None = None
         self.codes = catalog.codes[ids] if codes is None else codes
         self.index_starts = torch.cumsum(counts, 0) - counts
-        self.code_list = self.codes.unique().tolist()  # the element dtypes present, as catalogue codes
-        self.value_starts = starts_by_dtype(self.codes, counts, self.code_list)
+        one = catalog.one_code
+        self.code_list = [one] if one is not None else self.codes.unique().tolist()  # the element dtypes present
+        # (one dtype: each entry's values start where its indices do)
+        self.value_starts = self.index_starts if one is not None else starts_by_dtype(self.codes, counts, self.code_list)
 
     @classmethod
     def parse(cls, table, catalog: Catalog | None, indices: torch.Tensor, values: dict[str, torch.Tensor],
@@ -314,9 +322,9 @@ class TableSlice:
         _check_ids(ids, catalog, "table", where, kept)
         if bool((counts <= 0).any()):
             raise PatchValidationError("<bucket table>", f"{where}: a table entry without elements", kept=kept)
-        n_idx = int(counts.sum())
         codes = catalog.codes[ids]
-        per_dtype = _per_dtype(codes, counts)
+        per_dtype = _per_dtype(codes, counts, catalog.one_code)
+        n_idx = sum(per_dtype.values())
         if n_idx > indices.numel() or any(k not in values or n > values[k].numel() for k, n in per_dtype.items()):
             raise PatchValidationError("<bucket table>", f"{where}: the table's {n_idx} elements "
                                        f"{per_dtype} overrun the buffers", kept=kept)

@@ -92,8 +92,9 @@ class _SignedEngine:
         self._call("init", {k: v for k, v in init_info.items() if k != "token"})
 
     def start(self, digest_names: list[str] | None = None) -> list[dict] | None:
-        """Start an update; with ``digest_names``, each worker's report (digests of those names, as
-        they stand before this update) comes back with it: the drift sweep's check, no extra call."""
+        """Start an update; each worker's status comes back (the version it holds: a delta's base,
+        checked with no call of its own), with ``digest_names`` its report (digests of those names,
+        as they stand before this update): the drift sweep's check, no extra call either."""
         return self._call("start", {"digest_names": digest_names} if digest_names else None)
 
     def update(self, update_info: dict) -> None:

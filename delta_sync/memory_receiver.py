@@ -53,7 +53,7 @@ class MemoryReceiver:
 
     def start(self, digest_names: list[str] | None = None) -> list[dict] | None:
         self._staged = None
-        return self.report(digests=True, names=digest_names) if digest_names else None
+        return self.report(digests=bool(digest_names), names=digest_names)
 
     def update(self, update_info: dict) -> None:
         try:

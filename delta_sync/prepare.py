@@ -183,9 +183,10 @@ class DeltaDiff:
     any tensor, or a seeded tensor the stream left out."""
 
     def __init__(self, tensors: TensorStream, store: SnapshotStore, catalog: dict[str, int], sharded,
-                 timings: dict):
+                 timings: dict, fast: bool | None = None):
         self.tensors, self.store, self.catalog, self.sharded, self.timings = tensors, store, catalog, sharded, timings
-        self.fast = sharded is not None and sharded.ready()  # the source diffs its own shards
+        #: the source diffs its own shards (``fast``: the caller asked its ``ready()`` already)
+        self.fast = (sharded is not None and sharded.ready()) if fast is None else fast
         self.kept = tensors.kept
         self.failure: BaseException | None = None
         # owned, not yet diffed: stream positions, checkpoint names, tensors

@@ -26,6 +26,7 @@ from .catalog import known, remember
 from .channel import LOCAL, Channel, listen
 from .digest import differs
 from .engines import EngineClient, InProcessEngine
+from .errors import DeltaSyncError
 from .transfer import BucketSender, SendStats
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,14 @@ class Outcome:
     #: the drift sweep: tensors compared when the engines started this update, and what differed
     checked: int = 0
     drift: str | None = None
+    #: a delta refused before its first bucket: an engine no longer holds its base (it said so when
+    #: the update started); a seed repairs it
+    lost_base: bool = False
+
+
+class LostBase(DeltaSyncError):
+    """An engine worker does not hold the version a delta builds on (restarted, a failed seed, its
+    weights' storage replaced): found when the delta started, before any bucket left."""
 
 
 def each(engines: list[EngineClient], call: Callable[[EngineClient], object],
@@ -130,12 +139,13 @@ class Engines:
             self.channel.close()
         self.channel = None
 
-    def lost_base(self, version: int) -> bool:
+    def lost_base(self, version: int, workers: list[dict] | None = None) -> bool:
         """Does any engine worker lack ``version`` (restart, failed seed, storage swapped under the
-        views)? An unreachable engine counts as lost."""
+        views)? ``workers``: their replies to ``start``, read instead of a ``report`` call where they
+        say. An unreachable engine counts as lost."""
         try:
             return any(r.get("needs_seed") or r.get("version") != version
-                       for e in self.clients for r in e.report())
+                       for r in (workers if workers is not None else [r for e in self.clients for r in e.report()]))
         except Exception:  # noqa: BLE001 - an engine that cannot say counts as having lost its base
             return True
 
@@ -148,7 +158,8 @@ class Engines:
     def start(self, started: list[EngineClient], sweep: tuple[list[str], dict[str, str]] | None = None) -> dict:
         """``start`` on every engine (``started`` collects each one that did); a delta's drift sweep
         (names, the trainer's digests) rides along: the engines' digests of the window, compared
-        here. Returns the sweep's result."""
+        here. Returns the sweep's result, and under ``workers`` every worker's reply (the version
+        it holds; None where an engine's reply did not say)."""
         result: dict = {}
         names, want = sweep if sweep else (None, None)
         got: dict[int, list[dict] | None] = {}
@@ -157,6 +168,8 @@ class Engines:
             got[id(e)] = e.start(names) if names else e.start()
 
         each(self.clients, start, started)
+        replies = [r for e in self.clients for r in (got[id(e)] or [None])]
+        result["workers"] = replies if all(isinstance(r, dict) and "version" in r for r in replies) else None
         if names:
             for e in self.clients:
                 reports = got[id(e)] or []
@@ -229,14 +242,18 @@ class Publish:
 
     ``committed`` is the version the engines hold before it; ``needs_seed`` whether they need a
     seed already. A delta's ``early`` start (:class:`EarlyStart`) or its ``sweep`` of digests ride
-    along with the start calls."""
+    along with the start calls. ``base_asked``: a delta whose engines were asked for their version
+    before it (else their replies to ``start`` say it, or a ``report`` call asks). ``sent``: called
+    once every bucket has left, while the engines take the last ones (the trainer's own work)."""
 
     def __init__(self, engines: Engines, version: int, kind: str, timings: dict, *, bucket_bytes: int,
                  committed: int, needs_seed: bool, kept: str | None = None,
-                 sweep: tuple[list[str], dict[str, str]] | None = None, early: EarlyStart | None = None):
+                 sweep: tuple[list[str], dict[str, str]] | None = None, early: EarlyStart | None = None,
+                 base_asked: bool = True, sent: Callable[[], None] | None = None):
         self.engines, self.version, self.kind, self.timings = engines, version, kind, timings
         self.bulk = kind != "delta"
         self.bucket_bytes, self.committed, self.needs_seed, self.kept = bucket_bytes, committed, needs_seed, kept
+        self.base_asked, self.sent = base_asked, sent
         self.sweep, self.early = sweep, early
         self.t_pause = time.perf_counter()
         self.started: list[EngineClient] = early.started if early is not None else []
@@ -272,6 +289,11 @@ class Publish:
             self.engines.pause()
         self.sweep_result.update(self.early.result() if self.early is not None
                                  else self.engines.start(self.started, self.sweep))
+        workers = self.sweep_result.pop("workers", None)
+        if not self.bulk and (workers is not None or not self.base_asked) \
+                and self.engines.lost_base(self.committed, workers):
+            raise LostBase(f"an engine does not hold v{self.committed}, which this delta builds on (restarted, "
+                           "or its weights were replaced); it needs a seed", kept=self.kept)
 
     def _send(self, send: Callable[[BucketSender], SendStats]) -> SendStats:
         """Stream the buckets while each engine's ``update`` RPC receives them, concurrently. The
@@ -292,6 +314,8 @@ class Publish:
             except Exception as err:
                 self._abort(sender, err, futs)
                 raise
+            if self.sent is not None and futs:
+                self.sent()
             errors = [f.exception() for f in futs]
         self.timings["send_s"] = time.perf_counter() - t1
         self.timings["pack_s"] = stats.pack_s
@@ -345,11 +369,15 @@ class Publish:
         if self.engines.channel is not None:  # receivers may hold another catalogue now: the next seed names all
             self.engines.channel.catalog = None
         clients = self.engines.clients
+        lost = isinstance(err, LostBase)
         # Engines left on different versions, or a bulk update they started writing, can only be
         # repaired by a seed; they report it themselves.
-        needs_seed = (self.kind == "seed" or 0 < len(self.finished) < len(clients)
+        needs_seed = (lost or self.kind == "seed" or 0 < len(self.finished) < len(clients)
                       or self.engines.lost_base(self.committed))
         self.engines.end_sessions([e for e in self.started if e not in self.finished], self.committed)
+        if lost:  # nothing left the trainer; the caller sends the seed
+            log.warning("delta-sync v%d: %s", self.version, err)
+            return Outcome(False, f"{type(err).__name__}: {err}", needs_seed=True, lost_base=True)
         if not needs_seed:  # engines are on v-1 and consistent: serve again
             try:
                 self.engines.serve()

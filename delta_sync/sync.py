@@ -17,6 +17,7 @@ mid-write, an engine restarted) makes the next update a full seed.
 
 from __future__ import annotations
 
+import collections.abc
 import enum
 import logging
 import threading
@@ -209,6 +210,11 @@ class WeightSync:
         #: the last seed staged no plain snapshot: the sharded source was to take its own
         self._seed_left_to_source = False
         self._busy = threading.Lock()  # one update at a time
+        self._ready: bool | None = None  # this update's answer of _source_serves
+        self._base_asked = True  # this update asked the engines for their version before it began
+        #: one rank: the next sweep (window, cursor, trainer digests, seconds) worked out while a delta's
+        #: engines staged it (:meth:`_sweep_early`), taken when it commits
+        self._ahead: tuple | None = None
 
     @property
     def needs_seed(self) -> bool:
@@ -250,18 +256,26 @@ class WeightSync:
             with gc_held():
                 return self._update(named_tensors)
         finally:
+            self._ready = None
             self._busy.release()
 
     def _update(self, named_tensors) -> UpdateReport:
         t_start = time.perf_counter()
+        self._ahead = None
         kind = self._next_kind(named_tensors)
         version = self.version + 1
         timings: dict[str, float] = {}
         if kind == "delta":
             outcome, error, elements = self._delta(version, named_tensors, timings)
-        else:
+            outcome = self._from_rank0(outcome)
+            if outcome.lost_base:  # an engine said so when it started: the same source goes as a seed
+                self._rollback()
+                self._lost_base()
+                self._reset()
+                kind, timings = "seed", {}
+        if kind != "delta":
             outcome, error, elements = self._bulk(version, kind, named_tensors, timings)
-        outcome = self._from_rank0(outcome)
+            outcome = self._from_rank0(outcome)
         self._settle(version, kind, outcome, error)
         rep = UpdateReport(version, kind, **outcome.report)
         rep.verified = kind != "delta"  # every bulk entry's digest was checked by the engines
@@ -275,10 +289,10 @@ class WeightSync:
     def _next_kind(self, named_tensors) -> str:
         """What the next version must be: a seed where nothing can back a delta, else the mode's."""
         self._seed_left_to_source = False
-        if not self.needs_seed and self._from_rank0(self.rank == 0 and self._engines.lost_base(self.version)):
-            self.state = SyncState.NEEDS_SEED  # an engine restarted or lost its base: only a seed repairs it
-            self._engines.drop_channel()  # a restarted engine also left the channel: rejoin everyone
         sharded = named_tensors if isinstance(named_tensors, ShardedSource) else None
+        self._base_asked = not self.needs_seed and not (self.mode == "delta" and self._rereadable(named_tensors))
+        if self._base_asked and self._from_rank0(self.rank == 0 and self._engines.lost_base(self.version)):
+            self._lost_base()
         if sharded is not None and not self._serves_dtype(sharded):
             sharded = None  # read as the stream it also is, each tensor cast to this sync's dtype
         if sharded is not self.sharded:
@@ -295,11 +309,37 @@ class WeightSync:
             return "seed"
         return "full" if self.mode == "full" else "delta"
 
+    def _rereadable(self, named_tensors) -> bool:
+        """Can a delta's source be read again as a seed, were an engine found without its base when
+        the delta starts (then no call asks before it)? A sharded source, or with one rank a list or
+        a mapping's items (a generator cannot; with several ranks every one decides alike: sharded
+        sources are on every rank)."""
+        if isinstance(named_tensors, ShardedSource):
+            return True
+        return self.world == 1 and isinstance(named_tensors, (collections.abc.Sequence, collections.abc.ItemsView))
+
+    def _lost_base(self) -> None:
+        """An engine restarted or lost its base: only a seed repairs it (every rank)."""
+        self.state = SyncState.NEEDS_SEED
+        self._engines.drop_channel()  # a restarted engine also left the channel: rejoin everyone
+
+    def _source_serves(self) -> bool:
+        """Do the sharded source's own snapshots back the deltas (its ``ready()``)? Asked once per
+        update (FlatWeights checks every weight's address: ~1 ms at ~19k tensors), and once more
+        after a commit where they did not (it may have taken them)."""
+        ready = self._ready
+        if ready is None:
+            ready = self.sharded is not None and self.sharded.ready()
+            if self._busy.locked():  # within an update: kept until it ends (a verify() call asks anew)
+                self._ready = ready
+        return ready
+
     def _serves_dtype(self, source) -> bool:
         """Can ``source``'s own deltas be this sync's (its floating weights of the dtype sent)? A source
         that says its ``dtypes`` (FlatWeights) and holds others (fp32 master weights for a bf16 engine)
         is read as a stream instead, cast tensor by tensor (logged once)."""
         dtypes = getattr(source, "dtypes", None)
+        dtypes = None if dtypes is None else set(dtypes)  # (one per tensor, for FlatWeights: ~19k of a 30B-A3B)
         if self.dtype is None or dtypes is None or all(d == self.dtype or not d.is_floating_point for d in dtypes):
             return True
         if not getattr(source, "_dtype_warned", False):
@@ -324,8 +364,10 @@ class WeightSync:
         self.store.commit(version)
         if self.sharded is not None:
             self.sharded.commit()  # a seed's shard snapshots are taken here (collective)
+            if not self._ready:
+                self._ready = None  # (asked anew: a commit that took snapshots makes them serve from now on)
         self.version, self.state = version, SyncState.IN_SYNC
-        if self.sharded is not None and self.sharded.ready():
+        if self._source_serves():
             self.store.clear()  # the shard snapshots back the deltas: a plain one would only go stale
         elif kind != "delta" and self._seed_left_to_source:
             # the source expected to serve the deltas, so this seed staged no plain snapshot, and
@@ -347,17 +389,17 @@ class WeightSync:
             rep.checked = len(self.verify())
             rep.verified = True
             timings["verify_s"] = time.perf_counter() - t0
+        ahead, self._ahead = self._ahead, None
         if not self.needs_seed and self.mode == "delta" and self.drift_sweep and self._catalog:
             t0 = time.perf_counter()
-            window = self._sweep_window()
-            want = self._trainer_digests(window)  # collective: the owners' shares
+            window, self._sweep_at, want = ahead[:3] if ahead else self._sweep_next()
             self._sweep = (window, want) if self.rank == 0 else None
-            timings["sweep_s"] = time.perf_counter() - t0
+            timings["sweep_s"] = ahead[3] if ahead else time.perf_counter() - t0
 
     # ---- delta: diff, gather, validate, publish ---------------------------------------------------
     def _delta(self, version: int, named_tensors, timings: dict) -> tuple[Outcome | None, BaseException | None, int]:
         diff = DeltaDiff(TensorStream(named_tensors, self.name_map, self.dtype, self._kept()), self.store,
-                         self._catalog, self.sharded, timings)
+                         self._catalog, self.sharded, timings, fast=self._source_serves())
         # rank 0 starts the engines' update (and their half of the drift sweep) while the ranks diff;
         # the engines keep serving, and an update that fails before publishing ends those sessions
         early = EarlyStart(self._engines, self._sweep) if self.rank == 0 and self.channel is not None and self.engines \
@@ -375,7 +417,7 @@ class WeightSync:
             return sender.close(p for ready in diff for p in diff.checked([o.patch for o in ready]))
 
         diff.batched = True  # this rank packs: the kernel's batches go into the tables whole
-        outcome, error = self._publish(version, "delta", timings, stream, early)
+        outcome, error = self._publish(version, "delta", timings, stream, early, sent=self._sweep_early)
         timings["prepare_s"] = timings["diff_s"]
         if "send_s" in timings:  # what the send added to the diff it overlapped
             timings["send_s"] = max(0.0, timings["send_s"] - timings["diff_s"])
@@ -468,11 +510,13 @@ class WeightSync:
         return outcome, error
 
     def _publish(self, version: int, kind: str, timings: dict, send: Callable[[BucketSender], SendStats],
-                 early: EarlyStart | None = None) -> tuple[Outcome, BaseException | None]:
+                 early: EarlyStart | None = None, sent: Callable[[], None] | None = None
+                 ) -> tuple[Outcome, BaseException | None]:
         """Rank 0: one version through every engine (:class:`~delta_sync.publish.Publish`)."""
         return Publish(self._engines, version, kind, timings, bucket_bytes=self.bucket_bytes,
                        committed=self.version, needs_seed=self.needs_seed, kept=self._kept(),
-                       sweep=self._sweep if kind == "delta" else None, early=early).run(send)
+                       sweep=self._sweep if kind == "delta" else None, early=early,
+                       base_asked=self._base_asked, sent=sent).run(send)
 
     # ---- settle ----------------------------------------------------------------------------------
     def _rollback(self) -> None:
@@ -482,7 +526,7 @@ class WeightSync:
 
     def _reset(self) -> None:
         """Forget every snapshot: the next update is a full seed."""
-        self._sweep = None
+        self._sweep, self._ready = None, None
         self.store.reset()
         if self.sharded is not None:
             self.sharded.reset()
@@ -509,25 +553,41 @@ class WeightSync:
         return collectives.broadcast_object(obj, 0, self.groups.host_group)
 
     # ---- integrity -------------------------------------------------------------------------------
-    def _sweep_window(self) -> list[str]:
+    def _sweep_window(self) -> tuple[list[str], int]:
         """The next names of the drift sweep: at least 1/drift_sweep of the model's bytes, walking
         the catalog round-robin, so any drift_sweep consecutive windows cover every tensor. Every
-        rank computes the same window (same catalog, same cursor)."""
+        rank computes the same window (same catalog, same cursor). Returns it and the cursor after it."""
         names = list(self._catalog)
         budget = sum(self._catalog.values()) / self.drift_sweep
-        out, acc = [], 0
+        out, acc, at = [], 0, self._sweep_at
         while acc < budget and len(out) < len(names):
-            name = names[self._sweep_at % len(names)]
-            self._sweep_at += 1
+            name = names[at % len(names)]
+            at += 1
             out.append(name)
             acc += self._catalog[name]
-        return out
+        return out, at
+
+    def _sweep_next(self) -> tuple[list[str], int, dict[str, str]]:
+        """The next sweep window, the cursor after it, and the trainer's digests of it (collective:
+        the owners' shares)."""
+        window, at = self._sweep_window()
+        return window, at, self._trainer_digests(window)
+
+    def _sweep_early(self) -> None:
+        """One rank, a delta's buckets all sent: the trainer's half of the next sweep, while the engines
+        stage the delta (the snapshots hold the new version already; kept only if it commits)."""
+        if self.drift_sweep and self._catalog and not self.needs_seed:
+            t0 = time.perf_counter()
+            try:
+                self._ahead = (*self._sweep_next(), time.perf_counter() - t0)
+            except Exception:  # noqa: BLE001 - worked out after the commit instead, where a failure is the update's
+                self._ahead = None
 
     def _trainer_digests(self, names: list[str] | None = None) -> dict[str, str]:
         """Digest of every committed tensor (or of ``names``), summed over the owners' shares
         (collective when world > 1)."""
         only = set(names) if names is not None else None
-        if self.sharded is not None and self.sharded.ready():  # shard snapshots back the deltas
+        if self._source_serves():  # shard snapshots back the deltas
             mine = {name: d.hex() for name, d in self.sharded.local_digests(only).items()}
         else:  # the snapshots digested together (a sweep names hundreds of a 30B-A3B's ~19k, verify all)
             chosen = list(self.store.snapshots()) if only is None else \

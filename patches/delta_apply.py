@@ -98,6 +98,13 @@ class ParamTable:
     def params(self) -> dict[str, torch.Tensor]:
         return {name: module._parameters[key] for name, module, key in self._where}
 
+    def params_of(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """:meth:`params`, or ``model``'s walked anew where a parameter left its module."""
+        try:
+            return self.params()
+        except (KeyError, AttributeError):
+            return dict(model.named_parameters())
+
 
 def apply_delta(r: WorkerWeights, plan: DeltaPlan) -> dict[str, float]:
     """Apply ``plan`` to ``r``'s model in place; on failure restore every written position and

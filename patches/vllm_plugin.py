@@ -288,7 +288,7 @@ def _on_start(worker, receiver, payload: dict):
         except BaseException:  # a refused start opens no session (the trainer ends none)
             _end_session(worker)
             raise
-    return None
+    return receiver.status()  # the version held: a delta's trainer checks its base here, no call of its own
 
 
 def _require_active(worker, method: str) -> None:

@@ -238,7 +238,7 @@ class DeltaSyncReceiver:
     def start_weight_update(self) -> None:
         self.guard.require("start")
         self.discard_staged()
-        now = layout_of(dict(self.model.named_parameters())) if self._fingerprint is not None else None
+        now = layout_of(self.param_table.params_of(self.model)) if self._fingerprint is not None else None
         if now is not None and self._fingerprint != now:
             self.param_table = ParamTable(self.model)
             changed = [n for n, f in now.items() if self._fingerprint.get(n) != f]
@@ -410,7 +410,7 @@ class DeltaSyncReceiver:
         went through vLLM's loader: then nothing is read)."""
         if not self.fallback_values:
             return {}
-        params = dict(self.model.named_parameters())
+        params = self.param_table.params_of(self.model)
         written = covered(self.views.values())
         return {n: digest_tensor(p.detach()).hex() for n, p in sorted(params.items())
                 if written.get(n, 0) < p.numel()}
@@ -438,7 +438,7 @@ class DeltaSyncReceiver:
                "timings": dict(self.last_timings), "catalog": self._fingerprint_of_numbering()}
         if digests:
             t0 = time.perf_counter()
-            params = dict(self.model.named_parameters())
+            params = self.param_table.params_of(self.model)
             d = {}
             wanted = names or sorted(set(self.views) | set(self.fallback_values))
             drift = self._loader_drift() if any(n in self.fallback_values for n in wanted) else []

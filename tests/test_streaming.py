@@ -2,6 +2,7 @@
 the receiver applies each bucket as it arrives, and a bulk update that fails midway ends in a
 seed. Buffers are counted, not timed (this machine is shared)."""
 
+import logging
 import threading
 import time
 
@@ -771,3 +772,57 @@ def test_a_stream_read_in_lists_gives_what_it_gives_item_by_item(room):
     assert any(isinstance(c, Chunk) for c in chunks) == (room < len(pairs))
     errors = [str(t) for _, _, t in flat if isinstance(t, Exception)]
     assert len(errors) == 2 and "ints" in errors[0] and "given twice" in errors[1]
+
+
+class _CountingReports(MemoryReceiver):
+    """Counts the ``report`` calls it answers (a delta asks none: each start reply says the version)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reports = 0
+
+    def report(self, digests: bool = False, names=None):
+        self.reports += not digests  # (the drift sweep's digests come with start)
+        return super().report(digests, names)
+
+
+def test_an_engine_without_its_base_says_so_at_start_and_the_update_is_a_seed(caplog):
+    """A delta asks the engines for no version before it starts: each worker's start reply says the
+    one it holds. One without the delta's base (a restart leaves it none) turns the update into a
+    seed of the same source within the same call, exact, and the deltas go on after it; a generator
+    source, which cannot be read twice, is asked before, as before."""
+    state = _many_tensors(12)
+    receiver = _CountingReports()
+    sync = WeightSync([receiver], mode="delta", timeout_s=60)
+    g = torch.Generator().manual_seed(3)
+
+    def step():
+        for t in state.values():
+            t.view(-1)[torch.randint(0, t.numel(), (5,), generator=g)] += 1
+
+    try:
+        assert sync.update(list(state.items())).kind == "seed"
+        for source in (lambda s: list(s.items()), lambda s: s.items()):
+            step()
+            receiver.reports = 0
+            assert sync.update(source(state)).kind == "delta" and receiver.reports == 0
+            assert receiver.mismatched(state.items()) == []
+            receiver.version = None  # a restart: no version
+            step()
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="delta_sync.publish"):
+                rep = sync.update(source(state))
+            assert "does not hold v" in caplog.text  # the start reply said it
+            assert rep.kind == "seed" and rep.version == receiver.version == sync.version
+            assert receiver.mismatched(state.items()) == [] and not sync.needs_seed
+        receiver.version = None
+        step()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="delta_sync.publish"):
+            rep = sync.update((n, t) for n, t in state.items())
+        assert "does not hold v" not in caplog.text  # asked before the update: a seed from the start
+        assert rep.kind == "seed" and receiver.mismatched(state.items()) == []
+        step()
+        assert sync.update(state.items()).kind == "delta" and receiver.mismatched(state.items()) == []
+    finally:
+        sync.close()
