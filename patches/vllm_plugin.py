@@ -257,9 +257,14 @@ def _dispatch(self, verifier, method: str, payload: dict):
         raise ValueError(f"unknown delta_sync_call method {method!r}")
     if method not in _READ_ONLY and not receiver.guard.claim(method, verifier.session):
         return {"released": True}
-    with receiver.guard.authorized(version=payload.get("version") if method == "finish" else None), _config(self), \
-            gc_held():  # the CPU worker's heap is not frozen: no full GC pass lands in a call
-        return handler(self, receiver, payload)
+    t0 = time.perf_counter()
+    try:
+        with receiver.guard.authorized(version=payload.get("version") if method == "finish" else None), \
+                _config(self), gc_held():  # the CPU worker's heap is not frozen: no full GC pass lands in a call
+            return handler(self, receiver, payload)
+    finally:
+        if method in ("update", "finish"):  # the worker's own time of each (report's timings, after the update's)
+            receiver.last_timings[f"{method}_call_s"] = time.perf_counter() - t0
 
 
 def _active(worker) -> bool:
