@@ -68,10 +68,13 @@ def main(argv: list[str]) -> dict:
         if torch_ops:
             for side, c in got["delta_ops"].items():
                 row[f"delta_{side}_ops"], row[f"delta_{side}_syncs"] = c["ops"], c["syncs"]
+                row[f"delta_{side}_syncing"] = c["syncing"]  # which operations waited, how often
         rows.append(row)
         print(f"[skeleton] {layers} layers, {len(shapes)} tensors: seed {row['seed_total_s']:.3f} s, delta "
               f"{row['delta_total_s']:.3f} s (prepare {row['delta_prepare_s']:.3f}, send {row['delta_send_s']:.3f}, "
-              f"receive {row['delta_receive_s']:.3f}, apply {row['delta_apply_s']:.3f})", flush=True)
+              f"receive {row['delta_receive_s']:.3f}, apply {row['delta_apply_s']:.3f})"
+              + (f"; syncs: sender {row['delta_sender_syncing']}, receiver {row['delta_receiver_syncing']}"
+                 if torch_ops else ""), flush=True)
     xs = [r["tensors"] for r in rows]
     per_tensor, at_full = {}, {}
     keys = [k for k in rows[0] if k.startswith(("seed_", "delta_")) and k.endswith(("_s", "_ops", "_syncs"))]

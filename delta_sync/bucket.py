@@ -1016,32 +1016,35 @@ def _check_order_bounds(count_list: list[int], limits: list[int], indices: torch
         k = int(torch.searchsorted(first, torch.tensor([pos], device=dev), right=True)) - 1
         return name_of(k), pos - int(first[k])
 
+    if not idx.numel():
+        return
+    ok = None
     if idx.numel() > 1:
         ok = idx[1:] > idx[:-1]
         ok[(first - 1)[(first > 0) & (counts > 0)]] = True  # entries do not continue each other
-        if not bool(ok.all()):
-            pos = first_true(~ok) + 1
-            name, at = where(pos)
-            a, b = int(idx[pos - 1]), int(idx[pos])
-            why = f"duplicate index {b}" if a == b else f"indices not increasing: {a} then {b}"
-            raise PatchValidationError(name, why, index=at, kept=kept)
-    if idx.numel():
-        # strictly increasing within each entry (above): its first and last index bound all of it
-        nonempty = counts > 0
-        heads, lens = first[nonempty], counts[nonempty]
-        lo, hi = idx.index_select(0, heads), idx.index_select(0, heads + lens - 1)
-        numel = torch.tensor(limits, dtype=torch.int64, device=dev)[nonempty]
-        bad = (lo < 0) | (hi >= numel)
-        if bool(bad.any()):
-            k = first_true(bad)
-            entry = [j for j, n in enumerate(nonempty.tolist()) if n][k]
-            start = int(heads[k])
-            if int(lo[k]) < 0:  # increasing: the entry's first index is its first negative one
-                at, why = 0, "is negative"
-            else:  # and its out-of-bounds ones are its last: name the first of them
-                at = first_true(idx[start:start + count_list[entry]] >= limits[entry])
-                why = f"out of bounds for {limits[entry]} elements"
-            raise PatchValidationError(name_of(entry), f"index {int(idx[start + at])} {why}", index=at, kept=kept)
+    # strictly increasing within each entry (checked with it): its first and last index bound all of it
+    nonempty = counts > 0
+    heads, lens = first[nonempty], counts[nonempty]
+    lo, hi = idx.index_select(0, heads), idx.index_select(0, heads + lens - 1)
+    numel = torch.tensor(limits, dtype=torch.int64, device=dev)[nonempty]
+    bad = (lo < 0) | (hi >= numel)
+    if not bool(bad.any() if ok is None else (bad.any() | ~ok.all())):  # (one read back for both)
+        return
+    if ok is not None and not bool(ok.all()):
+        pos = first_true(~ok) + 1
+        name, at = where(pos)
+        a, b = int(idx[pos - 1]), int(idx[pos])
+        why = f"duplicate index {b}" if a == b else f"indices not increasing: {a} then {b}"
+        raise PatchValidationError(name, why, index=at, kept=kept)
+    k = first_true(bad)
+    entry = [j for j, n in enumerate(nonempty.tolist()) if n][k]
+    start = int(heads[k])
+    if int(lo[k]) < 0:  # increasing: the entry's first index is its first negative one
+        at, why = 0, "is negative"
+    else:  # and its out-of-bounds ones are its last: name the first of them
+        at = first_true(idx[start:start + count_list[entry]] >= limits[entry])
+        why = f"out of bounds for {limits[entry]} elements"
+    raise PatchValidationError(name_of(entry), f"index {int(idx[start + at])} {why}", index=at, kept=kept)
 
 
 def _check_finite(sparse: list[dict], indices: torch.Tensor, values: dict[str, torch.Tensor],

@@ -237,18 +237,31 @@ def _check_numbering(table, catalog: Catalog | None, what: str, where: str, kept
                         f"has {have}: {then}", kept=kept)
 
 
-def _check_ids(ids: torch.Tensor, catalog: Catalog, what: str, where: str, kept: str | None) -> None:
-    """A received table's ids name catalogued tensors, each once, in increasing order."""
-    if int(ids.min()) < 0 or int(ids.max()) >= len(catalog) or bool((ids[1:] <= ids[:-1]).any()):
+def _check_ids(ids: torch.Tensor, catalog: Catalog, what: str, where: str, kept: str | None,
+               counts: torch.Tensor | None = None) -> int | None:
+    """A received table's ids name catalogued tensors, each once, in increasing order; with
+    ``counts`` (each entry's elements), every entry holds some. Returns their sum. One read of the
+    columns' facts (host columns of the header, where they are not a device's)."""
+    facts = [ids.min(), ids.max(), (ids[1:] <= ids[:-1]).any()]
+    if counts is not None:
+        facts += [(counts <= 0).any(), counts.sum()]
+    lo, hi, unordered, *rest = torch.stack([f.to(torch.int64) for f in facts]).tolist()
+    if lo < 0 or hi >= len(catalog) or unordered:
         raise PatchValidationError("<bucket table>", f"{where}: {what} ids must increase strictly within the "
                                    f"{len(catalog)} catalogued tensors", kept=kept)
+    if counts is None:
+        return None
+    if rest[0]:
+        raise PatchValidationError("<bucket table>", f"{where}: a table entry without elements", kept=kept)
+    return rest[1]
 
 
-def _per_dtype(codes: torch.Tensor, counts: torch.Tensor, one: int | None = None) -> dict[str, int]:
+def _per_dtype(codes: torch.Tensor, counts: torch.Tensor, one: int | None = None, total: int | None = None
+               ) -> dict[str, int]:
     """A table's elements per dtype name (its entries' catalogue dtype ``codes``, ``counts`` each;
-    ``one``: the code every entry has, where the catalogue knows it)."""
+    ``one``: the code every entry has, where the catalogue knows it, ``total`` their sum)."""
     if one is not None:
-        return {CODES[one]: int(counts.sum())}
+        return {CODES[one]: int(counts.sum()) if total is None else total}
     return {CODES[c]: int(counts[codes == c].sum()) for c in codes.unique().tolist()}
 
 
@@ -319,11 +332,9 @@ class TableSlice:
         if ids.numel() != counts.numel() or not ids.numel():
             raise PatchValidationError("<bucket table>", f"{where}: {ids.numel()} ids, {counts.numel()} counts",
                                        kept=kept)
-        _check_ids(ids, catalog, "table", where, kept)
-        if bool((counts <= 0).any()):
-            raise PatchValidationError("<bucket table>", f"{where}: a table entry without elements", kept=kept)
+        total = _check_ids(ids, catalog, "table", where, kept, counts)
         codes = catalog.codes[ids]
-        per_dtype = _per_dtype(codes, counts, catalog.one_code)
+        per_dtype = _per_dtype(codes, counts, catalog.one_code, total)
         n_idx = sum(per_dtype.values())
         if n_idx > indices.numel() or any(k not in values or n > values[k].numel() for k, n in per_dtype.items()):
             raise PatchValidationError("<bucket table>", f"{where}: the table's {n_idx} elements "

@@ -552,15 +552,18 @@ class OpCounter(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.ops = self.syncs = 0
+        self.which: dict[str, int] = {}  # syncing op name -> count
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops += 1
-        if func.overloadpacket.__name__ in self.SYNCING:
+        name = func.overloadpacket.__name__
+        if name in self.SYNCING:
             self.syncs += 1
+            self.which[name] = self.which.get(name, 0) + 1
         return func(*args, **(kwargs or {}))
 
     def counts(self) -> dict:
-        return {"ops": self.ops, "syncs": self.syncs}
+        return {"ops": self.ops, "syncs": self.syncs, "syncing": dict(self.which)}
 
 
 def accelerator_sync(device):
