@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from . import collectives
 from .diff import BitwiseDiff, restore
-from .digest import Digest, tensor_digests
+from .digest import Digest, span_digests, tensor_digests
 from .gather import Ordered
 from .patch import check_indexable, dtype_name
 from .runs import Runs, map_changes, patch_batches, run_table
@@ -251,16 +251,28 @@ class FlatWeights:
         """Digests of the committed values of this rank's tensors (whole: shares are whole tensors),
         as rows of one kernel scan where the snapshots are host memory (a sweep's window is hundreds
         of tensors)."""
-        chosen: list[tuple[str, torch.Tensor]] = []
+        if self._snaps is None:
+            return {}
+        per_buffer: dict[int, tuple[list[str], list[int], list[int]]] = {}  # names, share offsets, sizes
         for name in (self.names if names is None else names):
             where = self._where.get(name)
-            if where is None or self._snaps is None:
+            if where is None:
                 continue
-            b = self._buffers[where[0]]
-            i = where[1]
+            j, i = where
+            b = self._buffers[j]
             if b.first <= i < b.last:
-                chosen.append((name, self._snaps[where[0]].narrow(0, b.offsets[i] - b.lo, b.numels[i])))
-        return dict(zip([n for n, _ in chosen], tensor_digests([t for _, t in chosen])))
+                got = per_buffer.setdefault(j, ([], [], []))
+                got[0].append(name)
+                got[1].append(b.offsets[i] - b.lo)
+                got[2].append(b.numels[i])
+        out: dict[str, Digest] = {}
+        for j, (chosen, offsets, numels) in per_buffer.items():
+            snap = self._snaps[j]
+            digests = span_digests(snap, offsets, numels)
+            if digests is None:  # (off the host, or without the kernel: a view each)
+                digests = tensor_digests([snap.narrow(0, o, n) for o, n in zip(offsets, numels)])
+            out.update(zip(chosen, digests))
+        return out
 
     # ---- ranks -----------------------------------------------------------------------------------
     def _world(self) -> int:

@@ -1288,3 +1288,19 @@ def test_device_path_digests_many_ranges_with_one_sync(monkeypatch):
         if out is not None:
             assert torch.equal(int_view(out), int_view(v))
 
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_span_digests_equal_each_tensors_own(dtype):
+    """Whole tensors lying in one buffer, digested as rows made as columns (FlatWeights' sweep and
+    verify), equal each tensor's own digest, keyed or public; off the host kernel's reach: None."""
+    from delta_sync.digest import DigestKey, span_digests, tensor_digests
+
+    g = torch.Generator().manual_seed(11)
+    buf = torch.randn(4096, generator=g).to(dtype)
+    offsets, numels = [0, 100, 1000, 1001, 3000], [100, 900, 1, 2000, 1096]
+    views = [buf.narrow(0, o, n) for o, n in zip(offsets, numels)]
+    for key in (None, DigestKey.derive(b"k" * 32, "span")):
+        got = span_digests(buf, offsets, numels, key)
+        assert got is not None and got == tensor_digests(views, key)
+    assert span_digests(buf[::2], [0], [10]) is None  # not contiguous: the caller takes views
