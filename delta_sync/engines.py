@@ -29,7 +29,9 @@ COMMIT_KWARG = "delta_sync_pause"
 
 class EngineClient(Protocol):
     """What a sender drives. A client may also offer ``commit(version, mode)``: a delta's pause ->
-    finish -> resume in one call (:meth:`HttpEngine.commit`); a sync with one engine uses it."""
+    finish -> resume in one call (:meth:`HttpEngine.commit`); a sync with one engine uses it.
+    ``start`` returns each worker's status (``version``, ``needs_seed``, as :meth:`report`): a
+    delta checks its base there; a client whose ``start`` returns None is asked with ``report``."""
 
     name: str
 
