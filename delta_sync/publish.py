@@ -375,7 +375,8 @@ class Publish:
         needs_seed = (lost or self.kind == "seed" or 0 < len(self.finished) < len(clients)
                       or self.engines.lost_base(self.committed))
         self.engines.end_sessions([e for e in self.started if e not in self.finished], self.committed)
-        if lost:  # nothing left the trainer; the caller sends the seed
+        if lost:  # nothing left the trainer; a seed repairs it (a restarted engine left the channel: rejoin)
+            self.engines.drop_channel()
             log.warning("delta-sync v%d: %s", self.version, err)
             return Outcome(False, f"{type(err).__name__}: {err}", needs_seed=True, lost_base=True)
         if not needs_seed:  # engines are on v-1 and consistent: serve again

@@ -268,7 +268,8 @@ class WeightSync:
         if kind == "delta":
             outcome, error, elements = self._delta(version, named_tensors, timings)
             outcome = self._from_rank0(outcome)
-            if outcome.lost_base:  # an engine said so when it started: the same source goes as a seed
+            if outcome.lost_base and not self._base_asked:  # said at its start: the same source goes as a seed
+                # (a source that cannot be read twice was asked before: there the update fails, the next seeds)
                 self._rollback()
                 self._lost_base()
                 self._reset()

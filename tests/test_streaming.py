@@ -826,3 +826,38 @@ def test_an_engine_without_its_base_says_so_at_start_and_the_update_is_a_seed(ca
         assert sync.update(state.items()).kind == "delta" and receiver.mismatched(state.items()) == []
     finally:
         sync.close()
+
+
+class _RestartsAtStart(MemoryReceiver):
+    """Says it holds the base when asked, then restarts before the delta's ``start`` (a race)."""
+
+    def __init__(self):
+        super().__init__()
+        self.restart_next_start = False
+
+    def start(self, digest_names=None):
+        if self.restart_next_start:
+            self.restart_next_start, self.version = False, None
+        return super().start(digest_names)
+
+
+def test_an_engine_that_restarts_after_being_asked_fails_a_generators_delta_and_the_next_update_seeds():
+    """A generator's delta asks the engines for their version first; one that restarts after that
+    still says so when the delta starts: the update fails before its first bucket (nothing read
+    twice), the trainer's snapshot stays at the synced version, and the next update is an exact seed."""
+    state = _many_tensors(8)
+    receiver = _RestartsAtStart()
+    sync = WeightSync([receiver], mode="delta", timeout_s=60)
+    try:
+        sync.update((n, t) for n, t in state.items())
+        synced = sync.version
+        for t in state.values():
+            t.view(-1)[::11] += 1
+        receiver.restart_next_start = True
+        with pytest.raises(Exception, match="does not hold v"):
+            sync.update((n, t) for n, t in state.items())
+        assert sync.needs_seed and sync.version == synced
+        rep = sync.update((n, t) for n, t in state.items())
+        assert rep.kind == "seed" and receiver.mismatched(state.items()) == []
+    finally:
+        sync.close()
