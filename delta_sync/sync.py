@@ -580,9 +580,14 @@ class WeightSync:
         if self.drift_sweep and self._catalog and not self.needs_seed:
             t0 = time.perf_counter()
             try:
-                self._ahead = (*self._sweep_next(), time.perf_counter() - t0)
-            except Exception:  # noqa: BLE001 - worked out after the commit instead, where a failure is the update's
-                self._ahead = None
+                window, at, want = self._sweep_next()
+            except Exception as e:  # noqa: BLE001 - worked out after the commit instead, where a failure is the update's
+                log.debug("delta-sync: the early sweep failed (%s); it runs after the commit", e)
+                return
+            # a tensor whose snapshot this delta replaces whole (a weight moved out of FlatWeights: the
+            # store copies it) has no digest until the commit: then it is worked out after the commit
+            if len(want) == len(window):
+                self._ahead = (window, at, want, time.perf_counter() - t0)
 
     def _trainer_digests(self, names: list[str] | None = None) -> dict[str, str]:
         """Digest of every committed tensor (or of ``names``), summed over the owners' shares

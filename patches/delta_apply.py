@@ -45,7 +45,7 @@ def plan_delta(r: WorkerWeights, patches: list[Patch], version: int, tables: lis
     """Route ``patches`` and the entries of ``tables`` to ``r``'s parameters and check every
     position (nothing is written)."""
     t0 = time.perf_counter()
-    params = r.param_table.params()
+    params = r.param_table.params_of(r.model)
     try:
         with torch.no_grad():
             routed, general = _plan_tables(r, tables or [], params, cache=True)
@@ -91,19 +91,32 @@ class ParamTable:
 
     def __init__(self, model: torch.nn.Module):
         self._where = []
+        #: every (parent, key, child) link of the module tree on the way to a parameter's owner
+        self._links: dict[tuple[int, str], tuple[torch.nn.Module, str, torch.nn.Module]] = {}
         for name, _ in model.named_parameters():
             owner, _, key = name.rpartition(".")
-            self._where.append((name, model.get_submodule(owner) if owner else model, key))
+            module = model
+            for part in owner.split(".") if owner else []:
+                child = module._modules[part]
+                self._links[(id(module), part)] = (module, part, child)
+                module = child
+            self._where.append((name, module, key))
 
     def params(self) -> dict[str, torch.Tensor]:
         return {name: module._parameters[key] for name, module, key in self._where}
 
     def params_of(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """:meth:`params`, or ``model``'s walked anew where a parameter left its module."""
+        """``model``'s parameters by name: :meth:`params` where every module on the way to each
+        owner is still the one it was (a dict read per link), else the model walked anew (a module
+        replaced, a parameter gone or set to None)."""
         try:
-            return self.params()
+            if all(parent._modules.get(key) is child for parent, key, child in self._links.values()):
+                out = self.params()
+                if None not in out.values():
+                    return out
         except (KeyError, AttributeError):
-            return dict(model.named_parameters())
+            pass
+        return dict(model.named_parameters())
 
 
 def apply_delta(r: WorkerWeights, plan: DeltaPlan) -> dict[str, float]:
@@ -112,11 +125,8 @@ def apply_delta(r: WorkerWeights, plan: DeltaPlan) -> dict[str, float]:
     (a wake from sleep, say) is made again first. Returns the apply's timings."""
     t0 = time.perf_counter()
     undo = plan.undo = UndoLog()
-    try:
-        params = r.param_table.params()
-        replanned = layout_of(params) != plan.layout
-    except (KeyError, AttributeError):  # a parameter left its module: read them all again
-        params, replanned = dict(r.model.named_parameters()), True
+    params = r.param_table.params_of(r.model)  # (a module replaced since the plan: walked anew)
+    replanned = layout_of(params) != plan.layout
     try:
         with torch.no_grad():
             sparse, routed = plan.sparse, plan.routed

@@ -390,7 +390,7 @@ class DeltaSyncReceiver:
         replace what holds them). A new table makes every catalogue's routes again: ~0.1 s per
         18,867 tensors, which a bulk update written through the views alone never needs."""
         try:
-            now = None if anew else layout_of(self.param_table.params())
+            now = None if anew else layout_of(self.param_table.params_of(self.model))
         except (KeyError, AttributeError):  # a parameter left its module
             now = None
         if now is None or now != self._fingerprint:

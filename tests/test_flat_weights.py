@@ -134,6 +134,8 @@ def test_a_weight_moved_out_of_its_buffer_is_still_synced_exactly(caplog):
         assert "no longer lies in its buffer" in caplog.text
         assert rep.kind == "delta" and not flat.ready()
         assert receiver.mismatched([(n, p.detach()) for n, p in model.named_parameters()]) == []
+        window, want = sync._sweep  # the next drift sweep's trainer half: every name of its window
+        assert window and set(want) == set(window)
         with torch.no_grad():
             model.bias.add_(1)
         assert sync.update(flat).kind == "delta"

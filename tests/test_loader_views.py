@@ -877,3 +877,21 @@ def test_a_pair_staged_in_host_memory_writes_and_restores_exactly():
         assert not torch.equal(staged.view(torch.int16), base.view(torch.int16))
         undo.restore()
         assert torch.equal(staged.view(torch.int16), base.view(torch.int16))
+
+
+def test_the_parameter_table_notices_a_replaced_module_or_a_parameter_set_to_none():
+    """The engine reads its parameters through a table of their owners (no walk of vLLM's module
+    tree per call); a module replaced anywhere on the way, or a parameter set to None, makes it
+    walk the model anew, so a layout check or a digest never reads orphaned tensors."""
+    from patches.delta_apply import ParamTable
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.LayerNorm(2)))
+    table = ParamTable(model)
+    assert table.params_of(model) == dict(model.named_parameters())
+    model[1][0] = torch.nn.Linear(4, 2)
+    assert table.params_of(model)["1.0.weight"] is model[1][0].weight
+    model[1] = torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.LayerNorm(2))
+    assert table.params_of(model) == dict(model.named_parameters())
+    table = ParamTable(model)
+    model[0].bias = None
+    assert table.params_of(model) == dict(model.named_parameters()) and "0.bias" not in table.params_of(model)
