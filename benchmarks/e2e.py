@@ -539,7 +539,7 @@ def _diff_alone(sync, state: dict[str, torch.Tensor], g: torch.Generator, reps: 
         with gc_held():
             t0 = time.perf_counter()
             diff = DeltaDiff(TensorStream(state.items(), sync.name_map, sync.dtype, "bench"), sync.store,
-                             sync._catalog, None, {})
+                             sync._catalog, None, {}, fast=False)
             diff.batched = True
             for _ready in diff:
                 pass

@@ -256,12 +256,8 @@ def _check_ids(ids: torch.Tensor, catalog: Catalog, what: str, where: str, kept:
     return rest[1]
 
 
-def _per_dtype(codes: torch.Tensor, counts: torch.Tensor, one: int | None = None, total: int | None = None
-               ) -> dict[str, int]:
-    """A table's elements per dtype name (its entries' catalogue dtype ``codes``, ``counts`` each;
-    ``one``: the code every entry has, where the catalogue knows it, ``total`` their sum)."""
-    if one is not None:
-        return {CODES[one]: int(counts.sum()) if total is None else total}
+def _per_dtype(codes: torch.Tensor, counts: torch.Tensor) -> dict[str, int]:
+    """A table's elements per dtype name (its entries' catalogue dtype ``codes``, ``counts`` each)."""
     return {CODES[c]: int(counts[codes == c].sum()) for c in codes.unique().tolist()}
 
 
@@ -334,7 +330,8 @@ class TableSlice:
                                        kept=kept)
         total = _check_ids(ids, catalog, "table", where, kept, counts)
         codes = catalog.codes[ids]
-        per_dtype = _per_dtype(codes, counts, catalog.one_code, total)
+        one = catalog.one_code  # (every entry of that dtype: the checks' sum is its count)
+        per_dtype = {CODES[one]: total} if one is not None else _per_dtype(codes, counts)
         n_idx = sum(per_dtype.values())
         if n_idx > indices.numel() or any(k not in values or n > values[k].numel() for k, n in per_dtype.items()):
             raise PatchValidationError("<bucket table>", f"{where}: the table's {n_idx} elements "

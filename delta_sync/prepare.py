@@ -183,10 +183,10 @@ class DeltaDiff:
     any tensor, or a seeded tensor the stream left out."""
 
     def __init__(self, tensors: TensorStream, store: SnapshotStore, catalog: dict[str, int], sharded,
-                 timings: dict, fast: bool | None = None):
+                 timings: dict, fast: bool):
         self.tensors, self.store, self.catalog, self.sharded, self.timings = tensors, store, catalog, sharded, timings
-        #: the source diffs its own shards (``fast``: the caller asked its ``ready()`` already)
-        self.fast = (sharded is not None and sharded.ready()) if fast is None else fast
+        #: the source diffs its own shards (the caller asked its ``ready()``, once per update)
+        self.fast = fast
         self.kept = tensors.kept
         self.failure: BaseException | None = None
         # owned, not yet diffed: stream positions, checkpoint names, tensors

@@ -269,9 +269,8 @@ class WeightSync:
             outcome, error, elements = self._delta(version, named_tensors, timings)
             outcome = self._from_rank0(outcome)
             if outcome.lost_base and not self._base_asked:  # said at its start: the same source goes as a seed
-                # (a source that cannot be read twice was asked before: there the update fails, the next seeds)
-                self._rollback()
-                self._lost_base()
+                # (a source that cannot be read twice was asked before: there the update fails, the next seeds;
+                # the reset forgets what the delta staged, Publish dropped the channel the engine left)
                 self._reset()
                 kind, timings = "seed", {}
         if kind != "delta":
@@ -293,7 +292,8 @@ class WeightSync:
         sharded = named_tensors if isinstance(named_tensors, ShardedSource) else None
         self._base_asked = not self.needs_seed and not (self.mode == "delta" and self._rereadable(named_tensors))
         if self._base_asked and self._from_rank0(self.rank == 0 and self._engines.lost_base(self.version)):
-            self._lost_base()
+            self.state = SyncState.NEEDS_SEED  # an engine restarted or lost its base: only a seed repairs it
+            self._engines.drop_channel()  # a restarted engine also left the channel: rejoin everyone
         if sharded is not None and not self._serves_dtype(sharded):
             sharded = None  # read as the stream it also is, each tensor cast to this sync's dtype
         if sharded is not self.sharded:
@@ -318,11 +318,6 @@ class WeightSync:
         if isinstance(named_tensors, ShardedSource):
             return True
         return self.world == 1 and isinstance(named_tensors, (collections.abc.Sequence, collections.abc.ItemsView))
-
-    def _lost_base(self) -> None:
-        """An engine restarted or lost its base: only a seed repairs it (every rank)."""
-        self.state = SyncState.NEEDS_SEED
-        self._engines.drop_channel()  # a restarted engine also left the channel: rejoin everyone
 
     def _source_serves(self) -> bool:
         """Do the sharded source's own snapshots back the deltas (its ``ready()``)? Asked once per
@@ -391,7 +386,7 @@ class WeightSync:
             rep.verified = True
             timings["verify_s"] = time.perf_counter() - t0
         ahead, self._ahead = self._ahead, None
-        if not self.needs_seed and self.mode == "delta" and self.drift_sweep and self._catalog:
+        if self._sweeps():
             t0 = time.perf_counter()
             window, self._sweep_at, want = ahead[:3] if ahead else self._sweep_next()
             self._sweep = (window, want) if self.rank == 0 else None
@@ -568,6 +563,10 @@ class WeightSync:
             acc += self._catalog[name]
         return out, at
 
+    def _sweeps(self) -> bool:
+        """Does a drift sweep follow the version now committed (or staged)?"""
+        return not self.needs_seed and self.mode == "delta" and bool(self.drift_sweep) and bool(self._catalog)
+
     def _sweep_next(self) -> tuple[list[str], int, dict[str, str]]:
         """The next sweep window, the cursor after it, and the trainer's digests of it (collective:
         the owners' shares)."""
@@ -577,7 +576,7 @@ class WeightSync:
     def _sweep_early(self) -> None:
         """One rank, a delta's buckets all sent: the trainer's half of the next sweep, while the engines
         stage the delta (the snapshots hold the new version already; kept only if it commits)."""
-        if self.drift_sweep and self._catalog and not self.needs_seed:
+        if self._sweeps():
             t0 = time.perf_counter()
             try:
                 window, at, want = self._sweep_next()

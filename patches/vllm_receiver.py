@@ -389,10 +389,7 @@ class DeltaSyncReceiver:
         made again where it did move, or ``anew`` (names went through vLLM's loader, which may
         replace what holds them). A new table makes every catalogue's routes again: ~0.1 s per
         18,867 tensors, which a bulk update written through the views alone never needs."""
-        try:
-            now = None if anew else layout_of(self.param_table.params_of(self.model))
-        except (KeyError, AttributeError):  # a parameter left its module
-            now = None
+        now = None if anew else layout_of(self.param_table.params_of(self.model))  # (walked anew where a module moved)
         if now is None or now != self._fingerprint:
             self.param_table = ParamTable(self.model)
             now = layout_of(self.param_table.params())
