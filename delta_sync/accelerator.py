@@ -11,6 +11,7 @@ import importlib
 import logging
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -145,6 +146,30 @@ def read_back(tensors: list[torch.Tensor]) -> list[list]:
             out[i] = flat[at:at + tensors[i].numel()]
             at += tensors[i].numel()
     return out
+
+
+class ReadBack:
+    """Device values that host decisions wait for, read together: a bucket's checks and checksum
+    each need a few numbers from the device, and each read would wait for it once. ``later``
+    queues tensors and what to do with their values; :meth:`run` reads every queued tensor in one
+    :func:`read_back` and calls each ``then`` in the order queued (one that raises stops the rest)."""
+
+    def __init__(self):
+        self._tensors: list[torch.Tensor] = []
+        self._then: list[tuple[int, Callable[[list[list]], None]]] = []
+
+    def later(self, tensors: list[torch.Tensor], then: Callable[[list[list]], None]) -> None:
+        """``then(values)`` at :meth:`run`, ``values[k]`` the flattened values of ``tensors[k]``."""
+        self._tensors += tensors
+        self._then.append((len(tensors), then))
+
+    def run(self) -> None:
+        values, calls = read_back(self._tensors) if self._tensors else [], self._then
+        self._tensors, self._then = [], []
+        at = 0
+        for n, then in calls:
+            then(values[at:at + n])
+            at += n
 
 
 _PINNED = [True]  # until pinning host memory once failed in this process

@@ -47,9 +47,10 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from . import native
+from .accelerator import ReadBack, read_back
 from .catalog import CODES, Catalog, CatalogBuilder, DenseTable, TableSlice, check_after, encode_dense, encode_table
-from .digest import (MAX_WORDS, PUBLIC, Digest, DigestKey, checksum_bytes, digest_texts, nonfinite_count, parse_texts,
-                     range_row, row_spec, rows_supported, scan_many, scan_rows_table)
+from .digest import (MAX_WORDS, PUBLIC, Digest, DigestKey, checksum_later, digest_texts, nonfinite_count,
+                     nonfinite_on_device, parse_texts, range_row, row_spec, rows_supported, scan_many, scan_rows_table)
 from .errors import ChecksumMismatch, PatchValidationError
 from .patch import DTYPE_NAMES, DTYPES, Patch, PatchBatch, Whole, WholeRun, dtype_name, first_true
 
@@ -95,10 +96,12 @@ class Bucket:
     def payload_bytes(self) -> int:
         return self.indices.numel() * 4 + sum(v.numel() * v.element_size() for v in self.values.values())
 
-    def payload_checksum(self) -> str:
+    def payload_checksum(self, reads: ReadBack | None = None) -> Callable[[], str]:
+        """The checksum of the payload's bytes: call what this returns (once ``reads`` ran, where
+        given: its device sums are read with the bucket's other checks)."""
         parts = [self.indices.reshape(-1).view(torch.uint8)]
         parts += [t.reshape(-1).view(torch.uint8) for k in sorted(self.values) for t in self.wire_parts(k)]
-        return checksum_bytes(*parts, key=self.key)
+        return checksum_later(*parts, key=self.key, reads=reads)
 
     def header_bytes(self) -> bytes:
         return json.dumps(self.header, separators=(",", ":")).encode()
@@ -538,14 +541,17 @@ class BucketPacker:
             self.record.see_entries(header["entries"], dense)
         if nonce is not None:
             header["nonce"] = nonce
+        reads = ReadBack()  # on a device: the table's checks and the checksum wait for it once
         if self.check:  # refused before it leaves
             if table is not None:
-                check_table(table, self.kept)
+                check_table(table, self.kept, reads)
             check_sparse_entries(header["entries"], idx[:j_idx], vals, self.kept)
+        b = Bucket(header, idx, vals, sources, key, dense=dense)
+        checksum = b.payload_checksum(reads) if self.checksum and idx.numel() else None
+        reads.run()
+        header["checksum"] = checksum() if checksum is not None else None
         if self.keep is not None and into is None:
             self._keep_whole(fill, vals, dense)
-        b = Bucket(header, idx, vals, sources, key, dense=dense)
-        header["checksum"] = b.payload_checksum() if self.checksum and idx.numel() else None
         self.seq += 1
         fill.clear()
         return b
@@ -712,14 +718,17 @@ def entry_patches(bucket: Bucket, kept: str | None = None, check_dense: bool = T
     checked with the dense entries', and set as ``bucket.dense``. Neither table's entries are among
     the returned ones (:meth:`TableSlice.patches`, :meth:`DenseTable.patches` make them).
     """
-    _check_checksum(bucket, kept)
+    reads = ReadBack()  # on a device: the checksum and the table's checks wait for it once
+    _check_checksum(bucket, kept, reads)
     h = bucket.header
     where = f"bucket {h['seq']} of version {h['version']}"
     if "table" in h:
         if h["kind"] != "delta":
+            reads.run()  # (the checksum's verdict first)
             raise PatchValidationError("<bucket table>", f"{where}: a table in a {h['kind']!r} bucket", kept=kept)
         bucket.table = TableSlice.parse(h["table"], catalog, bucket.indices, bucket.values, where, kept)
-        check_table(bucket.table, kept)
+        check_table(bucket.table, kept, reads)
+    reads.run()
     if "dense" in h:
         if h["kind"] == "delta":
             raise PatchValidationError("<bucket table>", f"{where}: a dense table in a delta bucket", kept=kept)
@@ -741,20 +750,38 @@ def entry_patches(bucket: Bucket, kept: str | None = None, check_dense: bool = T
     return out
 
 
-def check_table(table: TableSlice, kept: str | None = None) -> None:
+def check_table(table: TableSlice, kept: str | None = None, reads: ReadBack | None = None) -> None:
     """Order, bounds and finiteness of a table's entries: one pass of the host kernel and one scan
     per value buffer; elsewhere, or to name what is wrong, :func:`check_sparse_entries` over its
-    entries stated as JSON entries would be."""
+    entries stated as JSON entries would be. Buffers off the host are checked by torch ops over the
+    table's columns, no entry per tensor, their verdict read with ``reads``' others (refused when it
+    runs; without ``reads``: at once)."""
     limits = table.catalog.numel[table.ids]
     ok = native.sparse_in_order(table.indices, table.counts, limits)
-    if ok is None:  # buffers off the host: the torch checks over the table's columns, no entry per tensor
-        names, ids = table.catalog.names, table.ids.tolist()
-        _check_order_bounds(table.counts.tolist(), limits.tolist(), table.indices, kept, lambda k: names[ids[k]])
-        ok = True
+    if ok is None:
+        found = _OrderBounds(table.counts.tolist(), limits.tolist(), table.indices)
+        flags = [found.wrong] if found.wrong is not None else []
+        flags += [nonfinite_on_device(v) for v in table.values.values()]
+
+        def then(values: list[list]) -> None:
+            if any(v[0] for v in values):
+                _refuse_table(table, kept, None)
+
+        if reads is None:
+            then(read_back(flags) if flags else [])
+        else:
+            reads.later(flags, then)
+        return
     if ok and not any(nonfinite_count(v) for v in table.values.values()):
         return
+    _refuse_table(table, kept, ok)
+
+
+def _refuse_table(table: TableSlice, kept: str | None, ok: bool | None) -> None:
+    """Raise for a table whose checks failed: its entries checked as JSON entries would be, to name
+    what is wrong, else (the kernel and the torch checks disagree) refused all the same."""
     check_sparse_entries(table.entries(), table.indices, table.values, kept)
-    if ok is False:  # the kernel and the torch checks disagree: refuse all the same
+    if ok is not True:
         raise PatchValidationError("<bucket table>", f"{table.where}: table indices out of order or bounds",
                                    kept=kept)
 
@@ -824,16 +851,23 @@ def table_rows(src: torch.Tensor, counts: torch.Tensor, codes: torch.Tensor, dst
     return rows
 
 
-def _check_checksum(bucket: Bucket, kept: str | None) -> None:
+def _check_checksum(bucket: Bucket, kept: str | None, reads: ReadBack) -> None:
+    """The payload's checksum against its header's, when ``reads`` runs (first of what it reads)."""
     h = bucket.header
     if h.get("checksum") is None and bucket.indices.numel() and bucket.key is not PUBLIC:
         raise ChecksumMismatch(f"bucket {h['seq']} of version {h['version']}: sparse payload without its "
                                "checksum", kept=kept)
-    if h.get("checksum") is not None:
-        got = bucket.payload_checksum()
+    if h.get("checksum") is None:
+        return
+    checksum = bucket.payload_checksum(reads)
+
+    def compare(_) -> None:
+        got = checksum()
         if got != h["checksum"]:
             raise ChecksumMismatch(f"bucket {h['seq']} of version {h['version']}: payload checksum "
                                    f"{got} != header {h['checksum']}", kept=kept)
+
+    reads.later([], compare)
 
 
 class _Tiling:
@@ -1001,50 +1035,59 @@ def check_sparse_entries(entries: list[dict], indices: torch.Tensor, values: dic
     _check_finite(sparse, indices, values, kept)
 
 
+class _OrderBounds:
+    """The torch checks of strict order and bounds of sparse entries of ``count_list`` elements
+    each, which tile ``indices`` from its start, entry ``k`` within ``limits[k]`` elements: torch
+    ops over the entries' columns, nothing read yet. ``wrong``: a one-element bool tensor on the
+    indices' device, True where an entry fails (None: no indices)."""
+
+    def __init__(self, count_list: list[int], limits: list[int], indices: torch.Tensor):
+        self.count_list, self.limits, self.idx = count_list, limits, indices  # int32: compared, never subtracted
+        dev = indices.device
+        self.counts = counts = torch.tensor(count_list, dtype=torch.int64, device=dev)
+        self.first = first = torch.cumsum(counts, 0) - counts  # each entry's first position in the index buffer
+        self.ok = self.wrong = None
+        if not indices.numel():
+            return
+        if indices.numel() > 1:
+            self.ok = indices[1:] > indices[:-1]
+            self.ok[(first - 1)[(first > 0) & (counts > 0)]] = True  # entries do not continue each other
+        # strictly increasing within each entry (checked with it): its first and last index bound all of it
+        self.nonempty = nonempty = counts > 0
+        self.heads, lens = first[nonempty], counts[nonempty]
+        self.lo, hi = indices.index_select(0, self.heads), indices.index_select(0, self.heads + lens - 1)
+        numel = torch.tensor(limits, dtype=torch.int64, device=dev)[nonempty]
+        self.bad = (self.lo < 0) | (hi >= numel)
+        self.wrong = (self.bad.any() if self.ok is None else self.bad.any() | ~self.ok.all()).view(1)
+
+    def refuse(self, kept: str | None, name_of) -> None:
+        """Raise :class:`PatchValidationError` for the first entry that fails, named ``name_of(k)``."""
+        idx, first = self.idx, self.first
+        if self.ok is not None and not bool(self.ok.all()):
+            pos = first_true(~self.ok) + 1
+            k = int(torch.searchsorted(first, torch.tensor([pos], device=idx.device), right=True)) - 1
+            a, b = int(idx[pos - 1]), int(idx[pos])
+            why = f"duplicate index {b}" if a == b else f"indices not increasing: {a} then {b}"
+            raise PatchValidationError(name_of(k), why, index=pos - int(first[k]), kept=kept)
+        k = first_true(self.bad)
+        entry = [j for j, n in enumerate(self.nonempty.tolist()) if n][k]
+        start = int(self.heads[k])
+        if int(self.lo[k]) < 0:  # increasing: the entry's first index is its first negative one
+            at, why = 0, "is negative"
+        else:  # and its out-of-bounds ones are its last: name the first of them
+            at = first_true(idx[start:start + self.count_list[entry]] >= self.limits[entry])
+            why = f"out of bounds for {self.limits[entry]} elements"
+        raise PatchValidationError(name_of(entry), f"index {int(idx[start + at])} {why}", index=at, kept=kept)
+
+
 def _check_order_bounds(count_list: list[int], limits: list[int], indices: torch.Tensor, kept: str | None,
                         name_of) -> None:
-    """Strict order and bounds of sparse entries of ``count_list`` elements each, which tile
-    ``indices`` from its start, entry ``k`` within ``limits[k]`` elements and named ``name_of(k)``."""
+    """Strict order and bounds of sparse entries (see :class:`_OrderBounds`), named ``name_of(k)``."""
     if native.sparse_in_order(indices, count_list, limits):  # one host-kernel pass: nothing to name
         return
-    dev = indices.device
-    counts = torch.tensor(count_list, dtype=torch.int64, device=dev)
-    first = torch.cumsum(counts, 0) - counts  # each entry's first position in the index buffer
-    idx = indices  # int32 throughout: compared, never subtracted (a difference could wrap)
-
-    def where(pos: int) -> tuple[str, int]:
-        k = int(torch.searchsorted(first, torch.tensor([pos], device=dev), right=True)) - 1
-        return name_of(k), pos - int(first[k])
-
-    if not idx.numel():
-        return
-    ok = None
-    if idx.numel() > 1:
-        ok = idx[1:] > idx[:-1]
-        ok[(first - 1)[(first > 0) & (counts > 0)]] = True  # entries do not continue each other
-    # strictly increasing within each entry (checked with it): its first and last index bound all of it
-    nonempty = counts > 0
-    heads, lens = first[nonempty], counts[nonempty]
-    lo, hi = idx.index_select(0, heads), idx.index_select(0, heads + lens - 1)
-    numel = torch.tensor(limits, dtype=torch.int64, device=dev)[nonempty]
-    bad = (lo < 0) | (hi >= numel)
-    if not bool(bad.any() if ok is None else (bad.any() | ~ok.all())):  # (one read back for both)
-        return
-    if ok is not None and not bool(ok.all()):
-        pos = first_true(~ok) + 1
-        name, at = where(pos)
-        a, b = int(idx[pos - 1]), int(idx[pos])
-        why = f"duplicate index {b}" if a == b else f"indices not increasing: {a} then {b}"
-        raise PatchValidationError(name, why, index=at, kept=kept)
-    k = first_true(bad)
-    entry = [j for j, n in enumerate(nonempty.tolist()) if n][k]
-    start = int(heads[k])
-    if int(lo[k]) < 0:  # increasing: the entry's first index is its first negative one
-        at, why = 0, "is negative"
-    else:  # and its out-of-bounds ones are its last: name the first of them
-        at = first_true(idx[start:start + count_list[entry]] >= limits[entry])
-        why = f"out of bounds for {limits[entry]} elements"
-    raise PatchValidationError(name_of(entry), f"index {int(idx[start + at])} {why}", index=at, kept=kept)
+    found = _OrderBounds(count_list, limits, indices)
+    if found.wrong is not None and bool(found.wrong):  # (one read back for order and bounds)
+        found.refuse(kept, name_of)
 
 
 def _check_finite(sparse: list[dict], indices: torch.Tensor, values: dict[str, torch.Tensor],

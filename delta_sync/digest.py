@@ -38,11 +38,12 @@ import functools
 import hashlib
 import hmac
 import sys
+from typing import Callable
 
 import torch
 
 from . import native
-from .accelerator import read_back
+from .accelerator import ReadBack, read_back
 
 #: each lane's modulus (lane sums from several parts add up modulo these)
 PRIMES = (32749, 32719, 32717, 32713)
@@ -444,9 +445,10 @@ def _copy_target(values: torch.Tensor, copy_to: torch.Tensor | None) -> torch.Te
 
 
 def scan_many(items: list[tuple[torch.Tensor, int, torch.Tensor | None]], lanes: bool = True,
-              key: DigestKey | None = None) -> list[tuple[Digest, int]]:
+              key: DigestKey | None = None, reads: ReadBack | None = None) -> list[tuple[Digest, int]]:
     """:func:`scan_range` of many ``(values, start, copy_to)`` ranges under one ``key``, in order
-    (``lanes``: as there).
+    (``lanes``: as there). With ``reads``, device ranges' results are read back with its others:
+    their places in the list returned are filled at ``reads.run()``.
 
     Host ranges are spread over the threads by whole ranges, each scanned on one thread, instead of
     each range being split over all of them: a model's hundreds of few-MB tensors would otherwise
@@ -474,9 +476,9 @@ def scan_many(items: list[tuple[torch.Tensor, int, torch.Tensor | None]], lanes:
     _, error = native.run_spread([functools.partial(run_group, g) for g in groups])  # every range finishes first
     try:
         run(alone, None)
-        _scan_device(items, [i for i, ok in enumerate(host) if not ok], out, key)
-        if not lanes:  # device ranges were digested anyway: their digests are dropped alike
-            out = [None if o is None else (Digest(), o[1]) for o in out]
+        if not lanes:  # device ranges are digested anyway: their digests are dropped alike
+            out[:] = [None if o is None else (Digest(), o[1]) for o in out]
+        _scan_device(items, [i for i, ok in enumerate(host) if not ok], out, key, lanes, reads)
     except BaseException as e:  # noqa: BLE001 - every range finishes first; the first error is raised below
         error = error or e
     if error is not None:
@@ -646,8 +648,9 @@ def sum_rows(table: torch.Tensor, owner: list[int], n: int, key: DigestKey | Non
 
 
 def _scan_device(items: list[tuple[torch.Tensor, int, torch.Tensor | None]], indices: list[int],
-                 out: list, key: DigestKey) -> None:
-    """:func:`scan_range` of the torch-path ranges ``items[i]``, ``i`` in ``indices``, into ``out[i]``.
+                 out: list, key: DigestKey, lanes: bool = True, reads: ReadBack | None = None) -> None:
+    """:func:`scan_range` of the torch-path ranges ``items[i]``, ``i`` in ``indices``, into ``out[i]``
+    (with ``reads``: when it runs).
 
     On a device each ``scan_range`` ends in a host round trip (~20 launches and a sync per range:
     a model's hundreds of tensors would pay it hundreds of times). Here ranges of up to
@@ -674,8 +677,22 @@ def _scan_device(items: list[tuple[torch.Tensor, int, torch.Tensor | None]], ind
             part = members[lo:hi]
             rows = _lane_sums_many([(words, word0) for _, words, word0 in part], mask, w, key)
             sums.update((i, row) for (i, _, _), row in zip(part, rows.unbind(0)))
-    for i, row in zip(sums, read_back(list(sums.values()))):  # the one sync per device
-        out[i] = (Digest(*row[:_LANES]), row[_LANES])
+
+    def fill(rows: list[list]) -> None:
+        for i, row in zip(sums, rows):
+            out[i] = (Digest(*row[:_LANES]) if lanes else Digest(), row[_LANES])
+
+    if reads is not None:
+        reads.later(list(sums.values()), fill)
+    elif sums:
+        fill(read_back(list(sums.values())))  # the one sync per device
+
+
+def nonfinite_on_device(values: torch.Tensor) -> torch.Tensor:
+    """:func:`nonfinite_count` of device ``values`` as a one-element int64 tensor on their device
+    (torch ops, no read: for a :class:`ReadBack`)."""
+    return lane_sums(_words(values), 0, 0, _EXP_MASK.get(values.dtype, 0), _words_per_element(values)
+                     ).narrow(0, _LANES, 1)
 
 
 def nonfinite_count(values: torch.Tensor) -> int:
@@ -724,10 +741,13 @@ def digest_tensor(t: torch.Tensor, key: DigestKey | None = None) -> Digest:
     return digest_range(t, 0, key)
 
 
-def checksum_bytes(*parts: torch.Tensor, key: DigestKey | None = None) -> str:
+def checksum_later(*parts: torch.Tensor, key: DigestKey | None = None, reads: ReadBack | None = None
+                   ) -> Callable[[], str]:
     """Checksum under ``key`` of byte buffers (a bucket's index and value payloads), in order, on
     their device: per buffer, its byte count and its digest as 16-bit words (a zero byte pads an
-    odd length), masked with the key's pad for its place (nothing about the tables shows).
+    odd length), masked with the key's pad for its place (nothing about the tables shows). Returns
+    what makes its text: call it once ``reads`` ran (its device sums are read with ``reads``'
+    others; without ``reads``, at once).
     """
     key = key or PUBLIC
     words, sizes = [], []
@@ -741,8 +761,9 @@ def checksum_bytes(*parts: torch.Tensor, key: DigestKey | None = None) -> str:
         words.append((flat.view(torch.int16), 0, None))
         sizes.append(n)
     # every buffer in one scan: on a device one fold and one host read for all, not one per buffer
-    sums = scan_many(words, key=key)
-    return "/".join(f"{n:x}.{(d + key.pad(CHECKSUM_PADS + i)).hex()}" for i, (n, (d, _)) in enumerate(zip(sizes, sums)))
+    sums = scan_many(words, key=key, reads=reads)
+    return lambda: "/".join(f"{n:x}.{(d + key.pad(CHECKSUM_PADS + i)).hex()}"
+                            for i, (n, (d, _)) in enumerate(zip(sizes, sums)))
 
 
 #: pads of a checksum's buffers are drawn from this index on (entries' digests take the ones below)

@@ -10,7 +10,7 @@ import torch
 
 from delta_sync.bucket import BucketPacker, entry_patches
 from delta_sync.catalog import Catalog
-from delta_sync.errors import EngineError, NeedsSeed, PatchValidationError
+from delta_sync.errors import ChecksumMismatch, EngineError, NeedsSeed, PatchValidationError
 from delta_sync.memory_receiver import MemoryReceiver
 from delta_sync.patch import Patch, PatchBatch
 from delta_sync.sync import WeightSync
@@ -159,6 +159,14 @@ def test_a_table_checks_its_entries_and_names_the_tensor(checks, monkeypatch):
         (bad,) = packer.pack([_sparse("a", [0]), _sparse("b", idx, value)])
         with pytest.raises(PatchValidationError, match=f"'b'.*{why}"):
             entry_patches(bad, catalog=cat)
+        checked = BucketPacker(1, "delta", 1 << 20)  # the sender's own checks refuse it before it leaves
+        checked.catalog = cat
+        with pytest.raises(PatchValidationError, match=f"'b'.*{why}"):
+            list(checked.pack([_sparse("a", [0]), _sparse("b", idx, value)]))
+    (flipped,) = _packed(cat, good)
+    flipped.values["bfloat16"].view(torch.int16)[0] ^= 0x4000  # payload bits changed on the way
+    with pytest.raises(ChecksumMismatch):  # read with the table's checks, and refused first
+        entry_patches(flipped, catalog=cat)
     with pytest.raises(NeedsSeed, match="catalogue"):
         entry_patches(bucket, catalog=_catalog(["a", "b", "x"]))
 
