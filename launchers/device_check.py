@@ -37,6 +37,7 @@ import math
 import pstats
 import sys
 import time
+import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -423,7 +424,11 @@ def bench_pipeline(device, g, shapes: dict[str, tuple[int, ...]], density: float
     tx, rx = _channel_pair(device, "device-check-pipeline")
     store = SnapshotStore(device=device)
     plan = ["seed", "full", "full", "delta", "delta"] + (["delta"] if count_ops else [])
-    counters = {"sender": OpCounter(), "receiver": OpCounter()}
+    # (with the threads the library sends and receives buckets in)
+    counters = {"sender": OpCounter(("delta_sync-send",)), "receiver": OpCounter(("delta_sync-recv",))}
+    if count_ops and device.type == "cpu":  # what device data is, for the counters (see OpCounter)
+        OpCounter.device(*state.values(), *got.values(), *params.values())
+        _received_on_device(rx)
     counted = len(plan) - 1 if count_ops else -1
     profiled = len(plan) - 1 - count_ops  # the last timed delta
     done: list[dict] = []  # per version, the receiver's stage times
@@ -541,26 +546,137 @@ def bench_pipeline(device, g, shapes: dict[str, tuple[int, ...]], density: float
             **({"delta_ops": {k: c.counts() for k, c in counters.items()}} if count_ops else {})}
 
 
+def _received_on_device(rx) -> None:
+    """What ``rx`` receives stands for device data in :class:`OpCounter` (on a device it would be)."""
+    one, many = rx.broadcast, rx.broadcast_all
+
+    def broadcast(tensor, src=0):
+        got = one(tensor, src)
+        OpCounter.device(got)
+        return got
+
+    def broadcast_all(tensors, src=0):
+        many(tensors, src)
+        OpCounter.device(*tensors)
+
+    rx.broadcast, rx.broadcast_all = broadcast, broadcast_all
+
+
 class OpCounter(TorchDispatchMode):
     """Counts the torch operations run while it is entered (in this thread: dispatch modes are
-    per thread), and among them those whose result size depends on the data or that read a
-    value back (``nonzero``, ``item``, ...): on a device each of those waits for the device."""
+    per thread), and among them the host syncs: on a device, an operation on device data whose
+    result size depends on the data or that reads a value back (``nonzero``, ``item``, ...) waits
+    for the device, and so does every read of device data by the host (``tolist``, ``cpu``,
+    ``numpy``: not dispatched, counted through the methods while a counter is entered, also in the
+    library's threads named in ``threads``, whose operations a dispatch mode does not see).
+
+    Which data is a device's: on a device, what lies on it. On a CPU (``bench skeleton
+    --torch-path``) it is told by where it came from: what :meth:`device` was told (the weights, what
+    crosses the channel) and what any operation on it made or wrote; the rest (tables the library
+    keeps on the host, counts it read back, tensors made from host data) is the host's, and its
+    ``nonzero`` or ``tolist`` waits for nothing."""
 
     SYNCING = frozenset({"nonzero", "_local_scalar_dense", "item", "masked_select", "unique", "_unique2",
                          "unique_consecutive", "equal", "is_nonzero", "argwhere"})
+    _on_device: dict[int, weakref.ref] = {}  # id -> tensor: on a CPU, what stands for device data
+    _entered: dict[int, "OpCounter"] = {}  # thread -> the counter entered in it
+    _named: dict[str, "OpCounter"] = {}  # thread name -> the counter its host reads count in
+    _saved: dict[str, object] = {}  # the Tensor methods replaced while any counter is entered
+    _own: set[str] = set()  # those of them that are Tensor's own, not inherited
 
-    def __init__(self):
+    def __init__(self, threads: tuple[str, ...] = ()):
         super().__init__()
+        self.threads = threads
         self.ops = self.syncs = 0
-        self.which: dict[str, int] = {}  # syncing op name -> count
+        self.which: dict[str, int] = {}  # syncing op (or host read) name -> count
+
+    @classmethod
+    def device(cls, *tensors: torch.Tensor) -> None:
+        """On a CPU: ``tensors`` (and the tensors they are views of) stand for device data."""
+        for t in tensors:
+            for x in (t, t._base):
+                if x is not None:
+                    cls._on_device[id(x)] = weakref.ref(x)
+
+    @classmethod
+    def on_device(cls, t: torch.Tensor) -> bool:
+        if t.device.type != "cpu":
+            return True
+        for x in (t, t._base):
+            ref = cls._on_device.get(id(x)) if x is not None else None
+            if ref is not None and ref() is x:
+                return True
+        return False
+
+    def __enter__(self):
+        import threading
+
+        if not OpCounter._entered:
+            OpCounter._hook_reads()
+        OpCounter._entered[threading.get_ident()] = self
+        OpCounter._named.update(dict.fromkeys(self.threads, self))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        import threading
+
+        OpCounter._entered.pop(threading.get_ident(), None)
+        for name in self.threads:
+            OpCounter._named.pop(name, None)
+        if not OpCounter._entered:
+            for name, fn in OpCounter._saved.items():
+                if name in OpCounter._own:
+                    setattr(torch.Tensor, name, fn)
+                else:  # (inherited: the class's own entry goes)
+                    delattr(torch.Tensor, name)
+            OpCounter._saved.clear()
+            OpCounter._own.clear()
+        return super().__exit__(*exc)
+
+    def _sync(self, name: str) -> None:
+        self.syncs += 1
+        self.which[name] = self.which.get(name, 0) + 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_leaves
+
         self.ops += 1
         name = func.overloadpacket.__name__
-        if name in self.SYNCING:
-            self.syncs += 1
-            self.which[name] = self.which.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
+        dev = any(self.on_device(t) for t in tree_leaves((args, kwargs or {})) if isinstance(t, torch.Tensor))
+        if dev and name in self.SYNCING:
+            self._sync(name)
+        out = func(*args, **(kwargs or {}))
+        if dev:
+            written = [a for a, arg in zip(args, func._schema.arguments) if arg.alias_info is not None
+                       and arg.alias_info.is_write]  # in place: what it wrote holds device data now
+            self.device(*(t for t in tree_leaves((out, written, (kwargs or {}).get("out")))
+                          if isinstance(t, torch.Tensor) and t.device.type == "cpu"))
+        return out
+
+    @classmethod
+    def _hook_reads(cls) -> None:
+        """``Tensor.tolist / numpy / cpu`` of device data counted as a sync in the thread's counter
+        (what ``cpu`` returns is then the host's: on a CPU, a copy)."""
+        import threading
+
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        def counted(name):
+            def method(t, *a, **k):
+                c = cls._entered.get(threading.get_ident()) or cls._named.get(threading.current_thread().name)
+                if c is None or not cls.on_device(t):
+                    return cls._saved[name](t, *a, **k)
+                c._sync(name)
+                with _disable_current_modes():
+                    got = cls._saved[name](t, *a, **k)
+                    return got.clone() if got is t else got  # (on a CPU: the host's own copy)
+            return method
+
+        for name in ("tolist", "numpy", "cpu"):
+            cls._saved[name] = getattr(torch.Tensor, name)
+            if name in vars(torch.Tensor):
+                cls._own.add(name)
+            setattr(torch.Tensor, name, counted(name))
 
     def counts(self) -> dict:
         return {"ops": self.ops, "syncs": self.syncs, "syncing": dict(self.which)}

@@ -170,6 +170,42 @@ def test_broken_driver_is_an_error_not_a_cpu_run(monkeypatch):
         accelerator.accelerated()  # the Megatron CPU shims ask this, so they never apply on NPUs
 
 
+def test_the_op_counter_counts_what_waits_for_a_device_and_nothing_the_host_does():
+    """`bench skeleton --torch-path`'s counter on a CPU: what stands for device data is told by
+    where it came from; its nonzero, item and reads by the host (tolist, cpu, numpy, also in a
+    library thread named to the counter, which a dispatch mode does not see) count, the same on
+    host data (read back, made from lists, or derived from those alone) do not, and ReadBack's one
+    read for many tensors counts once."""
+    import threading
+
+    from delta_sync.accelerator import ReadBack
+    from launchers.device_check import OpCounter
+
+    before = {m: getattr(torch.Tensor, m) for m in ("tolist", "cpu", "numpy")}
+    weights = torch.arange(16.0)
+    OpCounter.device(weights)
+    seen = []
+    with OpCounter(("delta_sync-test",)) as ops:
+        changed = (weights > 7).nonzero()  # device: 1
+        counts = changed.cpu()  # a read: 2; what it gives is the host's
+        assert counts.nonzero().numel() and counts.tolist() and int(counts.sum())  # host: none
+        host = torch.tensor([1, 0, 2])
+        assert host.nonzero().numel() == 2 and int(host.max()) == 2  # host: none
+        assert int((weights * 2).sum()) == 240  # device, derived: 3
+        assert len(weights.numpy()) == 16  # 4
+        reads = ReadBack()
+        reads.later([weights[:2], weights.sum().view(1)], seen.append)
+        reads.later([], seen.append)
+        reads.run()  # one read for both: 5
+        th = threading.Thread(target=lambda: weights.tolist(), name="delta_sync-test")  # 6
+        th.start()
+        th.join()
+    assert seen == [[[0.0, 1.0], [120.0]], []]
+    assert ops.syncs == 6, ops.counts()
+    assert ops.which == {"nonzero": 1, "cpu": 1, "_local_scalar_dense": 1, "numpy": 1, "tolist": 2}
+    assert all(getattr(torch.Tensor, m) is before[m] for m in before)  # the methods as they were
+
+
 def test_device_check_script_runs_its_checks_on_the_host():
     """launchers/device_check.py runs on a lent GPU only now and then; on the host it runs here, so
     it cannot rot in between (same checks, device = cpu)."""
