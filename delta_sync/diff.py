@@ -53,7 +53,7 @@ class BitwiseDiff:
             raise ValueError(f"chunk_words must be a positive multiple of 8, got {chunk_words}")
         self.chunk_words = chunk_words
         #: words of the small device tensors scanned as one batch (:meth:`_absorb_flat`): its
-        #: temporaries are ~17 B per word (both sides copied, a flag byte), its launches and five
+        #: temporaries are ~17 B per word (both sides copied, a flag byte), its launches and four
         #: host syncs are paid per batch (~1 ms on an H200: at 30B-A3B's 3 MB experts a batch of
         #: 64 MiB holds ~20 tensors, one of 256 MiB ~80)
         self.batch_words = batch_words or 4 * chunk_words
@@ -203,8 +203,8 @@ class BitwiseDiff:
         """:meth:`absorb` of ``pairs[i]`` for ``i`` in ``members`` (same width and device, at most
         ``batch_words`` words together) as one scan: on a device every ``nonzero`` and ``tolist``
         waits for the device, and a model's hundreds of tensors would each pay the three syncs of
-        the chunked scan. Here the whole batch pays five (two levels of ``nonzero``, the changed
-        words per tensor, the changed lanes, the cut per tensor) and no launch of its own. Returns
+        the chunked scan. Here the whole batch pays four (two levels of ``nonzero`` for the changed
+        words, one for their changed lanes, one read of each tensor's counts) and no launch of its own. Returns
         the batch once the snapshots advanced (the caller's rollback restores it). ``adjacent``:
         the snapshots lie back to back in one storage (:func:`_adjacent_runs`, e.g. a seed's arena):
         they are read and advanced there as one span, with no view or copy per tensor."""
@@ -239,7 +239,7 @@ class BitwiseDiff:
         words = hot.take(sub >> 3) * 8 + (sub & 7)  # changed words, batch positions, increasing
         starts = torch.tensor(offs[:-1], dtype=torch.int64, device=dev)
         member = torch.searchsorted(starts, words, right=True) - 1
-        counts = torch.bincount(member, minlength=len(members)).tolist()
+        per_member = torch.bincount(member, minlength=len(members))  # changed words of each member
         local = words - starts.take(member)  # word positions in their own tensor
         new_w, old_w = new_all.take(words), old_all.take(words)
         del old_all, new_all
@@ -247,13 +247,14 @@ class BitwiseDiff:
         hit_word = hit >> shift
         elem = (local.take(hit_word) * lanes + (hit & (lanes - 1))).to(torch.int32)
         new_v, old_v = new_w.view(lane_dtype).take(hit), old_w.view(lane_dtype).take(hit)
-        ends = torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int64, device=dev)
-        cuts = torch.searchsorted(hit_word, ends).cpu()  # (the counts cross to the host: one sync)
+        cuts = torch.searchsorted(hit_word, torch.cumsum(per_member, 0))  # each member's end among the lanes
+        # both cross to the host in one read
+        counts, cuts = torch.stack([per_member, cuts]).cpu().unbind(0)
         hits = torch.diff(cuts, prepend=cuts.new_zeros(1))
         if span is not None:  # the changed words advance in place, one op for the batch
             span.index_copy_(0, words, new_w)
         else:
-            changed = [k for k, c in enumerate(counts) if c]
+            changed = [k for k, c in enumerate(counts.tolist()) if c]
             # the changed snapshots advance whole, in one multi-tensor copy (one launch for many on a
             # device, where an index_copy_ per tensor costs a launch and two views each)
             # (as integers: the float copy of CUDA's multi-tensor kernel rewrites a NaN's payload bits)

@@ -270,6 +270,7 @@ def test_the_torch_op_path_a_device_runs_matches_the_kernel_with_no_op_per_tenso
             flat.local_patches()  # (its run tables made)
             flat.rollback()
             counter = OpCounter()
+            OpCounter.device(*flat.tensors.values())  # (its buffers stand for a device's)
             with counter:
                 out = flat.local_patches()
             got[path] = _patches(out)
@@ -279,4 +280,4 @@ def test_the_torch_op_path_a_device_runs_matches_the_kernel_with_no_op_per_tenso
         monkeypatch.undo()
         assert got["kernel"] == got["torch"] and len(got["torch"]) == n
     assert counts[0] == counts[1], counts  # ops and syncs: none per tensor
-    assert counts[0]["syncs"] <= 10
+    assert counts[0]["syncs"] <= 5, counts  # the diff's four, the mapping's one
