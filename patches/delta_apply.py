@@ -112,7 +112,9 @@ class ParamTable:
         try:
             if all(parent._modules.get(key) is child for parent, key, child in self._links.values()):
                 out = self.params()
-                if None not in out.values():
+                # (by identity: ``None in`` compares each parameter with ``==``, which vLLM's
+                # parameter subclass runs through Python: ~0.3 ms per 100 parameters)
+                if not any(p is None for p in out.values()):
                     return out
         except (KeyError, AttributeError):
             pass

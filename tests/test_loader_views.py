@@ -895,3 +895,26 @@ def test_the_parameter_table_notices_a_replaced_module_or_a_parameter_set_to_non
     table = ParamTable(model)
     model[0].bias = None
     assert table.params_of(model) == dict(model.named_parameters()) and "0.bias" not in table.params_of(model)
+
+
+def test_the_parameter_table_reads_parameters_without_running_their_torch_function():
+    """vLLM's parameters are a tensor subclass whose ``__torch_function__`` runs in Python: the
+    table's read (start, plan, apply and report each ask it) compares them by identity only, never
+    with ``==`` (which ``None in`` a list of them does: half the engine worker's time per delta)."""
+    from patches.delta_apply import ParamTable
+
+    class Counted(torch.nn.Parameter):
+        calls = 0
+
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            Counted.calls += 1
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    model = torch.nn.Sequential(*(torch.nn.Linear(4, 4) for _ in range(8)))
+    for m in model:
+        m.weight, m.bias = Counted(m.weight.data), Counted(m.bias.data)
+    table = ParamTable(model)
+    Counted.calls = 0
+    got = table.params_of(model)
+    assert Counted.calls == 0 and len(got) == 16 and got["3.weight"] is model[3].weight
