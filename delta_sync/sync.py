@@ -22,6 +22,7 @@ import enum
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterable, Iterator, Protocol, runtime_checkable
 
@@ -618,12 +619,19 @@ class WeightSync:
         if self.needs_seed:  # every rank alike: nothing committed to compare against
             raise DeltaSyncError("nothing to verify: the trainer holds no committed snapshot (the next update "
                                  "is a seed)", kept="engines serving their current weights until the seed")
-        want = self._trainer_digests(names)
+        # rank 0 asks the engines first: they digest their weights while the trainer digests its snapshots
+        pool = ThreadPoolExecutor(max_workers=len(self.engines)) if self.rank == 0 and self.engines else None
+        reports = [pool.submit(e.report, digests=True, names=names) for e in self.engines] if pool else []
+        try:
+            want = self._trainer_digests(names)
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True)  # (a trainer digest that failed still waits for the engines' answers)
         problem = None
         if self.rank == 0:
             try:
-                for e in self.engines:
-                    problem = differs(e.name, e.report(digests=True, names=names), want)
+                for e, report in zip(self.engines, reports):
+                    problem = differs(e.name, report.result(), want)
                     if problem:
                         break
             except Exception as err:  # noqa: BLE001 - every rank must hear about it, not wait in the broadcast below

@@ -861,3 +861,38 @@ def test_an_engine_that_restarts_after_being_asked_fails_a_generators_delta_and_
         assert rep.kind == "seed" and receiver.mismatched(state.items()) == []
     finally:
         sync.close()
+
+
+def test_verify_asks_the_engines_while_the_trainer_digests(monkeypatch):
+    """verify's two halves overlap: every engine is asked for its digests (each in its own thread)
+    before the trainer has digested its snapshots, so a verify takes the longer half, not their sum;
+    a drifted engine is still named, and a trainer digest that fails still fails the call."""
+    from delta_sync.sync import DriftDetected
+
+    receivers = [MemoryReceiver(), MemoryReceiver()]
+    sync = WeightSync(receivers, bucket_bytes=4 << 10, timeout_s=60)
+    asked = threading.Barrier(3, timeout=10)  # both engines and the trainer's digest, at once
+    try:
+        sync.update(model_at(0).items())
+        for rx in receivers:
+            real = rx.report
+            monkeypatch.setattr(rx, "report", lambda *a, _real=real, **k: asked.wait() is None or _real(*a, **k))
+        digests = sync._trainer_digests
+        monkeypatch.setattr(sync, "_trainer_digests", lambda names=None: asked.wait() is None or digests(names))
+        assert len(sync.verify()) == len(model_at(0))  # (sequential halves: the barrier breaks)
+        asked.reset()
+        name = next(iter(model_at(0)))
+        receivers[1].tensors[name].view(-1)[0] += 1
+        with pytest.raises(DriftDetected, match=name.replace(".", r"\.")):
+            sync.verify()
+        monkeypatch.undo()
+        sync.update(model_at(0).items())  # (the drift asked for a seed)
+
+        def fails(names=None):
+            raise RuntimeError("trainer digest failed")
+
+        monkeypatch.setattr(sync, "_trainer_digests", fails)
+        with pytest.raises(RuntimeError, match="trainer digest failed"):
+            sync.verify()
+    finally:
+        sync.close()
