@@ -395,12 +395,18 @@ class WeightSync:
 
     # ---- delta: diff, gather, validate, publish ---------------------------------------------------
     def _delta(self, version: int, named_tensors, timings: dict) -> tuple[Outcome | None, BaseException | None, int]:
-        diff = DeltaDiff(TensorStream(named_tensors, self.name_map, self.dtype, self._kept()), self.store,
-                         self._catalog, self.sharded, timings, fast=self._source_serves())
-        # rank 0 starts the engines' update (and their half of the drift sweep) while the ranks diff;
-        # the engines keep serving, and an update that fails before publishing ends those sessions
+        # rank 0 starts the engines' update (and their half of the drift sweep) while the ranks diff
+        # (from before the source's address check on): the engines keep serving, and an update that
+        # fails before publishing ends those sessions
         early = EarlyStart(self._engines, self._sweep) if self.rank == 0 and self.channel is not None and self.engines \
             else None
+        try:
+            diff = DeltaDiff(TensorStream(named_tensors, self.name_map, self.dtype, self._kept()), self.store,
+                             self._catalog, self.sharded, timings, fast=self._source_serves())
+        except BaseException:
+            if early is not None:
+                early.cancel(self.version)
+            raise
         if self.gatherer is None:
             return self._delta_alone(version, diff, timings, early)
         return self._delta_gathered(version, diff, timings, early)

@@ -4,6 +4,7 @@ Real channels and an in-memory receiver (the oracle: it rebuilds every tensor fr
 the patches); two-rank cases spawn real processes over gloo."""
 
 import logging
+import threading
 
 import pytest
 import torch
@@ -281,3 +282,38 @@ def test_the_torch_op_path_a_device_runs_matches_the_kernel_with_no_op_per_tenso
         assert got["kernel"] == got["torch"] and len(got["torch"]) == n
     assert counts[0] == counts[1], counts  # ops and syncs: none per tensor
     assert counts[0]["syncs"] <= 5, counts  # the diff's four, the mapping's one
+
+
+def test_the_engines_start_before_the_weights_addresses_are_checked(monkeypatch):
+    """A delta's ``start`` calls go out before FlatWeights checks its weights' addresses (one read
+    per tensor: ~2-4 ms at 30B-A3B's count), so the call's round trip overlaps the check; a check
+    that fails ends the sessions it started, and the next delta is exact."""
+    flat = FlatWeights(_named().items())
+    receiver = MemoryReceiver()
+    sync = WeightSync([receiver], mode="delta", timeout_s=60)
+    started = threading.Event()
+    real_start, real_ready = receiver.start, FlatWeights.ready
+    monkeypatch.setattr(receiver, "start", lambda *a, **k: started.set() or real_start(*a, **k))
+    g = torch.Generator().manual_seed(5)
+    try:
+        assert sync.update(flat).kind == "seed"
+        started.clear()
+
+        def ready_after_start(self):
+            assert started.wait(10), "the address check ran before the engines were started"
+            return real_ready(self)
+
+        monkeypatch.setattr(FlatWeights, "ready", ready_after_start)
+        _step(flat.tensors, g)
+        assert sync.update(flat).kind == "delta" and _exact(receiver, flat.tensors)
+        ended, real_discard = [], receiver.discard
+        monkeypatch.setattr(receiver, "discard", lambda *a, **k: ended.append(1) or real_discard(*a, **k))
+        monkeypatch.setattr(FlatWeights, "ready", lambda self: (_ for _ in ()).throw(RuntimeError("check failed")))
+        _step(flat.tensors, g)
+        with pytest.raises(RuntimeError, match="check failed"):
+            sync.update(flat)
+        assert ended == [1]  # the session the start opened, ended
+        monkeypatch.setattr(FlatWeights, "ready", real_ready)
+        assert sync.update(flat).kind == "delta" and _exact(receiver, flat.tensors)
+    finally:
+        sync.close()
