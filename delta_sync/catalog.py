@@ -85,8 +85,9 @@ class Catalog:
             return kept[3]
         ids = list(map(self.ids.get, names))
         ok = (None not in ids and all(map(operator.lt, ids, ids[1:]))
-              and list(map(self.shapes.__getitem__, ids)) == list(shapes)
-              and list(map(self.dtypes.__getitem__, ids)).count(dname) == len(ids))
+              and list(map(self.shapes.__getitem__, ids)) == (shapes if isinstance(shapes, list) else list(shapes))
+              and (self.dtypes[0] == dname if self.one_code is not None  # (one dtype catalogued: no read each)
+                   else list(map(self.dtypes.__getitem__, ids)).count(dname) == len(ids)))
         if len(self._runs) >= 256:
             self._runs.clear()
         self._runs[key] = (list(names), shapes, dname, ids if ok else None)

@@ -226,8 +226,10 @@ class FlatWeights:
         for table, ks in self._run_tables():
             got = map_changes(table, [found[k][:2] for k in ks])
             if got is not None:
-                names, shapes, dtypes = (list(map(lst.__getitem__, got[2])) for lst in (self.names, self.shapes, self.dtypes))
-                out += patch_batches(*got, names, shapes, dtypes)
+                names, shapes = (list(map(lst.__getitem__, got[2])) for lst in (self.names, self.shapes))
+                dtypes = {self._buffers[k].data.dtype for k in ks}  # (a buffer holds one dtype)
+                out += patch_batches(*got, names, shapes, dtypes.pop() if len(dtypes) == 1
+                                     else list(map(self.dtypes.__getitem__, got[2])))
         return sorted(out, key=lambda o: o.seq)
 
     def _run_tables(self) -> list:

@@ -214,11 +214,13 @@ def _map_on_device(table: RunTable, found: list[tuple[torch.Tensor, torch.Tensor
 
 
 def patch_batches(idx: torch.Tensor, bits: torch.Tensor, seqs: list[int], counts: list[int], names: list[str],
-                  shapes: list[tuple[int, ...]], dtypes: list[torch.dtype]) -> list[Ordered]:
+                  shapes: list[tuple[int, ...]], dtypes: list[torch.dtype] | torch.dtype) -> list[Ordered]:
     """:func:`map_changes`'s changes as one :class:`PatchBatch` per dtype (a table holds one element
     width; dtypes of one width apart, bf16 and fp16, are rare), its tensors in export order (the
     gather orders the ranks' batches by it); ``names``, ``shapes``, ``dtypes``: of each changed
-    tensor, in ``seqs``' order."""
+    tensor, in ``seqs``' order (``dtypes`` one dtype: every tensor's)."""
+    if isinstance(dtypes, torch.dtype):
+        return [Ordered(seqs[0], PatchBatch(names, shapes, dtypes, counts, idx, bits.view(dtypes), seqs))]
     out = []
     for dt in dict.fromkeys(dtypes):
         if dtypes.count(dt) == len(dtypes):
