@@ -356,22 +356,23 @@ class BucketPacker:
         tensor the catalogue lacks, or out of its order, goes as a JSON entry of its own."""
         dname = dtype_name(b.dtype, tensor=b.names[0])
         per = b.values.element_size() + 4
-        ids = self._table_ids(b, dname)
-        counts, starts = b.counts, b.starts()
+        ids, every = self._table_ids(b, dname)
+        counts = b.counts
+        bounds = list(itertools.accumulate(counts, initial=0))  # tensor k: elements bounds[k] .. bounds[k + 1]
         k, n = 0, len(counts)
         while k < n:
             if ids[k] is None:
-                p = Patch(b.names[k], b.shapes[k], b.dtype, b.indices.narrow(0, starts[k], counts[k]),
-                          b.values.narrow(0, starts[k], counts[k]))
+                p = Patch(b.names[k], b.shapes[k], b.dtype, b.indices.narrow(0, bounds[k], counts[k]),
+                          b.values.narrow(0, bounds[k], counts[k]))
                 yield from self._pack_one(fill, p, None)
                 k += 1
                 continue
-            j = k + 1
+            j = n if every else k + 1
             while j < n and ids[j] is not None:
                 j += 1
             # tensors k..j-1 fill buckets from element ``pos`` on; ``ends[m]``: where tensor k+m ends
-            ends = list(itertools.accumulate(counts[k:j], initial=starts[k]))[1:]
-            pos, m = starts[k], 0
+            ends = bounds[k + 1:j + 1]
+            pos, m = bounds[k], 0
             while m < j - k:
                 room = (self.bucket_bytes - fill.nbytes) // per
                 if room <= 0:
@@ -387,24 +388,24 @@ class BucketPacker:
                     pos += room
             k = j
 
-    def _table_ids(self, b: PatchBatch, dname: str) -> list[int | None]:
-        """:meth:`_table_id` of each tensor of ``b``: as whole lists where every tensor is
-        catalogued with its shape and dtype, in increasing ids after the last (a delta's usual
-        batch: no Python step per tensor of a model's ~19k), else tensor by tensor."""
+    def _table_ids(self, b: PatchBatch, dname: str) -> tuple[list[int | None], bool]:
+        """:meth:`_table_id` of each tensor of ``b``, and whether every one has one: as whole lists
+        where every tensor is catalogued with its shape and dtype, in increasing ids after the last
+        (a delta's usual batch: no Python step per tensor of a model's ~19k), else tensor by tensor."""
         out: list[int | None] = [None] * len(b.names)
         if self.catalog is None:
-            return out
+            return out, False
         cat, last = self.catalog, self._table_last
         ids = cat.run_ids(b.names, b.shapes, dname)
         if ids is not None and ids[0] > last:
             self._table_last = ids[-1]
-            return ids
+            return ids, True
         for k, (name, shape) in enumerate(zip(b.names, b.shapes)):
             tid = cat.id_of(name, shape, dname)
             if tid is not None and tid > last:
                 out[k] = last = tid
         self._table_last = last
-        return out
+        return out, False
 
     def _table_id(self, p: Patch, dname: str) -> int | None:
         """``p``'s id when its entries go in the table: a sparse patch of a catalogued tensor, after

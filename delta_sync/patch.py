@@ -10,7 +10,6 @@ Patches are overwrite, not additive or XOR: applying one twice is harmless.
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -218,10 +217,6 @@ class PatchBatch:
         return PatchBatch(self.names[lo:hi], self.shapes[lo:hi], self.dtype, self.counts[lo:hi],
                           self.indices.narrow(0, start, n), self.values.narrow(0, start, n),
                           None if self.seqs is None else self.seqs[lo:hi])
-
-    def starts(self) -> list[int]:
-        """Each tensor's first position in the buffers."""
-        return list(itertools.accumulate(self.counts, initial=0))[:-1]
 
     def patches(self) -> list[Patch]:
         """One :class:`Patch` per tensor (views of the buffers)."""
