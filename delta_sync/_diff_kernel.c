@@ -504,13 +504,35 @@ static int64_t lower_bound32(const int32_t *a, int64_t n, int64_t v) {
     return lo;
 }
 
+/* The first i >= from with a[i] >= v, where every a[j] (j < from) is below v: doubling steps from
+ * `from`, then a binary search in the last step (a run's few changes cost a few reads, not a
+ * search of the whole parameter's). */
+static int64_t gallop32(const int32_t *a, int64_t n, int64_t from, int64_t v) {
+    if (from >= n || (int64_t)a[from] >= v) return from;
+    int64_t below = from, step = 1, hi = from + 1;  /* a[below] < v */
+    while (hi < n && (int64_t)a[hi] < v) {
+        below = hi;
+        step <<= 1;
+        hi = from + step;
+    }
+    if (hi > n) hi = n;
+    return below + 1 + lower_bound32(a + below + 1, hi - below - 1, v);
+}
+
 void run_slices(int64_t nruns, const int64_t *param, const int64_t *start, const int64_t *end,
                 const int64_t *idx_ptr, const int64_t *cnt, int64_t *lo, int64_t *n) {
+    int64_t last_param = -1, last_end = 0, at = 0;  /* where the run before ended among its changes */
     for (int64_t r = 0; r < nruns; ++r) {
         const int32_t *idx = (const int32_t *)(intptr_t)idx_ptr[param[r]];
         const int64_t m = cnt[param[r]];
-        lo[r] = lower_bound32(idx, m, start[r]);
-        n[r] = lower_bound32(idx, m, end[r]) - lo[r];
+        /* a parameter's runs in local order (as tables keep them) go on from where the last one
+         * ended; another parameter, or a run before the last one's end, from the start */
+        if (param[r] != last_param || start[r] < last_end) at = 0;
+        lo[r] = gallop32(idx, m, at, start[r]);
+        at = gallop32(idx, m, lo[r], end[r]);
+        n[r] = at - lo[r];
+        last_param = param[r];
+        last_end = end[r];
     }
 }
 

@@ -364,3 +364,30 @@ def test_probe_gathers_leave_other_threads_alone():
         assert dist.all_gather is recorder
     finally:
         dist.all_gather = real
+
+
+def test_the_run_slice_kernel_matches_a_search_per_run():
+    """native.run_slices goes on from where a parameter's previous run ended (runs in local order)
+    and searches from the start where a run comes before the last one's end or another parameter
+    begins: the same (lo, n) as searching every run's bounds among all of its parameter's changes,
+    for runs in order, out of order, empty, and parameters with no changes."""
+    import torch
+
+    from delta_sync import native
+
+    g = torch.Generator().manual_seed(3)
+    changes = [torch.randperm(5000, generator=g)[:k].sort().values.to(torch.int32) for k in (700, 0, 3, 2500)]
+    param, start, end = [], [], []
+    for p, n in enumerate((5000, 5000, 5000, 5000)):
+        cuts = torch.randperm(n - 1, generator=g)[:40].add(1).sort().values.tolist()
+        runs = list(zip([0, *cuts], [*cuts, n]))
+        if p == 3:  # out of local order (a table of another source's layout)
+            runs = runs[::-1][:20] + runs[:20]
+        for a, b in runs:
+            param.append(p), start.append(a), end.append(b if p != 2 else a)  # parameter 2: empty runs
+    args = [torch.tensor(v, dtype=torch.int64) for v in (param, start, end)]
+    lo, n = native.run_slices(*args, torch.tensor([c.data_ptr() for c in changes], dtype=torch.int64),
+                              torch.tensor([c.numel() for c in changes], dtype=torch.int64))
+    want_lo = [int(torch.searchsorted(changes[p], torch.tensor(a, dtype=torch.int32))) for p, a in zip(param, start)]
+    want_hi = [int(torch.searchsorted(changes[p], torch.tensor(b, dtype=torch.int32))) for p, b in zip(param, end)]
+    assert lo.tolist() == want_lo and n.tolist() == [h - l for h, l in zip(want_hi, want_lo)]
