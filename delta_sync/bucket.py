@@ -755,8 +755,9 @@ def check_table(table: TableSlice, kept: str | None = None, reads: ReadBack | No
     """Order, bounds and finiteness of a table's entries: one pass of the host kernel and one scan
     per value buffer; elsewhere, or to name what is wrong, :func:`check_sparse_entries` over its
     entries stated as JSON entries would be. Buffers off the host are checked by torch ops over the
-    table's columns, no entry per tensor, their verdict read with ``reads``' others (refused when it
-    runs; without ``reads``: at once)."""
+    table's columns, no entry per tensor, their verdict read with ``reads``' others. With ``reads``,
+    a table that fails is refused when it runs (after what was queued before: the checksum's
+    verdict); without, at once."""
     limits = table.catalog.numel[table.ids]
     ok = native.sparse_in_order(table.indices, table.counts, limits)
     if ok is None:
@@ -775,7 +776,10 @@ def check_table(table: TableSlice, kept: str | None = None, reads: ReadBack | No
         return
     if ok and not any(nonfinite_count(v) for v in table.values.values()):
         return
-    _refuse_table(table, kept, ok)
+    if reads is None:
+        _refuse_table(table, kept, ok)
+    else:  # refused in turn with what ``reads`` holds: a bucket's checksum verdict comes first
+        reads.later([], lambda _: _refuse_table(table, kept, ok))
 
 
 def _refuse_table(table: TableSlice, kept: str | None, ok: bool | None) -> None:

@@ -163,10 +163,16 @@ def test_a_table_checks_its_entries_and_names_the_tensor(checks, monkeypatch):
         checked.catalog = cat
         with pytest.raises(PatchValidationError, match=f"'b'.*{why}"):
             list(checked.pack([_sparse("a", [0]), _sparse("b", idx, value)]))
-    (flipped,) = _packed(cat, good)
-    flipped.values["bfloat16"].view(torch.int16)[0] ^= 0x4000  # payload bits changed on the way
-    with pytest.raises(ChecksumMismatch):  # read with the table's checks, and refused first
-        entry_patches(flipped, catalog=cat)
+    for flip in ("value bits", "index out of bounds", "value to NaN"):  # payload bits changed on the way
+        (flipped,) = _packed(cat, good)
+        if flip == "value bits":
+            flipped.values["bfloat16"].view(torch.int16)[0] ^= 0x4000
+        elif flip == "index out of bounds":
+            flipped.indices[-1] ^= 1 << 20
+        else:
+            flipped.values["bfloat16"].view(torch.int16)[-1] = 0x7FC0
+        with pytest.raises(ChecksumMismatch):  # the checksum's verdict first, before the table's checks
+            entry_patches(flipped, catalog=cat)
     with pytest.raises(NeedsSeed, match="catalogue"):
         entry_patches(bucket, catalog=_catalog(["a", "b", "x"]))
 
