@@ -36,6 +36,7 @@ import json
 import math
 import pstats
 import sys
+import threading
 import time
 import weakref
 
@@ -583,6 +584,7 @@ class OpCounter(TorchDispatchMode):
     _named: dict[str, "OpCounter"] = {}  # thread name -> the counter its host reads count in
     _saved: dict[str, object] = {}  # the Tensor methods replaced while any counter is entered
     _own: set[str] = set()  # those of them that are Tensor's own, not inherited
+    _lock = threading.Lock()  # (hooks installed and removed once, whichever thread enters first)
 
     def __init__(self, threads: tuple[str, ...] = ()):
         super().__init__()
@@ -609,18 +611,20 @@ class OpCounter(TorchDispatchMode):
         return False
 
     def __enter__(self):
-        import threading
-
-        if not OpCounter._entered:
-            OpCounter._hook_reads()
-        OpCounter._entered[threading.get_ident()] = self
-        OpCounter._named.update(dict.fromkeys(self.threads, self))
+        with OpCounter._lock:  # (the sender's and the receiver's counters enter from two threads)
+            if not OpCounter._entered:
+                OpCounter._hook_reads()
+            OpCounter._entered[threading.get_ident()] = self
+            OpCounter._named.update(dict.fromkeys(self.threads, self))
         return super().__enter__()
 
     def __exit__(self, *exc):
-        import threading
+        with OpCounter._lock:
+            self._leave(threading.get_ident())
+        return super().__exit__(*exc)
 
-        OpCounter._entered.pop(threading.get_ident(), None)
+    def _leave(self, thread: int) -> None:
+        OpCounter._entered.pop(thread, None)
         for name in self.threads:
             OpCounter._named.pop(name, None)
         if not OpCounter._entered:
@@ -631,7 +635,6 @@ class OpCounter(TorchDispatchMode):
                     delattr(torch.Tensor, name)
             OpCounter._saved.clear()
             OpCounter._own.clear()
-        return super().__exit__(*exc)
 
     def _sync(self, name: str) -> None:
         self.syncs += 1
@@ -642,23 +645,26 @@ class OpCounter(TorchDispatchMode):
 
         self.ops += 1
         name = func.overloadpacket.__name__
-        dev = any(self.on_device(t) for t in tree_leaves((args, kwargs or {})) if isinstance(t, torch.Tensor))
+        given = [t for t in tree_leaves((args, kwargs or {})) if isinstance(t, torch.Tensor)]
+        dev = any(map(self.on_device, given))
         if dev and name in self.SYNCING:
             self._sync(name)
         out = func(*args, **(kwargs or {}))
         if dev:
             written = [a for a, arg in zip(args, func._schema.arguments) if arg.alias_info is not None
                        and arg.alias_info.is_write]  # in place: what it wrote holds device data now
-            self.device(*(t for t in tree_leaves((out, written, (kwargs or {}).get("out")))
-                          if isinstance(t, torch.Tensor) and t.device.type == "cpu"))
+            made = [t for t in tree_leaves((out, written, (kwargs or {}).get("out")))
+                    if isinstance(t, torch.Tensor) and t.device.type == "cpu"]
+            if made and any(t.device.type != "cpu" for t in given):  # on a device: a copy to the host
+                self._sync(name)  # (what it made is the host's)
+            else:  # on a CPU: data derived from what stands for a device's
+                self.device(*made)
         return out
 
     @classmethod
     def _hook_reads(cls) -> None:
         """``Tensor.tolist / numpy / cpu`` of device data counted as a sync in the thread's counter
         (what ``cpu`` returns is then the host's: on a CPU, a copy)."""
-        import threading
-
         from torch.utils._python_dispatch import _disable_current_modes
 
         def counted(name):

@@ -204,6 +204,13 @@ def test_the_op_counter_counts_what_waits_for_a_device_and_nothing_the_host_does
     assert ops.syncs == 6, ops.counts()
     assert ops.which == {"nonzero": 1, "cpu": 1, "_local_scalar_dense": 1, "numpy": 1, "tolist": 2}
     assert all(getattr(torch.Tensor, m) is before[m] for m in before)  # the methods as they were
+    with FakeTensorMode(allow_non_fake_inputs=True):  # on a (fake) device: a copy to the host waits, once
+        x = torch.ones(4, device="cuda")
+        with OpCounter() as ops:
+            staged = torch.empty(4).copy_(x * 2)  # (into host memory, as a staged table is)
+            host_sum = staged + 1
+        assert ops.which == {"copy_": 1}, ops.counts()
+        assert not OpCounter.on_device(staged) and not OpCounter.on_device(host_sum)
 
 
 def test_device_check_script_runs_its_checks_on_the_host():
