@@ -6,9 +6,11 @@ Changed means "bits differ": the comparison runs on integer views, never ``!=`` 
 The scan is memory-bound, so it is shaped to read each input once and write as little as possible:
 
 1. compare 64-bit words (4 bf16 elements per compare) into a reused bool mask, chunk by chunk,
-   so temporary memory is bounded by ``chunk_words`` whatever the tensor size;
-2. find changed words hierarchically: the bool mask is viewed as int64 (8 flags per word) and
-   only non-zero flag words are expanded; ``nonzero`` never runs over the full mask;
+   and pack each chunk's flags 8 to a byte: temporary memory is ``chunk_words`` bytes of mask plus
+   1 byte per 8 words of the tensor, whatever its size;
+2. find changed words hierarchically: ``nonzero`` over the packed bytes, then over the 8 bits of
+   each non-zero byte; never over the full mask, and twice per scan whatever the chunk count
+   (on a device each ``nonzero`` waits for it);
 3. gather just the changed words, xor them and split the xor into element-width lanes; the new
    values come out of the gathered words, not from another pass over the tensor.
 
@@ -37,6 +39,9 @@ from .patch import Patch, check_indexable
 _INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 #: words compared per chunk: 8M words = 64 MiB of each input, 8 MiB of mask.
 DEFAULT_CHUNK_WORDS = 1 << 23
+#: times an int64 holding 8 flag bytes (each 0 or 1), puts flag k at bit 56 + k: every other
+#: partial product lands below bit 56 (on distinct bits: no carry) or past bit 63 (wraps away)
+_PACK_FLAGS = sum(1 << (56 - 7 * k) for k in range(8))
 
 
 def int_view(t: torch.Tensor) -> torch.Tensor:
@@ -59,6 +64,7 @@ class BitwiseDiff:
         self.batch_words = batch_words or 4 * chunk_words
         self.use_native = use_native
         self._mask: torch.Tensor | None = None
+        self._bits: dict[torch.device, torch.Tensor] = {}  # device -> the 8 bits of a byte, as uint8
         #: by element width: the tensors in the last host-kernel batch and the elements it found changed
         self._last_changed: dict[int, tuple[int, int]] = {}
 
@@ -192,26 +198,28 @@ class BitwiseDiff:
         conditions."""
         return bool(kernel_width(snap)) and not new.data_ptr() & 7 and new.is_contiguous()
 
-    def _flat(self, snap: torch.Tensor, new: torch.Tensor) -> bool:
-        """A torch-path pair (device tensors) that :meth:`_absorb_flat` can scan with others: whole
-        64-bit words, at most one chunk."""
-        return (snap.device == new.device and _whole_words(snap, new)
-                and snap.numel() * snap.element_size() // 8 <= self.chunk_words)
+    @staticmethod
+    def _flat(snap: torch.Tensor, new: torch.Tensor) -> bool:
+        """A torch-path pair (device tensors) that :meth:`_absorb_flat` can scan, with others or (one
+        larger than a batch) alone: whole 64-bit words on one device."""
+        return snap.device == new.device and _whole_words(snap, new)
 
     def _absorb_flat(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], members: list[int],
                      adjacent: bool = False) -> "Absorbed":
         """:meth:`absorb` of ``pairs[i]`` for ``i`` in ``members`` (same width and device, at most
-        ``batch_words`` words together) as one scan: on a device every ``nonzero`` and ``tolist``
-        waits for the device, and a model's hundreds of tensors would each pay the three syncs of
-        the chunked scan. Here the whole batch pays four (two levels of ``nonzero`` for the changed
-        words, one for their changed lanes, one read of each tensor's counts) and no launch of its own. Returns
-        the batch once the snapshots advanced (the caller's rollback restores it). ``adjacent``:
-        the snapshots lie back to back in one storage (:func:`_adjacent_runs`, e.g. a seed's arena):
-        they are read and advanced there as one span, with no view or copy per tensor."""
+        ``batch_words`` words together, or one larger tensor) as one scan: on a device every
+        ``nonzero`` and ``tolist`` waits for the device, and a model's hundreds of tensors would
+        each pay the three syncs of a scan. Here the whole batch pays four (:meth:`_scan_words`'
+        three, one read of each tensor's counts; a batch of one tensor needs no count read) and no
+        launch per tensor. Returns the batch once the snapshots advanced (the caller's rollback
+        restores it). ``adjacent``: the snapshots lie back to back in one storage
+        (:func:`_adjacent_runs`, e.g. a seed's arena): they are read and advanced there as one span,
+        with no view or copy per tensor; so is a batch of one tensor."""
         old0 = pairs[members[0]][0]
         dev, width = old0.device, old0.element_size()
         lanes, lane_dtype = 8 // width, _INT_VIEW[width]
         shift = lanes.bit_length() - 1
+        one = len(members) == 1
         # one view per tensor and side (a view is a dispatched op too: ~19k tensors at 30B-A3B);
         # a batch of one dtype concatenates as it is and is read as words after (dtypes of one
         # width mixed, bf16 and fp16, are read as integers first: a cat would convert them)
@@ -221,36 +229,31 @@ class BitwiseDiff:
         total = offs[-1]
         # both sides gathered into one buffer each: two copies of the batch cost less on a device
         # than a compare and two gathers per tensor (launches, not bytes, bound small tensors there);
-        # snapshots back to back are read where they lie
+        # snapshots back to back, or one tensor, are read where they lie
         span = old0.as_strided((total * lanes,), (1,), old0.storage_offset()).view(torch.int64) \
-            if adjacent else None  # (its members' bits, whatever their dtypes of this width)
+            if adjacent or one else None  # (its members' bits, whatever their dtypes of this width)
         olds = None
         if span is None:
             olds = [pairs[i][0].view(-1).view(lane_dtype) if mixed else pairs[i][0].view(-1) for i in members]
         old_all = span if span is not None else torch.cat(olds).view(torch.int64)
-        new_all = torch.cat(news).view(torch.int64)
-        mask = self._scratch(-(-total // 8) * 8, dev)
-        if mask.numel() > total:
-            mask.narrow(0, total, mask.numel() - total).zero_()
-        torch.ne(old_all, new_all, out=mask.narrow(0, 0, total))
-        flags = mask.view(torch.int64)  # level 1: 8 word-flags per int64
-        hot = flags.nonzero().squeeze(1)
-        sub = flags.take(hot).view(torch.bool).nonzero().squeeze(1)
-        words = hot.take(sub >> 3) * 8 + (sub & 7)  # changed words, batch positions, increasing
-        starts = torch.tensor(offs[:-1], dtype=torch.int64, device=dev)
-        member = torch.searchsorted(starts, words, right=True) - 1
-        per_member = torch.bincount(member, minlength=len(members))  # changed words of each member
-        local = words - starts.take(member)  # word positions in their own tensor
-        new_w, old_w = new_all.take(words), old_all.take(words)
+        new_all = news[0].view(torch.int64) if one else torch.cat(news).view(torch.int64)
+        words, hit, new_w, old_w = self._scan_words(old_all, new_all, lane_dtype)
         del old_all, new_all
-        hit = torch.bitwise_xor(old_w, new_w).view(lane_dtype).nonzero().squeeze(1)  # level 2: lanes
         hit_word = hit >> shift
+        if one:
+            local = words
+            hits = torch.tensor([hit.numel()], dtype=torch.int64)  # (known on the host: no read)
+        else:
+            starts = torch.tensor(offs[:-1], dtype=torch.int64, device=dev)
+            member = torch.searchsorted(starts, words, right=True) - 1
+            per_member = torch.bincount(member, minlength=len(members))  # changed words of each member
+            local = words - starts.take(member)  # word positions in their own tensor
+            cuts = torch.searchsorted(hit_word, torch.cumsum(per_member, 0))  # each member's end among the lanes
+            # both cross to the host in one read
+            counts, cuts = torch.stack([per_member, cuts]).cpu().unbind(0)
+            hits = torch.diff(cuts, prepend=cuts.new_zeros(1))
         elem = (local.take(hit_word) * lanes + (hit & (lanes - 1))).to(torch.int32)
         new_v, old_v = new_w.view(lane_dtype).take(hit), old_w.view(lane_dtype).take(hit)
-        cuts = torch.searchsorted(hit_word, torch.cumsum(per_member, 0))  # each member's end among the lanes
-        # both cross to the host in one read
-        counts, cuts = torch.stack([per_member, cuts]).cpu().unbind(0)
-        hits = torch.diff(cuts, prepend=cuts.new_zeros(1))
         if span is not None:  # the changed words advance in place, one op for the batch
             span.index_copy_(0, words, new_w)
         else:
@@ -263,6 +266,37 @@ class BitwiseDiff:
                                      [news[k].view(lane_dtype) for k in changed])
         # the batch's changes stay in these buffers, a count per member (no split per tensor)
         return Absorbed(members, hits, elem, new_v, old_v)
+
+    def _scan_words(self, old: torch.Tensor, new: torch.Tensor, lane_dtype: torch.dtype
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The 64-bit words where ``old`` and ``new`` (int64, 1-D, one length) differ, in three
+        ``nonzero`` whatever the length: ``(words, hit, new_w, old_w)``, the changed words'
+        positions (increasing), their changed lanes of ``lane_dtype`` (positions in the gathered
+        words, increasing) and the gathered words of each side. Nothing is written to ``old``.
+
+        The compare runs chunk by chunk into the bounded scratch mask; each chunk's 8 flag bytes
+        per int64 are packed into one byte (an in-place multiply and shift) of a buffer of 1 byte per 8
+        words, and the two levels of ``nonzero`` run once over that buffer and its non-zero bytes'
+        bits, not once per chunk."""
+        total, dev = old.numel(), old.device
+        packed = torch.empty(-(-total // 8), dtype=torch.uint8, device=dev)
+        for lo in range(0, total, self.chunk_words):
+            n = min(self.chunk_words, total - lo)
+            mask = self._scratch(-(-n // 8) * 8, dev)
+            if mask.numel() > n:
+                mask.narrow(0, n, mask.numel() - n).zero_()
+            torch.ne(old.narrow(0, lo, n), new.narrow(0, lo, n), out=mask.narrow(0, 0, n))
+            flags = mask.view(torch.int64).mul_(_PACK_FLAGS).bitwise_right_shift_(56)
+            packed.narrow(0, lo // 8, flags.numel()).copy_(flags)  # (the low byte: its flags as bits)
+        hot = packed.nonzero().squeeze(1)  # level 1: bytes with a changed word
+        bit = self._bits.get(dev)
+        if bit is None:
+            bit = self._bits[dev] = torch.tensor([1 << k for k in range(8)], dtype=torch.uint8, device=dev)
+        sub = packed.take(hot).unsqueeze(1).bitwise_and(bit).view(-1).nonzero().squeeze(1)  # level 2: words
+        words = hot.take(sub >> 3) * 8 + (sub & 7)
+        new_w, old_w = new.take(words), old.take(words)
+        hit = torch.bitwise_xor(old_w, new_w).view(lane_dtype).nonzero().squeeze(1)  # level 3: lanes
+        return words, hit, new_w, old_w
 
     @staticmethod
     def _check(name: str, old: torch.Tensor, new: torch.Tensor, absorb: bool) -> None:
@@ -305,50 +339,36 @@ class BitwiseDiff:
 
     def _scan(self, o, n, nwords, lanes, parts, absorb) -> None:
         numel = o.numel()
+        tail = nwords * lanes
+        moved = None  # the torch ops' changed words, (positions, new words): advanced last
         if nwords:
-            o64 = o[: nwords * lanes].view(torch.int64)
-            n64 = n[: nwords * lanes].view(torch.int64)
-            if self.use_native and native.supports(o):
+            o64 = o[:tail].view(torch.int64)
+            n64 = n[:tail].view(torch.int64)
+            if self.use_native and native.supports(o):  # (it advances as it goes, where it absorbs)
                 for into, got in zip(parts, native.changed_words(o64, n64, lanes, absorb)):
                     into.extend(got)
             else:
-                for start in range(0, nwords, self.chunk_words):
-                    stop = min(start + self.chunk_words, nwords)
-                    self._scan_chunk(o64[start:stop], n64[start:stop], start, lanes, o.dtype, parts, absorb)
-        tail = nwords * lanes
+                words, hit, new_w, old_w = self._scan_words(o64, n64, o.dtype)
+                moved = (words, new_w)
+                elem = words.take(hit >> (lanes.bit_length() - 1)) * lanes + (hit & (lanes - 1))
+                parts[0].append(elem.to(torch.int32))
+                parts[1].append(new_w.view(o.dtype).take(hit))
+                parts[2].append(old_w.view(o.dtype).take(hit))
         if tail < numel:  # unaligned or ragged end: element-width compare
-            hit = (o[tail:] != n[tail:]).nonzero().squeeze(1)
-            parts[0].append((hit + tail).to(torch.int32))
-            parts[1].append(n[tail:].take(hit))
-            if absorb:
-                parts[2].append(o[tail:].take(hit))
-                o[tail:].index_copy_(0, hit, parts[1][-1])
+            self._tail(o, n, tail, parts)
+        if absorb:  # (after every scan: one that fails has written nothing)
+            if moved is not None:
+                o64.index_copy_(0, *moved)
+            if tail < numel:
+                o[tail:].index_copy_(0, parts[0][-1].long() - tail, parts[1][-1])
 
-    def _scan_chunk(self, o64, n64, word0, lanes, lane_dtype, parts, absorb) -> None:
-        mask = self._scratch(o64.numel(), o64.device)
-        torch.ne(o64, n64, out=mask)
-        # Level 1: 8 word-flags per int64; nonzero over N/8 flag words, not N flags.
-        whole = (mask.numel() // 8) * 8
-        flags = mask[:whole].view(torch.int64)
-        hot = flags.nonzero().squeeze(1)
-        sub = flags.take(hot).view(torch.bool).nonzero().squeeze(1)
-        words = hot.take(sub >> 3) * 8 + (sub & 7)
-        if whole < mask.numel():
-            extra = torch.arange(whole, mask.numel(), device=mask.device)
-            words = torch.cat([words, extra[mask[whole:]]])
-        if words.numel() == 0:
-            return
-        # Level 2: which lanes of each changed word differ (xor of the two words' bits).
-        new_words, old_words = n64.take(words), o64.take(words)
-        lane_bits = torch.bitwise_xor(old_words, new_words).view(lane_dtype)
-        hit = lane_bits.nonzero().squeeze(1)
-        shift = lanes.bit_length() - 1
-        elem = words.take(hit >> shift) * lanes + (hit & (lanes - 1)) + word0 * lanes
-        parts[0].append(elem.to(torch.int32))
-        parts[1].append(new_words.view(lane_dtype).take(hit))
-        if absorb:
-            parts[2].append(old_words.view(lane_dtype).take(hit))
-            o64.index_copy_(0, words, new_words)
+    @staticmethod
+    def _tail(o, n, tail, parts) -> None:
+        """The elements from ``tail`` on, compared one by one (not whole words)."""
+        hit = (o[tail:] != n[tail:]).nonzero().squeeze(1)
+        parts[0].append((hit + tail).to(torch.int32))
+        parts[1].append(n[tail:].take(hit))
+        parts[2].append(o[tail:].take(hit))
 
 
 @dataclass

@@ -288,17 +288,11 @@ def test_a_diff_that_fails_midway_leaves_the_snapshot_as_it_was(monkeypatch, use
                 raise MemoryError("injected")
             return real(fn, width, old64, new64, first, stop, lanes, absorb)
         monkeypatch.setattr(native, "_scan", scan)
-    else:  # the third chunk fails after two advanced
-        real = BitwiseDiff._scan_chunk
-        calls = []
-
-        def chunk(self, o64, *args):
-            calls.append(1)
-            if len(calls) == 3:
-                raise MemoryError("injected")
-            return real(self, o64, *args)
-        monkeypatch.setattr(BitwiseDiff, "_scan_chunk", chunk)
-    snap = torch.randn(4096).bfloat16()
+    else:  # the ragged tail fails after the whole words (16 chunks) were scanned
+        def tail(*args):
+            raise MemoryError("injected")
+        monkeypatch.setattr(BitwiseDiff, "_tail", staticmethod(tail))
+    snap = torch.randn(4098).bfloat16()
     before = snap.clone()
     with pytest.raises(MemoryError, match="injected"):
         differ.absorb(snap, snap * 2)  # one tensor, split by words (advance_many: the test below)
@@ -366,8 +360,8 @@ class _CountNonzero(torch.utils._python_dispatch.TorchDispatchMode):
 def test_device_path_diffs_many_tensors_in_one_scan():
     """The torch-op path (what device tensors take) diffs a batch of small tensors in one scan: the
     same patches as one by one, snapshots advanced and restorable, and a few device syncs for the
-    whole batch (3 nonzero) instead of ~3 per tensor; ragged, unaligned and over-chunk tensors go
-    one by one."""
+    whole batch (3 nonzero) instead of ~3 per tensor; ragged and unaligned tensors go one by one,
+    one larger than a batch in a scan of its own."""
     g = torch.Generator().manual_seed(11)
     olds, news = _mixed_tensors(g)
     for k in range(40):  # a model's many small tensors; every other one unchanged
@@ -378,23 +372,58 @@ def test_device_path_diffs_many_tensors_in_one_scan():
         olds.append(base), news.append(new)
     before = [o.clone() for o in olds]
     lanes = [8 // o.element_size() for o in olds]
-    alone = [i for i, (o, k) in enumerate(zip(olds, lanes)) if o.numel() % k or o.storage_offset() % k
-             or o.numel() > k * 4096]
-    assert len(alone) == 3  # the unaligned, the ragged and the one over the chunk
+    alone = [i for i, (o, k) in enumerate(zip(olds, lanes)) if o.numel() % k or o.storage_offset() % k]
+    assert len(alone) == 2  # the unaligned and the ragged
     with _CountNonzero() as one_by_one:
         for i in alone:
-            BitwiseDiff(use_native=False, chunk_words=4096).changed(before[i], news[i])
+            BitwiseDiff(use_native=False, chunk_words=4096).changed(olds[i], news[i])
     differ = BitwiseDiff(use_native=False, chunk_words=4096, batch_words=4096)
     with _CountNonzero() as batched:
         got = differ.advance_many([(f"t{i}", o, n) for i, (o, n) in enumerate(zip(olds, news))])
-    # 16-bit tensors: 6 x 4096 + 64 + 40 x 256 elements = 8 720 words, in three scans of <= 4096
-    # words; one more for the 32-bit pair; 3 nonzero each (one by one: 137)
-    assert batched.calls <= 3 * 4 + one_by_one.calls, (batched.calls, one_by_one.calls)
+    # 16-bit tensors: 6 x 1024 + 16 + 40 x 64 words in three scans of <= 4096 words, the 8 192-word
+    # one in a scan of its own; one scan for the 32-bit pair; 3 nonzero each
+    assert batched.calls == 3 * 5 + one_by_one.calls, (batched.calls, one_by_one.calls)
     ref = BitwiseDiff(use_native=False)
     for i, ((patch, old_bits), b, n, o) in enumerate(zip(got, before, news, olds)):
         want = ref.diff(f"t{i}", b, n)
         assert torch.equal(patch.indices, want.indices) and patch.indices.dtype == torch.int32
         assert torch.equal(int_view(patch.values), int_view(want.values))
+        assert torch.equal(old_bits, int_view(b)[patch.indices.long()])
+        assert torch.equal(int_view(o), int_view(n))
+        restore(o, patch.indices, old_bits)
+        assert torch.equal(int_view(o), int_view(b))
+
+
+@pytest.mark.parametrize("adjacent", [False, True], ids=["one", "arena"])
+def test_device_path_scans_a_tensor_of_many_chunks_with_three_syncs(adjacent):
+    """The torch-op scan packs each chunk's word flags 8 to a byte and runs its ``nonzero`` levels
+    once over all chunks: a tensor of 64 chunks (every pattern of 8 changed words among them, each
+    lane of a word, NaN payloads, a sign flip) costs 3 nonzero like a tensor of one, finds what
+    the host kernel finds and advances its snapshot; restore puts every bit back. ``arena``: two
+    tensors back to back in one storage (a snapshot arena), scanned as one span."""
+    g = torch.Generator().manual_seed(5)
+    words = 256 * 8 * 2  # each of the 256 byte patterns, twice
+    arena = torch.randn(2 * words * 4, generator=g).bfloat16()
+    olds = list(arena.split(words * 4)) if adjacent else [arena[:words * 4].clone()]
+    news = []
+    for o in olds:
+        w = o.clone().view(-1, 8, 4)  # (group of 8 words, word, lane)
+        for p in range(256):
+            for k in range(8):
+                if p >> k & 1:
+                    for row in (p, 256 + p):
+                        w[row, k, (p + k) % 4] = -w[row, k, (p + k) % 4]  # one lane: a sign flip
+        w[3, 0, 0] = float("nan")
+        news.append(w.view(-1))
+    before = [o.clone() for o in olds]
+    want = [BitwiseDiff(use_native=True).changed(b, n) for b, n in zip(before, news)]
+    differ = BitwiseDiff(use_native=False, chunk_words=64, batch_words=words * 2)
+    with _CountNonzero() as counted:
+        got = differ.advance_many([(f"t{i}", o, n) for i, (o, n) in enumerate(zip(olds, news))])
+    assert counted.calls == 3, counted.calls
+    for (patch, old_bits), (idx, bits), b, o, n in zip(got, want, before, olds, news):
+        assert torch.equal(patch.indices, idx) and torch.equal(int_view(patch.values), bits)
+        assert patch.indices.numel() == 2 * sum(bin(p).count("1") for p in range(256)) + 1
         assert torch.equal(old_bits, int_view(b)[patch.indices.long()])
         assert torch.equal(int_view(o), int_view(n))
         restore(o, patch.indices, old_bits)
