@@ -58,6 +58,8 @@ from pathlib import Path
 
 import torch
 
+from launchers.device_check import settle_allocator
+
 ROOT = Path(__file__).resolve().parents[1]
 DENSITIES = "0.0001,0.001,0.002,0.01,0.1"
 HEADLINE_DENSITY = 0.002
@@ -464,6 +466,7 @@ def _perturb(state: dict[str, torch.Tensor], density: float, g: torch.Generator)
         if bool(same.any()):  # x * 1.01 + 1e-3 rounds back to x near x = -0.1: flip the last mantissa bit
             bits[same] = old_bits[same] ^ 1
         flat[pos] = new
+    settle_allocator()  # (this step's freed small blocks merged now, not in the update timed next)
 
 
 def _adam_step(state: dict[str, torch.Tensor], lr: float, g: torch.Generator, chunk: int = 1 << 24) -> None:
@@ -482,6 +485,7 @@ def _adam_step(state: dict[str, torch.Tensor], lr: float, g: torch.Generator, ch
                 opt = torch.optim.AdamW([p], lr=lr)
             opt.step()
             part.copy_(p.detach().to(t.dtype))
+    settle_allocator()
 
 
 def _digest_marginal(state: dict[str, torch.Tensor], reps: int = 2) -> dict:
