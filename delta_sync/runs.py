@@ -118,9 +118,9 @@ class RunTable:
     end: torch.Tensor  # int64 [R]
     key: torch.Tensor  # int64 [R]: its checkpoint tensor's export position << 32 | its first checkpoint index
     shift: torch.Tensor  # int64 [R]: checkpoint index - local offset, for each of its elements
-    #: for the torch path (:func:`_map_on_device`), made at its first delta: the runs in key order
-    #: (None: they are), each one's checkpoint tensor among the table's (a rank, on the device),
-    #: and those tensors' export positions (increasing, on the host)
+    #: for :func:`map_changes`, made at its first delta: the runs in key order (None: they are),
+    #: each one's checkpoint tensor among the table's (a rank, on the table's device), and those
+    #: tensors' export positions (increasing, on the host)
     _in_order: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor] | None = None
 
     def in_order(self) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
@@ -156,60 +156,46 @@ def map_changes(table: RunTable, found: list[tuple[torch.Tensor, torch.Tensor]]
     changes outside every run (elements another rank owns, padding) dropped; None where none is left.
 
     A run's changes are a slice of its parameter's (both increase): the runs' bounds are searched
-    among them, the runs that hold some are put in checkpoint order (a sort of runs, not of
-    elements, where a parameter's runs do not follow it: fused q/k/v), and each slice moves by its
-    run's shift. On the host two kernel calls copy each change once; elsewhere a few torch
-    operations over all of them (:func:`_map_on_device`). However many parameters and tensors,
-    four host reads on the host, one on a device."""
+    among them, and every run takes part, those without changes as empty slices, in the table's
+    key order (:meth:`RunTable.in_order`, worked out once per table: a sort of runs, not of
+    elements, where a parameter's runs do not follow it, fused q/k/v), each slice moved by its
+    run's shift. Each checkpoint tensor's count is summed over its runs before anything is
+    gathered: on a device that is the one read, and no step waits to learn which runs hold
+    changes. The searches and the gather are two kernel calls on the host (each change copied
+    once), a few torch operations elsewhere."""
     if not any(f[0].numel() for f in found):
         return None
     host = native.kernel() is not None and table.start.device.type == "cpu" and all(
         i.dtype is torch.int32 and i.is_contiguous() and b.is_contiguous() and b.device.type == "cpu"
         for i, b in found)
-    if not host:
-        return _map_on_device(table, found)
-    idx_at = torch.tensor([i.data_ptr() for i, _ in found], dtype=torch.int64)
-    lo, n = native.run_slices(table.param, table.start, table.end, idx_at,
-                              torch.tensor([i.numel() for i, _ in found], dtype=torch.int64))
-    live = n.nonzero().squeeze(1)
-    if live.numel() == 0:
-        return None
-    key, lo, n = table.key.take(live), lo.take(live), n.take(live)
-    if live.numel() > 1 and not bool((key[1:] > key[:-1]).all()):
-        key, order = torch.sort(key)
-        lo, n, live = lo.take(order), n.take(order), live.take(order)
-    total = int(n.sum())
-    bits0 = found[0][1]
-    width = bits0.element_size()
-    param = table.param.take(live)
-    rows = torch.stack([idx_at.take(param) + lo * 4,
-                        torch.tensor([b.data_ptr() for _, b in found], dtype=torch.int64).take(param) + lo * width,
-                        n, table.shift.take(live)], 1)
-    idx, bits = native.gather_runs(rows.contiguous(), width, total, bits0.dtype)
-    seqs, inverse = torch.unique_consecutive(key.bitwise_right_shift(32), return_inverse=True)
-    counts = torch.zeros(seqs.numel(), dtype=torch.int64).index_add_(0, inverse, n)
-    return idx, bits, seqs.tolist(), counts.tolist()
-
-
-def _map_on_device(table: RunTable, found: list[tuple[torch.Tensor, torch.Tensor]]
-                   ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]] | None:
-    """:func:`map_changes` in torch operations (a device's tensors), with one host read: every run
-    takes part, those without changes as empty slices, in the table's key order (made once), so
-    no step waits to learn which runs hold changes; the read brings each checkpoint tensor's count,
-    and with it the total the gather is sized by."""
-    at = _laid_end_to_end(table, [i for i, _ in found])
-    lo, n = _run_slices(table, at)
+    if host:
+        idx_at = torch.tensor([i.data_ptr() for i, _ in found], dtype=torch.int64)
+        lo, n = native.run_slices(table.param, table.start, table.end, idx_at,
+                                  torch.tensor([i.numel() for i, _ in found], dtype=torch.int64))
+    else:
+        at = _laid_end_to_end(table, [i for i, _ in found])
+        lo, n = _run_slices(table, at)
     order, rank, positions = table.in_order()
     if order is not None:
         lo, n = lo.take(order), n.take(order)
     per = torch.zeros(positions.numel(), dtype=torch.int64, device=n.device).index_add_(0, rank, n)
-    per = per.cpu()  # the one read
+    per = per.cpu()  # the one read (on the host: none)
     changed = per.nonzero().squeeze(1)
     if changed.numel() == 0:
         return None
     counts = per.take(changed)
+    total = int(counts.sum())
     live = order if order is not None else torch.arange(n.numel(), device=n.device)
-    idx, bits = _gather_runs(table, at, torch.cat([b for _, b in found]), live, lo, n, int(counts.sum()))
+    if host:
+        bits0 = found[0][1]
+        width = bits0.element_size()
+        param = table.param.take(live)
+        rows = torch.stack([idx_at.take(param) + lo * 4,
+                            torch.tensor([b.data_ptr() for _, b in found], dtype=torch.int64).take(param) + lo * width,
+                            n, table.shift.take(live)], 1)
+        idx, bits = native.gather_runs(rows.contiguous(), width, total, bits0.dtype)
+    else:
+        idx, bits = _gather_runs(table, at, torch.cat([b for _, b in found]), live, lo, n, total)
     return idx, bits, positions.take(changed).tolist(), counts.tolist()
 
 
