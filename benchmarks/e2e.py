@@ -39,7 +39,9 @@ snapshot; ``full_over_wire``, ``delta_over_wire``, ``delta_pause_over_wire``, ``
 ``sweep_over_delta``, ``engine_seed_peak_over_bucket``, ``trainer_seed_peak_over_model``,
 ``apply_over_native``, ``diff_over_copy``; ``flat_*``: the same trainer with its weights moved into
 :class:`~delta_sync.flat.FlatWeights` after the stream's deltas, a seed, the headline deltas and an
-Adam step from it; ``*_over_vllm_load``: against vLLM's own load) and the times behind them.
+Adam step from it; ``*_over_vllm_load``: against vLLM's own load; ``delta_stall_s``: how long vLLM
+ran no step for the headline delta, its worker's receive call and the pause) and the times behind
+them.
 """
 
 from __future__ import annotations
@@ -855,6 +857,13 @@ def _pass_summary(rows: list[dict], wire_s: float, digest_marginal_s: float = 0.
     flat = min(flat_runs, key=lambda r: r["total_s"]) if flat_runs else None
     flat_adam = by.get("flat adam")
 
+    def stall(row):
+        """How long vLLM ran no step for this delta: its worker's receive call (the engine core
+        waits in ``collective_rpc`` while the worker receives, checks and plans) and then the pause
+        window (pause, apply, resume). None without the worker's timing."""
+        call = ((row or {}).get("engine_timings") or {}).get("update_call_s")
+        return None if call is None else round(call + row["pause_window_s"], 6)
+
     def trainer_growth(row):
         if not row or not row.get("trainer_rss"):
             return None
@@ -872,6 +881,7 @@ def _pass_summary(rows: list[dict], wire_s: float, digest_marginal_s: float = 0.
         "reseed_pause_s": by.get("reseed", {}).get("pause_window_s"),
         "delta_s": {f"{r['density']:g}": r["total_s"] for r in deltas},
         "delta_pause_s": {f"{r['density']:g}": r["pause_window_s"] for r in deltas},
+        "delta_stall_s": stall(head), "flat_delta_stall_s": stall(flat),
         "delta_changed_fraction": {f"{r['density']:g}": r["changed_fraction"] for r in deltas},
         "adam_s": adam and adam["total_s"], "adam_density": adam and adam["changed_fraction"],
         "adam_pause_s": adam and adam["pause_window_s"],
@@ -1182,7 +1192,8 @@ def main(argv: list[str]) -> dict:
         "engine_layout": args.engine_layout, "wire_s": result["wire_s"], "wire_gbps": result["wire"]["gbps"], "vllm_load_s": result.get("vllm_load_s"),
         "seed_s": s.get("seed_s"), "first_seed_s": s.get("first_seed_s"), "full_s": s.get("full_s"),
         "reseed_s": s.get("reseed_s"), "reseed_pause_s": s.get("reseed_pause_s"), "delta_s": s.get("delta_s"),
-        "delta_pause_s": s.get("delta_pause_s"),
+        "delta_pause_s": s.get("delta_pause_s"), "delta_stall_s": s.get("delta_stall_s"),
+        "flat_delta_stall_s": s.get("flat_delta_stall_s"),
         "adam_density": s.get("adam_density"), "adam_s": s.get("adam_s"),
         "seed_over_wire": s.get("seed_over_wire"), "reseed_over_wire": s.get("reseed_over_wire"),
         "full_over_wire": s.get("full_over_wire"),
@@ -1195,7 +1206,8 @@ def main(argv: list[str]) -> dict:
         **{f"{k}_over_vllm_load": _ratio(v, result.get("vllm_load_s"))
            for k, v in (("seed", s.get("seed_s")), ("full", s.get("full_s")), ("delta", _headline(s)),
                         ("delta_pause", _headline(s, "delta_pause_s")), ("flat_delta", s.get("flat_delta_s")),
-                        ("flat_delta_pause", s.get("flat_delta_pause_s")))},
+                        ("flat_delta_pause", s.get("flat_delta_pause_s")), ("delta_stall", s.get("delta_stall_s")),
+                        ("flat_delta_stall", s.get("flat_delta_stall_s")))},
         "verify_over_seed": s.get("verify_over_seed"), "sweep_over_delta": s.get("sweep_over_delta"),
         "engine_seed_peak_over_bucket": s.get("engine_seed_peak_over_bucket"),
         "engine_delta_peak_over_bucket": s.get("engine_delta_peak_over_bucket"),

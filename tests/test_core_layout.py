@@ -84,6 +84,23 @@ def test_e2e_bench_counts_busy_cores():
     assert cpu_share((7, 0, 50), (7, 0, 50)) == {"busy": 0.0, "stolen": 0.0}  # no tick in between
 
 
+def test_e2e_bench_counts_a_deltas_stall_from_its_receive_call_and_its_pause():
+    """``delta_stall_s``: the headline delta's worker receive call (vLLM's engine core waits in it,
+    no step runs) plus its pause window, of the best run; None where the worker said no time."""
+    from benchmarks.e2e import _pass_summary
+
+    def row(label, kind, total, pause, call=None, density=None):
+        return {"label": label, "kind": kind, "density": density, "total_s": total, "pause_window_s": pause,
+                "changed_fraction": density or 1.0, "timings": {}, "cpu": {"busy": 0.5},
+                "engine_timings": {} if call is None else {"update_call_s": call}}
+    rows = [row("seed", "seed", 1.0, 0.9), row("delta 0.002", "delta", 0.12, 0.010, 0.021, 0.002),
+            row("delta 0.002 #2", "delta", 0.10, 0.008, 0.019, 0.002),
+            row("flat delta 0.002", "delta", 0.07, 0.007)]
+    s = _pass_summary(rows, wire_s=0.5)
+    assert s["delta_stall_s"] == 0.027 and s["delta_s"] == {"0.002": 0.10}
+    assert s["flat_delta_stall_s"] is None
+
+
 def test_skeleton_bench_fits_the_cost_per_tensor_and_counts_ops():
     """``bench skeleton`` on 1 and 2 layers of the Qwen3-30B-A3B skeleton (393 and 786 tensors),
     torch-op path: the pipeline is exact (or it raises), each delta's ops are counted on both ends
