@@ -39,8 +39,10 @@ from .patch import Patch, check_indexable
 _INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 #: words compared per chunk: 8M words = 64 MiB of each input, 8 MiB of mask.
 DEFAULT_CHUNK_WORDS = 1 << 23
-#: times an int64 holding 8 flag bytes (each 0 or 1), puts flag k at bit 56 + k: every other
-#: partial product lands below bit 56 (on distinct bits: no carry) or past bit 63 (wraps away)
+#: 8 flag bytes (each 0 or 1) read as one little-endian int64 (every platform torch ships for),
+#: times this, have flag k at bit 56 + k, byte 7 of the product: every other partial product lands
+#: below bit 56, each on a bit of its own (no carry), or past bit 63, where the product's 64 bits
+#: drop it (integer multiplies wrap on every torch backend)
 _PACK_FLAGS = sum(1 << (56 - 7 * k) for k in range(8))
 
 
@@ -274,10 +276,10 @@ class BitwiseDiff:
         positions (increasing), their changed lanes of ``lane_dtype`` (positions in the gathered
         words, increasing) and the gathered words of each side. Nothing is written to ``old``.
 
-        The compare runs chunk by chunk into the bounded scratch mask; each chunk's 8 flag bytes
-        per int64 are packed into one byte (an in-place multiply and shift) of a buffer of 1 byte per 8
-        words, and the two levels of ``nonzero`` run once over that buffer and its non-zero bytes'
-        bits, not once per chunk."""
+        The compare runs chunk by chunk into the bounded scratch mask; each chunk's flags are
+        packed 8 to a byte (an in-place multiply of the mask read as int64, :data:`_PACK_FLAGS`, and
+        a copy of each product's top byte) into a buffer of 1 byte per 8 words, and the two levels
+        of ``nonzero`` run once over that buffer and its non-zero bytes' bits, not once per chunk."""
         total, dev = old.numel(), old.device
         packed = torch.empty(-(-total // 8), dtype=torch.uint8, device=dev)
         for lo in range(0, total, self.chunk_words):
@@ -286,8 +288,8 @@ class BitwiseDiff:
             if mask.numel() > n:
                 mask.narrow(0, n, mask.numel() - n).zero_()
             torch.ne(old.narrow(0, lo, n), new.narrow(0, lo, n), out=mask.narrow(0, 0, n))
-            flags = mask.view(torch.int64).mul_(_PACK_FLAGS).bitwise_right_shift_(56)
-            packed.narrow(0, lo // 8, flags.numel()).copy_(flags)  # (the low byte: its flags as bits)
+            flags = mask.view(torch.int64).mul_(_PACK_FLAGS)  # each 8 words' flags as the top byte's bits
+            packed.narrow(0, lo // 8, flags.numel()).copy_(flags.view(torch.uint8).view(-1, 8).select(1, 7))
         hot = packed.nonzero().squeeze(1)  # level 1: bytes with a changed word
         bit = self._bits.get(dev)
         if bit is None:
