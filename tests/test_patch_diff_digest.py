@@ -1308,6 +1308,7 @@ def test_device_path_digests_many_ranges_with_one_sync(monkeypatch):
     monkeypatch.setattr(native, "kernel", lambda: None)  # from here, the torch ops devices run
     monkeypatch.setattr(dg, "DEVICE_SMALL_WORDS", 10_000)  # 70_000 and 12_345 (bf16) alone
     monkeypatch.setattr(dg, "DEVICE_CHUNK_WORDS", 8192)  # several batches of small ranges, several chunks
+    dg.scan_many(items)  # (once: the key's weight tables are made at a first use, then kept)
     syncs = []
     real = torch.Tensor.tolist
     monkeypatch.setattr(torch.Tensor, "tolist", lambda t: syncs.append(t.shape) or real(t))
