@@ -544,6 +544,7 @@ void gather_runs(int64_t nrows, const int64_t *rows, int64_t width, int32_t *out
         const int64_t *r = rows + 4 * k;
         const int32_t *src = (const int32_t *)(intptr_t)r[0];
         const int64_t n = r[2], shift = r[3];
+        if (n == 0) continue;  /* (a run without changes: its addresses may be those of empty tensors) */
         for (int64_t i = 0; i < n; ++i) out_idx[i] = (int32_t)((int64_t)src[i] + shift);
         memcpy(out_val, (const char *)(intptr_t)r[1], (size_t)(n * width));
         out_idx += n;

@@ -6,10 +6,11 @@ Changed means "bits differ": the comparison runs on integer views, never ``!=`` 
 The scan is memory-bound, so it is shaped to read each input once and write as little as possible:
 
 1. compare 64-bit words (4 bf16 elements per compare) into a reused bool mask, chunk by chunk,
-   and pack each chunk's flags 8 to a byte: temporary memory is ``chunk_words`` bytes of mask plus
-   1 byte per 8 words of the tensor, whatever its size;
+   and pack each chunk's flags 8 to a byte; a scan covers at most ``batch_words`` words (a longer
+   tensor is scanned a batch at a time), so its temporaries are ``chunk_words`` bytes of mask, 1
+   byte per 8 words of the batch and ~50 B per changed element of the batch;
 2. find changed words hierarchically: ``nonzero`` over the packed bytes, then over the 8 bits of
-   each non-zero byte; never over the full mask, and twice per scan whatever the chunk count
+   each non-zero byte; never over the full mask, and twice per scan whatever its chunk count
    (on a device each ``nonzero`` waits for it);
 3. gather just the changed words, xor them and split the xor into element-width lanes; the new
    values come out of the gathered words, not from another pass over the tensor.
@@ -142,11 +143,7 @@ class BitwiseDiff:
                 else:
                     out[i] = self.absorb(old, new)
             for members in flat.values():
-                for run, adjacent in _adjacent_runs([pairs[i][0] for i in members]):
-                    group = members[run[0]:run[1]]
-                    for lo, hi in native.capped_groups([pairs[i][0].numel() * pairs[i][0].element_size() // 8
-                                                        for i in group], self.batch_words):
-                        batches.append(self._absorb_flat(pairs, group[lo:hi], adjacent))
+                self._absorb_flat_groups(pairs, members, batches, out)
             for width, members in batch.items():
                 olds, news = [pairs[i][0] for i in members], [pairs[i][1] for i in members]
                 if new_ptrs:  # (then every member's facts are known: the addresses need no tensor call)
@@ -162,6 +159,21 @@ class BitwiseDiff:
                 b.restore([pairs[i][0] for i in b.members])
             raise
         return batches, out
+
+    def _absorb_flat_groups(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], members: list[int],
+                            batches: list["Absorbed"], out: list) -> None:
+        """``pairs[i]`` for ``i`` in ``members`` (torch-path pairs of one width and device) in
+        batches of at most ``batch_words`` words (:meth:`_absorb_flat`, into ``batches``); one that
+        forms a batch alone (a tensor as large as a batch) through :meth:`absorb`, read where it
+        lies and scanned a batch of words at a time (into ``out``)."""
+        for run, adjacent in _adjacent_runs([pairs[i][0] for i in members]):
+            group = members[run[0]:run[1]]
+            for lo, hi in native.capped_groups([pairs[i][0].numel() * pairs[i][0].element_size() // 8
+                                                for i in group], self.batch_words):
+                if hi - lo == 1:
+                    out[group[lo]] = self.absorb(*pairs[group[lo]])
+                else:
+                    batches.append(self._absorb_flat(pairs, group[lo:hi], adjacent))
 
     def absorb_known(self, olds: list[torch.Tensor], news: list[torch.Tensor], known: list[KernelFacts],
                      new_ptrs: list[int], members: list[int] | None = None,
@@ -202,26 +214,24 @@ class BitwiseDiff:
 
     @staticmethod
     def _flat(snap: torch.Tensor, new: torch.Tensor) -> bool:
-        """A torch-path pair (device tensors) that :meth:`_absorb_flat` can scan, with others or (one
-        larger than a batch) alone: whole 64-bit words on one device."""
+        """A torch-path pair (device tensors) that :meth:`_absorb_flat` can scan with others: whole
+        64-bit words on one device (one that forms a batch alone goes through :meth:`absorb`)."""
         return snap.device == new.device and _whole_words(snap, new)
 
     def _absorb_flat(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], members: list[int],
                      adjacent: bool = False) -> "Absorbed":
-        """:meth:`absorb` of ``pairs[i]`` for ``i`` in ``members`` (same width and device, at most
-        ``batch_words`` words together, or one larger tensor) as one scan: on a device every
-        ``nonzero`` and ``tolist`` waits for the device, and a model's hundreds of tensors would
-        each pay the three syncs of a scan. Here the whole batch pays four (:meth:`_scan_words`'
-        three, one read of each tensor's counts; a batch of one tensor needs no count read) and no
-        launch per tensor. Returns the batch once the snapshots advanced (the caller's rollback
-        restores it). ``adjacent``: the snapshots lie back to back in one storage
-        (:func:`_adjacent_runs`, e.g. a seed's arena): they are read and advanced there as one span,
-        with no view or copy per tensor; so is a batch of one tensor."""
+        """:meth:`absorb` of ``pairs[i]`` for ``i`` in ``members`` (two or more of one width and
+        device, at most ``batch_words`` words together) as one scan: on a device every ``nonzero``
+        and ``tolist`` waits for the device, and a model's hundreds of tensors would each pay the
+        three syncs of a scan. Here the whole batch pays four (:meth:`_scan_words`' three, one read
+        of each tensor's counts) and no launch per tensor. Returns the batch once the snapshots
+        advanced (the caller's rollback restores it). ``adjacent``: the snapshots lie back to back
+        in one storage (:func:`_adjacent_runs`, e.g. a seed's arena): they are read and advanced
+        there as one span, with no view or copy per tensor."""
         old0 = pairs[members[0]][0]
         dev, width = old0.device, old0.element_size()
         lanes, lane_dtype = 8 // width, _INT_VIEW[width]
         shift = lanes.bit_length() - 1
-        one = len(members) == 1
         # one view per tensor and side (a view is a dispatched op too: ~19k tensors at 30B-A3B);
         # a batch of one dtype concatenates as it is and is read as words after (dtypes of one
         # width mixed, bf16 and fp16, are read as integers first: a cat would convert them)
@@ -231,29 +241,25 @@ class BitwiseDiff:
         total = offs[-1]
         # both sides gathered into one buffer each: two copies of the batch cost less on a device
         # than a compare and two gathers per tensor (launches, not bytes, bound small tensors there);
-        # snapshots back to back, or one tensor, are read where they lie
+        # snapshots back to back are read where they lie
         span = old0.as_strided((total * lanes,), (1,), old0.storage_offset()).view(torch.int64) \
-            if adjacent or one else None  # (its members' bits, whatever their dtypes of this width)
+            if adjacent else None  # (its members' bits, whatever their dtypes of this width)
         olds = None
         if span is None:
             olds = [pairs[i][0].view(-1).view(lane_dtype) if mixed else pairs[i][0].view(-1) for i in members]
         old_all = span if span is not None else torch.cat(olds).view(torch.int64)
-        new_all = news[0].view(torch.int64) if one else torch.cat(news).view(torch.int64)
+        new_all = torch.cat(news).view(torch.int64)
         words, hit, new_w, old_w = self._scan_words(old_all, new_all, lane_dtype)
         del old_all, new_all
         hit_word = hit >> shift
-        if one:
-            local = words
-            hits = torch.tensor([hit.numel()], dtype=torch.int64)  # (known on the host: no read)
-        else:
-            starts = torch.tensor(offs[:-1], dtype=torch.int64, device=dev)
-            member = torch.searchsorted(starts, words, right=True) - 1
-            per_member = torch.bincount(member, minlength=len(members))  # changed words of each member
-            local = words - starts.take(member)  # word positions in their own tensor
-            cuts = torch.searchsorted(hit_word, torch.cumsum(per_member, 0))  # each member's end among the lanes
-            # both cross to the host in one read
-            counts, cuts = torch.stack([per_member, cuts]).cpu().unbind(0)
-            hits = torch.diff(cuts, prepend=cuts.new_zeros(1))
+        starts = torch.tensor(offs[:-1], dtype=torch.int64, device=dev)
+        member = torch.searchsorted(starts, words, right=True) - 1
+        per_member = torch.bincount(member, minlength=len(members))  # changed words of each member
+        local = words - starts.take(member)  # word positions in their own tensor
+        cuts = torch.searchsorted(hit_word, torch.cumsum(per_member, 0))  # each member's end among the lanes
+        # both cross to the host in one read
+        counts, cuts = torch.stack([per_member, cuts]).cpu().unbind(0)
+        hits = torch.diff(cuts, prepend=cuts.new_zeros(1))
         elem = (local.take(hit_word) * lanes + (hit & (lanes - 1))).to(torch.int32)
         new_v, old_v = new_w.view(lane_dtype).take(hit), old_w.view(lane_dtype).take(hit)
         if span is not None:  # the changed words advance in place, one op for the batch
@@ -342,35 +348,41 @@ class BitwiseDiff:
     def _scan(self, o, n, nwords, lanes, parts, absorb) -> None:
         numel = o.numel()
         tail = nwords * lanes
-        moved = None  # the torch ops' changed words, (positions, new words): advanced last
+        moved = None  # the torch ops' changed words of each batch of words: advanced last
         if nwords:
             o64 = o[:tail].view(torch.int64)
             n64 = n[:tail].view(torch.int64)
             if self.use_native and native.supports(o):  # (it advances as it goes, where it absorbs)
                 for into, got in zip(parts, native.changed_words(o64, n64, lanes, absorb)):
                     into.extend(got)
-            else:
-                words, hit, new_w, old_w = self._scan_words(o64, n64, o.dtype)
-                moved = (words, new_w)
-                elem = words.take(hit >> (lanes.bit_length() - 1)) * lanes + (hit & (lanes - 1))
-                parts[0].append(elem.to(torch.int32))
-                parts[1].append(new_w.view(o.dtype).take(hit))
-                parts[2].append(old_w.view(o.dtype).take(hit))
+            else:  # a batch of words at a time (each scan's temporaries grow with what it finds)
+                moved = []
+                for w0 in range(0, nwords, self.batch_words):
+                    nw = min(self.batch_words, nwords - w0)
+                    words, hit, new_w, old_w = self._scan_words(o64.narrow(0, w0, nw), n64.narrow(0, w0, nw), o.dtype)
+                    elem = words.take(hit >> (lanes.bit_length() - 1)).add_(w0).mul_(lanes).add_(hit & (lanes - 1))
+                    parts[0].append(elem.to(torch.int32))
+                    parts[1].append(new_w.view(o.dtype).take(hit))
+                    if absorb:
+                        parts[2].append(old_w.view(o.dtype).take(hit))
+                        moved.append((w0, nw, words, new_w))
+                    del words, hit, new_w, old_w, elem
         if tail < numel:  # unaligned or ragged end: element-width compare
-            self._tail(o, n, tail, parts)
+            self._tail(o, n, tail, parts, absorb)
         if absorb:  # (after every scan: one that fails has written nothing)
-            if moved is not None:
-                o64.index_copy_(0, *moved)
+            for w0, nw, words, new_w in moved or ():
+                o64.narrow(0, w0, nw).index_copy_(0, words, new_w)
             if tail < numel:
                 o[tail:].index_copy_(0, parts[0][-1].long() - tail, parts[1][-1])
 
     @staticmethod
-    def _tail(o, n, tail, parts) -> None:
+    def _tail(o, n, tail, parts, absorb: bool) -> None:
         """The elements from ``tail`` on, compared one by one (not whole words)."""
         hit = (o[tail:] != n[tail:]).nonzero().squeeze(1)
         parts[0].append((hit + tail).to(torch.int32))
         parts[1].append(n[tail:].take(hit))
-        parts[2].append(o[tail:].take(hit))
+        if absorb:
+            parts[2].append(o[tail:].take(hit))
 
 
 @dataclass

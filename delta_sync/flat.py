@@ -23,6 +23,7 @@ contiguous share of each buffer, whole tensors only: the shares are disjoint, th
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 import operator
 from typing import Callable, Iterable, Iterator
@@ -30,7 +31,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from . import collectives
+from . import collectives, native
 from .diff import BitwiseDiff, restore
 from .digest import Digest, span_digests, tensor_digests
 from .gather import Ordered
@@ -42,6 +43,9 @@ log = logging.getLogger(__name__)
 #: each weight starts on a boundary of this many bytes in its buffer (what an allocator gives a
 #: tensor of its own: vectorized kernels of the trainer read it as fast)
 ALIGN_BYTES = 64
+#: elements of one buffer at most (a tensor larger than that has one of its own): a delta's
+#: indices are a buffer's int32 flat offsets, and a device diffs a buffer a batch at a time
+MAX_BUFFER_ELEMENTS = 1 << 30
 
 _SHAPE = operator.attrgetter("shape")
 
@@ -103,17 +107,17 @@ class FlatWeights:
         groups: dict[tuple, list[int]] = {}
         for k, (_, t) in enumerate(items):
             groups.setdefault((t.device, t.dtype), []).append(k)
-        for (device, dtype), members in groups.items():
+        for (device, dtype), alike in groups.items():
             align = max(1, ALIGN_BYTES // dtype.itemsize)
-            offsets, at = [], 0
-            for k in members:
-                offsets.append(at)
-                at += -(-items[k][1].numel() // align) * align
-            data = torch.zeros(max(at, align), dtype=dtype, device=device)
-            numels = [items[k][1].numel() for k in members]
-            for k, off, n in zip(members, offsets, numels):
-                views[k] = data.narrow(0, off, n).view(items[k][1].shape).copy_(items[k][1].detach())
-            self._buffers.append(_Buffer(data, members, offsets, numels))
+            sizes = [-(-items[k][1].numel() // align) * align for k in alike]
+            for lo, hi in native.capped_groups(sizes, MAX_BUFFER_ELEMENTS):  # (offsets in int32, with room)
+                members = alike[lo:hi]
+                offsets = list(itertools.accumulate(sizes[lo:hi - 1], initial=0))
+                data = torch.zeros(max(sum(sizes[lo:hi]), align), dtype=dtype, device=device)
+                numels = [items[k][1].numel() for k in members]
+                for k, off, n in zip(members, offsets, numels):
+                    views[k] = data.narrow(0, off, n).view(items[k][1].shape).copy_(items[k][1].detach())
+                self._buffers.append(_Buffer(data, members, offsets, numels))
         #: checkpoint name -> its view in a buffer
         self.tensors: dict[str, torch.Tensor] = dict(zip(self.names, views))
         #: what the trainer updates in place: the views, or the parameters they back (:meth:`adopt`)

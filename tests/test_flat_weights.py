@@ -38,12 +38,21 @@ def _exact(receiver: MemoryReceiver, tensors: dict[str, torch.Tensor]) -> bool:
     return receiver.mismatched(list(tensors.items())) == []
 
 
-def test_deltas_of_flat_weights_are_diffed_whole_and_exact():
+@pytest.mark.parametrize("cap", [None, 200], ids=["one-buffer-per-dtype", "buffers-capped"])
+def test_deltas_of_flat_weights_are_diffed_whole_and_exact(monkeypatch, cap):
     """Seed by the stream, then deltas from the buffers' diff: exact after each (odd sizes, two
     dtypes, a delta with nothing changed, one that changes every element), verify() agrees with
-    the receiver, and nothing went tensor by tensor."""
+    the receiver, and nothing went tensor by tensor. ``buffers-capped``: buffers of at most 200
+    elements (a buffer's int32 offsets bound it at 2^30), a larger tensor in one of its own."""
+    import delta_sync.flat as flat_module
+
+    if cap is not None:
+        monkeypatch.setattr(flat_module, "MAX_BUFFER_ELEMENTS", cap)
     named = _named()
     flat = FlatWeights(named.items())
+    if cap is not None:  # bf16: 35+56+77+98+119+140 (+pads) ... in several buffers, each <= cap or alone
+        sizes = [b.data.numel() for b in flat._buffers]
+        assert len(sizes) > 2 and all(s <= cap or len(b.members) == 1 for s, b in zip(sizes, flat._buffers))
     assert all(torch.equal(flat.tensors[n], t) for n, t in named.items())
     assert flat.tensors["layers.1.w"].data_ptr() != named["layers.1.w"].data_ptr()  # copied in
     receiver = MemoryReceiver()

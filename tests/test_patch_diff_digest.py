@@ -5,6 +5,7 @@ import torch
 
 from delta_sync import native
 from delta_sync.bucket import BucketPacker, TensorAssembler, entry_patches
+from delta_sync import diff as diff_module
 from delta_sync.diff import BitwiseDiff, int_view, restore
 from delta_sync.digest import Digest, DigestKey, digest_elements, digest_range, digest_tensor
 from delta_sync.errors import ChecksumMismatch, PatchValidationError
@@ -288,10 +289,12 @@ def test_a_diff_that_fails_midway_leaves_the_snapshot_as_it_was(monkeypatch, use
                 raise MemoryError("injected")
             return real(fn, width, old64, new64, first, stop, lanes, absorb)
         monkeypatch.setattr(native, "_scan", scan)
-    else:  # the ragged tail fails after the whole words (16 chunks) were scanned
+    else:  # the ragged tail fails after the whole words (16 chunks) were scanned; with nothing
+        # put back on the way out, the snapshot must not have been written at all
         def tail(*args):
             raise MemoryError("injected")
         monkeypatch.setattr(BitwiseDiff, "_tail", staticmethod(tail))
+        monkeypatch.setattr(diff_module, "restore", lambda *a: None)
     snap = torch.randn(4098).bfloat16()
     before = snap.clone()
     with pytest.raises(MemoryError, match="injected"):
@@ -381,8 +384,9 @@ def test_device_path_diffs_many_tensors_in_one_scan():
     with _CountNonzero() as batched:
         got = differ.advance_many([(f"t{i}", o, n) for i, (o, n) in enumerate(zip(olds, news))])
     # 16-bit tensors: 6 x 1024 + 16 + 40 x 64 words in three scans of <= 4096 words, the 8 192-word
-    # one in a scan of its own; one scan for the 32-bit pair; 3 nonzero each
-    assert batched.calls == 3 * 5 + one_by_one.calls, (batched.calls, one_by_one.calls)
+    # one alone, a batch of 4096 words at a time (two scans); one scan for the 32-bit pair; 3
+    # nonzero each
+    assert batched.calls == 3 * 6 + one_by_one.calls, (batched.calls, one_by_one.calls)
     ref = BitwiseDiff(use_native=False)
     for i, ((patch, old_bits), b, n, o) in enumerate(zip(got, before, news, olds)):
         want = ref.diff(f"t{i}", b, n)
@@ -394,17 +398,18 @@ def test_device_path_diffs_many_tensors_in_one_scan():
         assert torch.equal(int_view(o), int_view(b))
 
 
-@pytest.mark.parametrize("adjacent", [False, True], ids=["one", "arena"])
-def test_device_path_scans_a_tensor_of_many_chunks_with_three_syncs(adjacent):
+@pytest.mark.parametrize("case,scans", [("one", 1), ("arena", 1), ("batches", 2)])
+def test_device_path_scans_a_tensor_of_many_chunks_with_three_nonzero(case, scans):
     """The torch-op scan packs each chunk's word flags 8 to a byte and runs its ``nonzero`` levels
     once over all chunks: a tensor of 64 chunks (every pattern of 8 changed words among them, each
-    lane of a word, NaN payloads, a sign flip) costs 3 nonzero like a tensor of one, finds what
-    the host kernel finds and advances its snapshot; restore puts every bit back. ``arena``: two
-    tensors back to back in one storage (a snapshot arena), scanned as one span."""
+    lane of a word, NaN payloads, a sign flip) costs 3 nonzero like a tensor of one, finds every
+    changed element and advances its snapshot; restore puts every bit back. ``arena``: two
+    tensors back to back in one storage (a snapshot arena), scanned as one span (and one read of
+    their counts); ``batches``: a tensor twice as large as a batch, scanned a batch at a time."""
     g = torch.Generator().manual_seed(5)
     words = 256 * 8 * 2  # each of the 256 byte patterns, twice
     arena = torch.randn(2 * words * 4, generator=g).bfloat16()
-    olds = list(arena.split(words * 4)) if adjacent else [arena[:words * 4].clone()]
+    olds = list(arena.split(words * 4)) if case == "arena" else [arena[:words * 4].clone()]
     news = []
     for o in olds:
         w = o.clone().view(-1, 8, 4)  # (group of 8 words, word, lane)
@@ -416,13 +421,13 @@ def test_device_path_scans_a_tensor_of_many_chunks_with_three_syncs(adjacent):
         w[3, 0, 0] = float("nan")
         news.append(w.view(-1))
     before = [o.clone() for o in olds]
-    want = [BitwiseDiff(use_native=True).changed(b, n) for b, n in zip(before, news)]
-    differ = BitwiseDiff(use_native=False, chunk_words=64, batch_words=words * 2)
+    want = [(int_view(b) != int_view(n)).nonzero().squeeze(1) for b, n in zip(before, news)]  # (no scan)
+    differ = BitwiseDiff(use_native=False, chunk_words=64, batch_words=words * 2 if scans == 1 else words // scans)
     with _CountNonzero() as counted:
         got = differ.advance_many([(f"t{i}", o, n) for i, (o, n) in enumerate(zip(olds, news))])
-    assert counted.calls == 3, counted.calls
-    for (patch, old_bits), (idx, bits), b, o, n in zip(got, want, before, olds, news):
-        assert torch.equal(patch.indices, idx) and torch.equal(int_view(patch.values), bits)
+    assert counted.calls == 3 * scans, counted.calls
+    for (patch, old_bits), idx, b, o, n in zip(got, want, before, olds, news):
+        assert torch.equal(patch.indices.long(), idx) and torch.equal(int_view(patch.values), int_view(n)[idx])
         assert patch.indices.numel() == 2 * sum(bin(p).count("1") for p in range(256)) + 1
         assert torch.equal(old_bits, int_view(b)[patch.indices.long()])
         assert torch.equal(int_view(o), int_view(n))
