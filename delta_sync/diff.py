@@ -348,7 +348,7 @@ class BitwiseDiff:
     def _scan(self, o, n, nwords, lanes, parts, absorb) -> None:
         numel = o.numel()
         tail = nwords * lanes
-        moved = None  # the torch ops' changed words of each batch of words: advanced last
+        moved = []  # the torch ops' changed words of each batch of words: advanced last
         if nwords:
             o64 = o[:tail].view(torch.int64)
             n64 = n[:tail].view(torch.int64)
@@ -356,7 +356,6 @@ class BitwiseDiff:
                 for into, got in zip(parts, native.changed_words(o64, n64, lanes, absorb)):
                     into.extend(got)
             else:  # a batch of words at a time (each scan's temporaries grow with what it finds)
-                moved = []
                 for w0 in range(0, nwords, self.batch_words):
                     nw = min(self.batch_words, nwords - w0)
                     words, hit, new_w, old_w = self._scan_words(o64.narrow(0, w0, nw), n64.narrow(0, w0, nw), o.dtype)
@@ -367,22 +366,23 @@ class BitwiseDiff:
                         parts[2].append(old_w.view(o.dtype).take(hit))
                         moved.append((w0, nw, words, new_w))
                     del words, hit, new_w, old_w, elem
-        if tail < numel:  # unaligned or ragged end: element-width compare
-            self._tail(o, n, tail, parts, absorb)
+        hit = self._tail(o, n, tail, parts, absorb) if tail < numel else None  # unaligned or ragged end
         if absorb:  # (after every scan: one that fails has written nothing)
-            for w0, nw, words, new_w in moved or ():
+            for w0, nw, words, new_w in moved:
                 o64.narrow(0, w0, nw).index_copy_(0, words, new_w)
-            if tail < numel:
-                o[tail:].index_copy_(0, parts[0][-1].long() - tail, parts[1][-1])
+            if hit is not None:
+                o[tail:].index_copy_(0, hit, parts[1][-1])
 
     @staticmethod
-    def _tail(o, n, tail, parts, absorb: bool) -> None:
-        """The elements from ``tail`` on, compared one by one (not whole words)."""
+    def _tail(o, n, tail, parts, absorb: bool) -> torch.Tensor:
+        """The elements from ``tail`` on, compared one by one (not whole words); returns their
+        changed positions after ``tail``."""
         hit = (o[tail:] != n[tail:]).nonzero().squeeze(1)
         parts[0].append((hit + tail).to(torch.int32))
         parts[1].append(n[tail:].take(hit))
         if absorb:
             parts[2].append(o[tail:].take(hit))
+        return hit
 
 
 @dataclass
