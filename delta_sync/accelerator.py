@@ -125,6 +125,14 @@ def device_module(device: torch.device | str):
     return getattr(torch, device.type, None)
 
 
+def use_device(device: torch.device | str) -> None:
+    """Make ``device`` the current one of the calling thread (a new thread starts on device 0);
+    a no-op on CPU."""
+    device = torch.device(device)
+    if device.type != "cpu" and device.index is not None:
+        device_module(device).set_device(device)
+
+
 def synchronize(device: torch.device | str | None = None) -> None:
     """Wait for queued work on ``device``; a no-op on CPU (torch.accelerator.synchronize raises there)."""
     device = torch.device(device) if device is not None else None

@@ -1,7 +1,7 @@
 """Clients for the engines a sender drives: a vLLM HTTP server, or an in-process ``vllm.LLM``.
 
 Both drive vLLM's weight-transfer protocol (pause -> start -> update -> finish -> resume). The
-weight-transfer calls (init, start, update, finish, discard, report) go to the workers' signed
+weight-transfer calls (init, start, update, staged, finish, discard, report) go to the workers' signed
 ``delta_sync_call`` method over ``collective_rpc`` (see :mod:`delta_sync.auth`); vLLM's own
 unsigned routes for them are refused by a delta-sync engine. Nothing here imports vLLM: the
 in-process client duck-types the ``LLM`` object. Every engine-side failure surfaces as
@@ -51,6 +51,9 @@ class _SignedEngine:
     workers' ``delta_sync_call`` method; subclasses say how a worker method is invoked."""
 
     name: str
+    #: a delta's ``update`` may ask the workers to receive it on a thread of their own (``background``):
+    #: the call returns at once, the engine serves while the delta arrives, ``await_staged``/``finish`` wait for it
+    receives_in_background = True
 
     def __init__(self, secret: str | bytes | None):
         self._signer = Signer(load_secret(secret))
@@ -101,6 +104,11 @@ class _SignedEngine:
 
     def update(self, update_info: dict) -> None:
         self._call("update", update_info)
+
+    def await_staged(self) -> None:
+        """Wait until every worker staged the delta its ``update`` receives in the background (its
+        error otherwise)."""
+        self._call("staged")
 
     def finish(self, version: int) -> None:
         self._call("finish", {"version": version})

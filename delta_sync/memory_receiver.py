@@ -22,6 +22,9 @@ from .transfer import receive_update
 
 class MemoryReceiver:
     name = "memory-receiver"
+    #: a delta's ``update`` may be received on a thread of its own (``background``), as an engine
+    #: worker does (``patches.vllm_receiver.BackgroundReceive``): ``await_staged`` and ``finish`` wait for it
+    receives_in_background = True
 
     def __init__(self, direct: bool = True, threads: int | None = None):
         self.tensors: dict[str, torch.Tensor] = {}
@@ -36,6 +39,8 @@ class MemoryReceiver:
         self.needs_seed = False  # set by an update it cannot take on its version (it asks for a seed)
         self.channel: Channel | None = None
         self._staged = None
+        self._receiving: threading.Thread | None = None  # a background receive, until staged waits for it
+        self._receive_error: BaseException | None = None
         #: most buckets alive at once while receiving (bounded by delta_sync.transfer.BUCKETS_IN_FLIGHT)
         self.peak_buckets = 0
 
@@ -56,14 +61,43 @@ class MemoryReceiver:
         return self.report(digests=bool(digest_names), names=digest_names)
 
     def update(self, update_info: dict) -> None:
+        self.await_staged()  # (a receive of the last update that nobody waited for: the channel is in step after it)
+        if not update_info.get("background"):
+            self._receive()
+            return
+        self._staged = None
+        self._receiving = threading.Thread(target=self._receive_background, name="memory-receive", daemon=True)
+        self._receiving.start()
+
+    def _receive(self, delta_only: bool = False) -> None:
         try:
-            self._staged = receive_update(self.channel, bulk_sink=self._write_ranges,
-                                          place=self._place if self.direct else None)
+            self._staged = receive_update(self.channel, bulk_sink=self._refuse_bulk if delta_only else self._write_ranges,
+                                          place=self._place if self.direct and not delta_only else None)
         except Exception as e:  # what an engine client reports for a failed update RPC
             if isinstance(e, NeedsSeed):  # e.g. a delta numbered by a catalogue this receiver lacks
                 self.needs_seed = True
             raise EngineError(self.name, f"{type(e).__name__}: {e}", kind="update") from e
         self.peak_buckets = max(self.peak_buckets, self._staged.peak_buckets)
+
+    def _receive_background(self) -> None:
+        try:
+            self._receive(delta_only=True)
+        except BaseException as e:  # noqa: BLE001 - raised by staged / finish
+            self._receive_error = e
+
+    def _refuse_bulk(self, entries: list) -> None:
+        self.needs_seed = True
+        raise NeedsSeed("a seed or full update arrived in a background receive, which takes deltas only")
+
+    def await_staged(self) -> None:
+        """Wait for a background receive (the channel's timeout bounds it); raise what failed it."""
+        th, self._receiving = self._receiving, None
+        if th is not None:
+            th.join()
+        err, self._receive_error = self._receive_error, None
+        if err is not None:
+            self._staged = None
+            raise err
 
     def _write_ranges(self, entries: list) -> None:
         """A seed/full bucket's entries, applied as it arrives: the old version is gone from here on."""
@@ -92,6 +126,7 @@ class MemoryReceiver:
             dst.copy_(p.values)
 
     def finish(self, version: int) -> None:
+        self.await_staged()
         upd, self._staged = self._staged, None
         if upd is None:
             return
@@ -114,6 +149,10 @@ class MemoryReceiver:
             self.needs_seed = False
 
     def discard(self) -> None:
+        try:
+            self.await_staged()  # its sender aborted it (or dropped the channel): it ends now
+        except EngineError:
+            pass
         self._staged = None
 
     def reset_prefix_cache(self) -> None:

@@ -6,6 +6,9 @@ lifecycle call to all engines at once. :class:`Publish` drives one version throu
 - bulk (seed, full): pause -> start -> send (applied as it arrives) -> finish -> resume;
 - delta: start -> send (staged and validated while the engines keep serving: nothing is written
   before finish) -> pause -> finish (apply) -> resume. Its pause window covers only the apply.
+  The engines' workers receive it on a thread of their own (``update`` with ``background``: the
+  call returns at once, and the engine's steps go on while the delta arrives, is checked and
+  planned); with several engines every one says it ``staged`` the delta before any pauses.
 
 Whatever fails, :class:`Outcome` says where the engines were left: resumed on the committed
 version, or paused until a seed (a bulk update cut off mid-write, engines on different versions).
@@ -260,6 +263,10 @@ class Publish:
         self.finished: list[EngineClient] = []
         self.opened = False  # the engines were paused / started for this update
         self.sweep_result: dict = {}
+        #: a delta the engines' workers receive on a thread of their own: their ``update`` calls
+        #: return at once and the engines keep serving while it arrives (module doc)
+        self.background = not self.bulk and all(getattr(e, "receives_in_background", False)
+                                                for e in engines.clients)
 
     def run(self, send: Callable[[BucketSender], SendStats]) -> tuple[Outcome, BaseException | None]:
         """Publish the buckets ``send`` packs; the outcome, and the error that failed it (or None)."""
@@ -302,10 +309,11 @@ class Publish:
         t1 = time.perf_counter()
         futs = []
         clients = self.engines.clients
+        info = {"version": self.version, **({"background": True} if self.background else {})}
         with ThreadPoolExecutor(max_workers=len(clients)) as pool:
             def first_bucket() -> None:
                 self._open()
-                futs.extend(pool.submit(e.update, {"version": self.version}) for e in clients)
+                futs.extend(pool.submit(e.update, info) for e in clients)
 
             sender = BucketSender(self.engines.channel, self.version, self.kind, self.bucket_bytes, kept=self.kept,
                                   before_first=first_bucket)
@@ -345,6 +353,14 @@ class Publish:
 
     def _apply(self) -> None:
         """Every engine paused before any applies, all applied before any serves the version."""
+        try:
+            self._commit()
+        except Exception:
+            if self.background:  # a receive that failed there may have left its channel out of step: reconnect
+                self.engines.drop_channel()
+            raise
+
+    def _commit(self) -> None:
         clients = self.engines.clients
         one = clients[0] if not self.bulk and len(clients) == 1 else None
         if one is not None and callable(getattr(one, "commit", None)):
@@ -354,6 +370,10 @@ class Publish:
             self.finished.append(one)
             self.timings["finish_s"] = time.perf_counter() - t2
             return
+        if self.background:  # staged everywhere before any engine pauses (and any applies)
+            t2 = time.perf_counter()
+            each(clients, lambda e: e.await_staged())
+            self.timings["staged_s"] = time.perf_counter() - t2
         if not self.bulk:
             self.t_pause = time.perf_counter()
             self.engines.pause()

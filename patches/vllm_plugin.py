@@ -5,7 +5,7 @@ On an engine with delta-sync switched on (``additional_config={"delta_sync": tru
 adds two worker methods for ``collective_rpc``:
 
 * ``delta_sync_call(envelope)``: the one door for weight-transfer calls (init, start, update,
-  finish, discard, report). The envelope is verified against the engine secret
+  staged, finish, discard, report). The envelope is verified against the engine secret
   (:mod:`delta_sync.auth`) before anything runs. The worker's receiver
   (:class:`patches.vllm_receiver.DeltaSyncReceiver`) is created on the first verified call from
   the worker's own ``vllm_config``, device and model, and driven by this method alone.
@@ -263,7 +263,7 @@ def _dispatch(self, verifier, method: str, payload: dict):
                 _config(self), gc_held():  # the CPU worker's heap is not frozen: no full GC pass lands in a call
             return handler(self, receiver, payload)
     finally:
-        if method in ("update", "finish"):  # the worker's own time of each (report's timings, after the update's)
+        if method in ("update", "staged", "finish"):  # the worker's own time of each (report's timings, after the update's)
             receiver.last_timings[f"{method}_call_s"] = time.perf_counter() - t0
 
 
@@ -277,7 +277,9 @@ def _end_session(worker) -> None:
 
 def _on_init(worker, receiver, payload: dict):
     if _active(worker):  # a new trainer: the old one's session is over
-        receiver.discard_staged()
+        from .vllm_receiver import INIT_WAIT_S
+
+        receiver.discard_staged(wait_s=INIT_WAIT_S)
         _end_session(worker)
     receiver.init_transfer_engine(receiver.parse_init_info(payload))
 
@@ -310,6 +312,18 @@ def _on_update(worker, receiver, payload: dict):
         raise
 
 
+def _on_staged(worker, receiver, payload: dict):
+    """A delta received in the background is staged on this worker (its error otherwise): what a
+    trainer with several engines waits for before it pauses any, as it waits for ``update`` calls."""
+    _require_active(worker, "staged")
+    try:
+        receiver.await_receive()
+    except BaseException:
+        _end_session(worker)
+        raise
+    return receiver.status()
+
+
 def _on_finish(worker, receiver, payload: dict):
     _require_active(worker, "finish")
     try:
@@ -333,8 +347,8 @@ def _on_report(worker, receiver, payload: dict):
 #: verified methods that read and write nothing: a monitor's call neither takes nor renews the trainer's claim
 _READ_ONLY = ("report",)
 #: what each verified method does on the worker (``release`` only ends the trainer's claim)
-_HANDLERS = {"init": _on_init, "start": _on_start, "update": _on_update, "finish": _on_finish,
-             "discard": _on_discard, "report": _on_report}
+_HANDLERS = {"init": _on_init, "start": _on_start, "update": _on_update, "staged": _on_staged,
+             "finish": _on_finish, "discard": _on_discard, "report": _on_report}
 
 
 def _config(worker):

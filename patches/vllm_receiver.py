@@ -15,7 +15,10 @@ Lifecycle (names match vLLM's wire protocol)::
                           were built
     update_weights        a delta: receive *all* buckets of version v, validate every patch (name,
                           shape, dtype, bounds, order, duplicates, finite values, checksum) and
-                          stage it; nothing touches the weights yet.
+                          stage it; nothing touches the weights yet. With ``background`` it does so
+                          on a thread of its own (:class:`BackgroundReceive`) and the call returns
+                          at once: the engine's steps go on meanwhile; ``staged`` and ``finish``
+                          wait for it.
                           a seed or full update: check and apply each bucket as it arrives (the
                           next one is received meanwhile; each entry's digest and finiteness
                           checked in one pass), no undo copy: from the first write on, the worker
@@ -49,6 +52,7 @@ from delta_sync.catalog import Catalog
 from delta_sync.channel import Channel
 from delta_sync.digest import digest_tensor, digest_texts
 from delta_sync.errors import DeltaSyncError, LayoutNotSupported, NeedsSeed, PatchValidationError
+from delta_sync.gc_hold import gc_held
 from delta_sync.options import is_int
 from delta_sync.patch import DTYPES, Patch
 from delta_sync.transfer import BULK_KINDS, ReceivedUpdate, receive_update
@@ -89,16 +93,27 @@ class DeltaSyncInitInfo:
 @dataclass
 class DeltaSyncUpdateInfo:
     version: int | None = None  # if set, the version the sender announced out of band
+    #: a delta received on a thread of the worker (:class:`BackgroundReceive`): the call returns at
+    #: once and the engine keeps serving while the delta arrives; ``staged`` or ``finish`` waits for it
+    background: bool = False
 
     def __post_init__(self):
         _require(self.version is None or (is_int(self.version) and self.version >= 0),
                  f"version must be a non-negative integer, got {self.version!r}")
+        _require(isinstance(self.background, bool), f"background must be true or false, got {self.background!r}")
 
 
 def _require(ok, why: str) -> None:
     if not ok:
         raise ValueError(why)
 
+
+#: seconds ``discard`` waits for a background receive its sender gave up on (an abort bucket, or a
+#: dropped channel, ends it at once; a device channel's dead peer within its peer timeout)
+DISCARD_WAIT_S = 30.0
+
+#: seconds a new channel's ``init`` waits for a background receive still running on the old one
+INIT_WAIT_S = 5.0
 
 #: the digest ``report`` gives a name applied through vLLM's loader when a parameter the loader
 #: writes changed behind the updates: no digest has it (every lane is below its prime, < 0x8000)
@@ -143,6 +158,39 @@ def check_layout_supported(vllm_config, model: torch.nn.Module, device: torch.de
         check_ascend_layout(vllm_config, model)
 
 
+class BackgroundReceive:
+    """A delta received on a thread of the worker while the engine keeps serving (``update`` with
+    ``background``): the worker's main thread, which runs the engine's steps, is not held by the
+    receive, the checks or the plan; nothing is written before ``finish``, as for a delta received
+    in the call. :meth:`wait` (``staged``, ``finish``) returns once it is staged, or raises what failed it."""
+
+    def __init__(self, receiver: "DeltaSyncReceiver", info: DeltaSyncUpdateInfo):
+        self.version = info.version
+        self.error: BaseException | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(receiver, info), name="delta_sync-receive",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self, receiver: "DeltaSyncReceiver", info: DeltaSyncUpdateInfo) -> None:
+        try:
+            with gc_held():
+                accelerator.use_device(receiver.device)  # (the current device is per thread)
+                receiver.receive_weights(info)
+                accelerator.synchronize(receiver.device)
+        except BaseException as e:  # noqa: BLE001 - raised where the trainer waits for it
+            self.error = e
+        finally:
+            self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait at most ``timeout_s`` for the receive to end; whether it did."""
+        return self._done.wait(timeout_s)
+
+
 class DeltaSyncReceiver:
     """One worker's receiver: it runs the lifecycle (module doc) and keeps the worker's version,
     loader views and staged update. Who may call it is the :class:`ReceiverGuard`'s; a seed's
@@ -170,6 +218,10 @@ class DeltaSyncReceiver:
         self.shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
         #: the received, not yet applied update, or None
         self._staged: ReceivedUpdate | None = None
+        #: a delta still arriving on a thread of its own (``update`` with ``background``), or None
+        self._background: BackgroundReceive | None = None
+        #: how long ``staged``/``finish`` wait for it: the channel's timeout, and then some
+        self._receive_bound_s = 330.0
         self._plan: DeltaPlan | None = None  # a staged delta's writes, planned on receipt
         #: the last applied delta and its plan, freed at the next update, not inside the pause
         self._retired: tuple | None = None
@@ -225,15 +277,17 @@ class DeltaSyncReceiver:
         self.guard.require("init")
         check_layout_supported(self.vllm_config, self.model, self.device)
         token = self.guard.verifier.channel_token(init_info.channel_nonce)
+        self.discard_staged(wait_s=INIT_WAIT_S)  # a crashed sender's receive fails as its channel does
+        self._require_no_receive("init")
         if self.channel is not None:
             self.channel.close()
             self.channel = None
-        self.discard_staged()
         rank = init_info.rank_offset + self._worker_rank()
         device = self.device if self.device.type != "cpu" else torch.device("cpu")
         self.channel = Channel.connect(init_info.host, init_info.port, rank, init_info.world_size, token,
                                        backend=init_info.backend, device=device, timeout_s=init_info.timeout_s)
         self.channel.catalog = self._numbering  # a trainer that knows it numbers by it too (see report)
+        self._receive_bound_s = init_info.timeout_s + 30.0  # the channel fails a receive after timeout_s
 
     def start_weight_update(self) -> None:
         self.guard.require("start")
@@ -252,8 +306,41 @@ class DeltaSyncReceiver:
 
     def update_weights(self, update_info) -> None:
         self.guard.require("update")
-        self.receive_weights(self.parse_update_info(update_info or {}))
+        info = self.parse_update_info(update_info or {})
+        self._require_no_receive("update")
+        if self.channel is None:
+            raise DeltaSyncError("init_transfer_engine was not called", kept=self.kept())
+        self.last_timings = {}  # this update's (a background receive adds its own when it ends)
+        if info.background:
+            self._staged, self._plan = None, None
+            self._background = BackgroundReceive(self, info)
+            return
+        self.receive_weights(info)
         accelerator.synchronize(self.device)
+
+    def _require_no_receive(self, what: str) -> None:
+        """Refuse ``what`` while a background receive is still running on this worker's channel."""
+        if self._background is not None and not self._background.done():
+            raise DeltaSyncError(f"{what}: a delta (v{self._background.version}) is still being received on this "
+                                 "worker's channel; its sender must finish or abort it first (it ends by itself "
+                                 "when the channel fails or times out)", kept=self.kept())
+
+    def await_receive(self, timeout_s: float | None = None) -> None:
+        """Wait for a background receive to end (it was staged, or its error is raised here); at
+        most ``timeout_s`` (default: the channel's timeout and then some)."""
+        bg = self._background
+        if bg is None:
+            return
+        t0 = time.perf_counter()
+        bound = self._receive_bound_s if timeout_s is None else timeout_s
+        if not bg.wait(bound):
+            raise DeltaSyncError(f"the delta v{bg.version} received in the background did not end within "
+                                 f"{bound:.0f} s; nothing was staged", kept=self.kept())
+        self._background = None
+        self.last_timings["receive_wait_s"] = time.perf_counter() - t0
+        if bg.error is not None:
+            self._staged, self._plan = None, None
+            raise bg.error
 
     def receive_weights(self, update_info: DeltaSyncUpdateInfo) -> None:
         if self.channel is None:
@@ -261,10 +348,13 @@ class DeltaSyncReceiver:
         t0 = time.perf_counter()
         self._staged, self._plan, self._retired = None, None, None
         self._bulk = BulkWrite(self)
+        # a background receive takes a delta only: a bulk update writes as it arrives, under a pause
+        bulk = self._bulk if not update_info.background else None
         try:
-            upd = receive_update(self.channel, kept=self.kept(), bulk_sink=self._bulk.apply_bucket, sink_checks=True,
-                                 dense_sink=self._bulk.apply_table,
-                                 place=self._bulk.place if self._in_place() else None, tables=True,
+            upd = receive_update(self.channel, kept=self.kept(),
+                                 bulk_sink=bulk.apply_bucket if bulk is not None else self._refuse_bulk,
+                                 sink_checks=True, dense_sink=self._bulk.apply_table,
+                                 place=bulk.place if bulk is not None and self._in_place() else None, tables=True,
                                  stage=torch.device("cpu") if self.stage == "host" else None,  # (no copy on a host)
                                  stage_table=self._stage_table if self.stage == "host" else None)
             if update_info.version is not None and upd.version != update_info.version:
@@ -282,13 +372,20 @@ class DeltaSyncReceiver:
             raise
         finally:
             self._numbering = self.channel.numbering  # (a bulk update whose receive failed leaves none)
-        self.last_timings = {"receive_s": time.perf_counter() - t0, "peak_buckets": float(upd.peak_buckets),
-                             "bulk_apply_s": self._bulk.apply_s, "placed_ranges": float(self._bulk.placed),
-                             "tabled": float(sum(ids.numel() for ids in self._bulk.tabled)), "check_s": upd.check_s}
+        self.last_timings.update({"receive_s": time.perf_counter() - t0, "peak_buckets": float(upd.peak_buckets),
+                                  "bulk_apply_s": self._bulk.apply_s, "placed_ranges": float(self._bulk.placed),
+                                  "tabled": float(sum(ids.numel() for ids in self._bulk.tabled)),
+                                  "check_s": upd.check_s})
         if upd.kind not in BULK_KINDS:
             self._plan = plan
             self.last_timings["plan_s"] = plan.plan_s
         self._staged = upd
+
+    def _refuse_bulk(self, entries) -> None:
+        self.needs_seed = True  # nothing was written, but the channel numbers the tensors by this update now
+        raise NeedsSeed("a seed or full update arrived in a background receive, which takes deltas only (a bulk "
+                        "update is written as it arrives, under a pause); nothing was written, and the next "
+                        "update must be a seed sent in the call", kept=self.kept())
 
     def _stage_table(self, table):
         """A checked delta table kept in host memory until the pause, the positions of its entries
@@ -359,12 +456,20 @@ class DeltaSyncReceiver:
             return  # the rest was checked per bucket as it arrived (entries, bounds, order, finiteness)
         p.validate(expected_shape=known[0], expected_dtype=known[1], contents=False, kept=self.kept())
 
-    def discard_staged(self) -> None:
-        """Drop a received, not yet applied delta (nothing was written)."""
+    def discard_staged(self, wait_s: float = DISCARD_WAIT_S) -> None:
+        """Drop a received, not yet applied delta (nothing was written). One still arriving in the
+        background is waited for at most ``wait_s`` (its sender aborted it, or dropped the channel,
+        which fails it); one that outlasts that keeps running and staging nothing that counts:
+        ``update`` and ``init`` refuse while it runs, and ``start`` drops what it staged."""
+        try:
+            self.await_receive(wait_s)
+        except Exception:  # noqa: BLE001 - discarded either way
+            pass
         self._staged, self._plan = None, None
 
     def finish_weight_update(self) -> None:
         self.guard.require("finish")
+        self.await_receive()
         version = self.guard.call_version
         upd, self._staged = self._staged, None
         plan, self._plan = self._plan, None

@@ -222,6 +222,58 @@ def test_trainer_sigkilled_mid_update_engine_serves_previous_version(server, whe
     sync.close()
 
 
+@pytest.mark.receiver
+def test_the_engine_serves_requests_while_a_delta_arrives(server):
+    """A delta's workers receive, check and plan it on a thread of their own: with the sender held
+    after the delta's first bucket, a request is answered (by v1) before the rest of the delta
+    leaves; the update then lands whole (the engine equals the trainer's v2). With the receive in
+    the workers' ``update`` call, the request waited for the whole delta."""
+    base = server.base
+    state = load_state(server.path)
+    sync = WeightSync([base], bucket_bytes=32 << 10)  # a delta of several buckets
+    sync.update(state.items())
+    evolve(state, 1)
+    assert sync.update(state.items()).kind == "delta"
+    ids = prompt_ids(base)
+    v1 = complete(base, ids)
+    held, release = threading.Event(), threading.Event()
+    original = Channel.send_bucket
+
+    def hold_after_first(self, bucket):
+        original(self, bucket)
+        if bucket.header.get("kind") == "delta" and bucket.header["seq"] == 0:
+            held.set()
+            assert release.wait(120), "the test never released the sender"
+    evolve(state, 2)
+    out: dict = {}
+
+    def update():
+        try:
+            out["report"] = sync.update(state.items())
+        except BaseException as e:  # noqa: BLE001 - asserted below
+            out["error"] = e
+    Channel.send_bucket = hold_after_first
+    th = threading.Thread(target=update)
+    try:
+        th.start()
+        assert held.wait(60), "the delta's first bucket never left"
+        t0 = time.monotonic()
+        during = complete(base, ids)
+        answered_s = time.monotonic() - t0
+        assert th.is_alive() and not release.is_set()  # answered while the delta was still arriving
+    finally:
+        release.set()
+        th.join(120)
+        Channel.send_bucket = original
+    assert "error" not in out, out.get("error")
+    rep = out["report"]
+    assert rep.kind == "delta" and rep.buckets >= 2, rep
+    assert during == v1, "a request served mid-delta saw other weights than v1"
+    assert engine_differs_from(base, state) == []
+    print(f"answered in {answered_s:.3f} s while the delta's buckets 1..{rep.buckets - 1} waited")
+    sync.close()
+
+
 def test_soak_200_deltas_under_live_requests_then_engine_killed_and_restarted(server, tmp_path):
     """200 deltas while a client streams requests; then one element is corrupted on the engine
     only, the engine is SIGKILLed mid-update and restarted on an independent export of the soaked

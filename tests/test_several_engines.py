@@ -133,3 +133,53 @@ def test_an_engine_failing_to_join_the_channel_leaves_no_channel_behind(backend)
         assert rep.kind == "seed" and all(e.mismatched(state.items()) == [] for e in engines)
     finally:
         sync.close()
+
+
+def test_a_delta_one_engine_fails_to_stage_is_applied_by_none():
+    """Engines receive a delta on a thread of their own (their ``update`` returns at once); the
+    trainer waits until every one staged it before it pauses any. One that fails to stage it (a
+    refusal after its buckets arrived, as a failed check would be) fails the update with no engine
+    paused or written: all stay on v1, the trainer needs no seed, and the next delta is exact on all."""
+
+    class RefusesOnce(MemoryReceiver):
+        refuse = False
+
+        def __init__(self):
+            super().__init__()
+            self.calls: list[str] = []
+
+        def _receive(self, delta_only: bool = False) -> None:
+            super()._receive(delta_only)  # every bucket taken: the channel stays in step
+            if delta_only and self.refuse:
+                self.refuse = False
+                self._staged = None
+                raise EngineError(self.name, "refused the delta it received", kind="update")
+
+        def pause(self, mode: str = "wait") -> None:
+            self.calls.append("pause")
+
+        def finish(self, version: int) -> None:
+            self.calls.append("finish")
+            super().finish(version)
+
+    engines = [RefusesOnce() for _ in range(ENGINES)]
+    state = _many_tensors(12)
+    sync = WeightSync(engines, mode="delta", bucket_bytes=32 << 10, timeout_s=60)
+    try:
+        sync.update(state.items())
+        v1 = {n: t.clone() for n, t in state.items()}
+        for e in engines:
+            e.calls.clear()
+        for t in state.values():
+            t.view(-1)[::9] = (t.view(-1)[::9].float() + 0.5).to(t.dtype)
+        engines[2].refuse = True
+        with pytest.raises(EngineError, match="refused the delta it received"):
+            sync.update(state.items())
+        assert [e.calls.count("pause") for e in engines] == [0] * ENGINES  # nobody paused
+        assert all(e.version == 0 and e.mismatched(v1.items()) == [] for e in engines)
+        assert not sync.needs_seed and sync.version == 0
+        rep = sync.update(state.items())
+        assert rep.kind == "delta" and rep.version == 1
+        assert all(e.mismatched(state.items()) == [] for e in engines)
+    finally:
+        sync.close()

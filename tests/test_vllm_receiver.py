@@ -359,6 +359,64 @@ def test_a_delta_is_applied_into_the_parameters_as_they_are_at_finish(engine, mo
     sync.close()
 
 
+def test_a_background_receive_holds_its_channel_until_its_sender_ends_it(engine, monkeypatch):
+    """A delta received in the background (``update`` returned at once) holds the worker's channel:
+    a second update and a new trainer's init are refused while it runs, each naming it, and nothing
+    is closed under it; the sender's abort ends it with nothing staged (finish raises the abort),
+    and the trainer's next delta is exact."""
+    import patches.vllm_receiver as vr
+    from delta_sync.errors import DeltaSyncError
+    from delta_sync.transfer import BucketSender, UpdateAborted
+
+    kind, path, llm = engine
+    if kind != "dense":
+        pytest.skip("the receiver's states do not depend on the model (suite time)")
+    state, sync = _seeded(llm, path)
+    worker = _worker_engine(llm)
+    nxt = sync.version + 1
+    monkeypatch.setattr(vr, "INIT_WAIT_S", 0.2)
+    with worker.guard.authorized():
+        worker.update_weights({"version": nxt, "background": True})  # returns: nobody sends yet
+        with pytest.raises(DeltaSyncError, match=f"a delta \\(v{nxt}\\) is still being received"):
+            worker.update_weights({"version": nxt, "background": True})
+        with pytest.raises(DeltaSyncError, match=f"init: a delta \\(v{nxt}\\) is still being received"):
+            worker.init_transfer_engine(vr.DeltaSyncInitInfo(host="127.0.0.1", port=1, world_size=2,
+                                                             channel_nonce="n"))
+    assert worker.channel is not None
+    BucketSender(sync.channel, nxt, "delta").abort("the test gave up on it")
+    with worker.guard.authorized(version=nxt), pytest.raises(UpdateAborted, match="the test gave up on it"):
+        worker.finish_weight_update()
+    assert worker.version == sync.version and worker._staged is None
+    evolve(state, 1)
+    assert sync.update(state.items()).kind == "delta"
+    assert len(sync.verify()) == len(state)
+    sync.close()
+
+
+def test_a_bulk_update_in_a_background_receive_is_refused_unwritten(engine, monkeypatch):
+    """A background receive takes deltas only (a seed or full update is written as it arrives,
+    under a pause): one that arrives there is refused with nothing written (the engine keeps serving
+    its weights, and asks for a seed), and the seed sent in the call then is exact."""
+    from delta_sync.engines import InProcessEngine
+
+    kind, path, llm = engine
+    if kind != "dense":
+        pytest.skip("the receiver's states do not depend on the model (suite time)")
+    state, sync = _seeded(llm, path)
+    before = greedy(llm, PROMPTS)
+    real = InProcessEngine.update
+    monkeypatch.setattr(InProcessEngine, "update", lambda self, info: real(self, {**info, "background": True}))
+    evolve(state, 1)
+    sync.request_seed()
+    with pytest.raises(EngineError, match="arrived in a background receive, which takes deltas only"):
+        sync.update(state.items())
+    assert greedy(llm, PROMPTS) == before and _worker_engine(llm).needs_seed
+    monkeypatch.undo()
+    rep = sync.update(state.items())
+    assert rep.kind == "seed" and rep.verified and len(sync.verify()) == len(state)
+    sync.close()
+
+
 def test_seed_failure_leaves_needs_seed_and_next_update_reseeds(engine, monkeypatch):
     import patches.bulk_apply as bulk_apply
 
