@@ -45,6 +45,7 @@ class MemoryReceiver:
         self.peak_buckets = 0
 
     def init(self, info: dict) -> None:
+        self._drop()  # a receive on the old channel (its sender dropped it) ends first
         if self.channel is not None:
             self.channel.close()
         self.channel = Channel.connect(info["host"], info["port"], info["rank_offset"], info["world_size"],
@@ -57,11 +58,11 @@ class MemoryReceiver:
         pass
 
     def start(self, digest_names: list[str] | None = None) -> list[dict] | None:
-        self._staged = None
+        self._drop()
         return self.report(digests=bool(digest_names), names=digest_names)
 
     def update(self, update_info: dict) -> None:
-        self.await_staged()  # (a receive of the last update that nobody waited for: the channel is in step after it)
+        self._drop()  # (a receive of the last update that nobody waited for: the channel is in step after it)
         if not update_info.get("background"):
             self._receive()
             return
@@ -149,8 +150,13 @@ class MemoryReceiver:
             self.needs_seed = False
 
     def discard(self) -> None:
+        self._drop()
+
+    def _drop(self) -> None:
+        """Drop what was staged; a background receive first ends (its sender aborted it, or dropped
+        the channel: it ends now)."""
         try:
-            self.await_staged()  # its sender aborted it (or dropped the channel): it ends now
+            self.await_staged()
         except EngineError:
             pass
         self._staged = None
