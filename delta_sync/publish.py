@@ -247,8 +247,7 @@ class Publish:
     seed already. A delta's ``early`` start (:class:`EarlyStart`) or its ``sweep`` of digests ride
     along with the start calls. ``base_asked``: a delta whose engines were asked for their version
     before it (else their replies to ``start`` say it, or a ``report`` call asks). ``sent``: called
-    on a thread once every bucket has left, while the engines take the last ones and commit (the
-    trainer's own work; it must not raise), and waited for before :meth:`run` returns."""
+    once every bucket has left, while the engines take the last ones (the trainer's own work)."""
 
     def __init__(self, engines: Engines, version: int, kind: str, timings: dict, *, bucket_bytes: int,
                  committed: int, needs_seed: bool, kept: str | None = None,
@@ -258,7 +257,6 @@ class Publish:
         self.bulk = kind != "delta"
         self.bucket_bytes, self.committed, self.needs_seed, self.kept = bucket_bytes, committed, needs_seed, kept
         self.base_asked, self.sent = base_asked, sent
-        self._beside: threading.Thread | None = None  # ``sent`` running while the engines stage and commit
         self.sweep, self.early = sweep, early
         self.t_pause = time.perf_counter()
         self.started: list[EngineClient] = early.started if early is not None else []
@@ -280,20 +278,13 @@ class Publish:
             stats = self._send(send)
             self._apply()
         except Exception as err:  # noqa: BLE001 - the sessions started end first; then it is the outcome
-            self._join_beside()
             return self._failed(err), err
-        self._join_beside()
         report = {"tensors": stats.tensors, "changed_elements": stats.elements, "payload_bytes": stats.payload_bytes,
                   "buckets": stats.buckets, "pause_window_s": round(time.perf_counter() - self.t_pause, 6)}
         if "engine_s" in self.sweep_result:
             self.timings["sweep_engine_s"] = self.sweep_result["engine_s"]
         return Outcome(True, report=report, checked=self.sweep_result.get("checked", 0),
                        drift=self.sweep_result.get("drift")), None
-
-    def _join_beside(self) -> None:
-        if self._beside is not None:
-            self._beside.join()
-            self._beside = None
 
     def _open(self) -> None:
         """Right before the first bucket leaves: a bulk update pauses here, so its pause window
@@ -331,9 +322,8 @@ class Publish:
             except Exception as err:
                 self._abort(sender, err, futs)
                 raise
-            if self.sent is not None and futs:  # the trainer's own work, beside the engines' receive and commit
-                self._beside = threading.Thread(target=self.sent, name="delta_sync-sent", daemon=True)
-                self._beside.start()
+            if self.sent is not None and futs:
+                self.sent()
             errors = [f.exception() for f in futs]
         self.timings["send_s"] = time.perf_counter() - t1
         self.timings["pack_s"] = stats.pack_s
