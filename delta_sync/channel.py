@@ -18,7 +18,9 @@ an HMAC of them under the token, the index buffer, then one value buffer per dty
 3 + n_dtypes broadcasts per bucket. Sizes are bounded before anything is allocated. A value buffer
 with ``seg`` entries travels as its segments instead (:func:`~delta_sync.bucket.value_segments`),
 issued together and awaited together: the sender's from their source tensors, the receiver's into
-the destinations it names for them (zero copy on both ends), or into its arena.
+the destinations it names for them (zero copy on both ends), or into its arena. A delta received
+on the engine workers' own threads ends with one all-reduce (:meth:`Channel.acknowledge`, gloo):
+every worker says whether it staged the version, before the sender pauses any engine.
 """
 
 from __future__ import annotations
@@ -133,6 +135,9 @@ class Channel:
         #: may a bulk update name catalogued tensors by id (dense tables)? Every receiver must read
         #: them: a trainer's channel says no where an engine worker does not say it does
         self.dense_tables = True
+        #: the version whose last bucket this end received last (the stream ended whole, whatever
+        #: its checks found), or None: a background receive acknowledges only such a version
+        self.received_whole: int | None = None
 
     @property
     def catalog(self) -> Catalog | None:
@@ -246,6 +251,27 @@ class Channel:
         self.pg = None
         self._store = None
         self._arenas = []
+
+    @property
+    def acknowledges(self) -> bool:
+        """Does a delta received in the background end with :meth:`acknowledge` on every rank? On
+        gloo (the in-process channel has no such collective: its receivers are waited for by call)."""
+        return self.backend == "gloo"
+
+    def acknowledge(self, failed: bool) -> bool:
+        """Every rank says whether it staged the version whose last bucket went over the channel
+        (the sender: False): True where none failed. The engines' workers say it from the thread
+        that received the delta, so the sender learns that every worker staged it, or that one
+        failed, without a call to any engine, and its commit then waits for nothing."""
+        t = torch.tensor([1 if failed else 0], dtype=torch.int32)
+        try:
+            collectives.pg_all_reduce_max(self.pg, t)
+        except collectives.DeviceMismatch:
+            raise
+        except Exception as e:  # noqa: BLE001 - the channel's error, naming a dead peer where the watch saw one
+            dead = self._watch.dead if self._watch is not None else None
+            raise ChannelError(f"rank {self.rank}: the staged acknowledgement failed: {dead or e}") from None
+        return int(t[0]) == 0
 
     # ---- buckets ---------------------------------------------------------------------------
     def digest_key(self, nonce: str) -> DigestKey:

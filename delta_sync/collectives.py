@@ -161,6 +161,16 @@ def pg_broadcast_all(pg, tensors: list[torch.Tensor], src: int = 0) -> None:
         w.wait()
 
 
+def pg_all_reduce_max(pg, t: torch.Tensor) -> None:
+    """``t`` becomes its elementwise maximum over the ranks of a raw process group (the channel)."""
+    from torch.distributed import AllreduceOptions
+
+    check("all_reduce", pg, t)
+    opts = AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MAX
+    pg.allreduce([t], opts).wait()
+
+
 def pg_abort(pg) -> bool:
     """Abort a raw process group so that collectives blocked in it raise (NCCL's ``abort``,
     HCCL's, or a ``shutdown``); False if it has none that worked."""

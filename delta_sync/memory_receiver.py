@@ -17,7 +17,7 @@ from .channel import Channel
 from .digest import digest_tensor
 from .errors import EngineError, NeedsSeed
 from .patch import DTYPES, apply_patch
-from .transfer import receive_update
+from .transfer import acknowledge, receive_update
 
 
 class MemoryReceiver:
@@ -67,6 +67,7 @@ class MemoryReceiver:
             self._receive()
             return
         self._staged = None
+        self.channel.received_whole = None
         self._receiving = threading.Thread(target=self._receive_background, name="memory-receive", daemon=True)
         self._receiving.start()
 
@@ -81,10 +82,12 @@ class MemoryReceiver:
         self.peak_buckets = max(self.peak_buckets, self._staged.peak_buckets)
 
     def _receive_background(self) -> None:
+        error = None
         try:
             self._receive(delta_only=True)
         except BaseException as e:  # noqa: BLE001 - raised by staged / finish
-            self._receive_error = e
+            error = e
+        self._receive_error = acknowledge(self.channel, error)
 
     def _refuse_bulk(self, entries: list) -> None:
         self.needs_seed = True

@@ -336,7 +336,30 @@ class Publish:
             if err is not None:
                 self.engines.drop_channel()  # the receivers may be out of step with the stream: reconnect
                 raise err
+        if futs and self._acknowledged():
+            self._await_staged_on_channel()
         return stats
+
+    def _acknowledged(self) -> bool:
+        """Do the workers say on the channel that they staged this delta (a background receive over
+        gloo, :meth:`Channel.acknowledge`)? Else they are waited for by call (``await_staged``, finish)."""
+        return self.background and self.engines.channel is not None and self.engines.channel.acknowledges
+
+    def _await_staged_on_channel(self) -> None:
+        """Every worker staged the delta (it says so from its receive thread), or one failed: then
+        each engine's ``await_staged`` raises its worker's own error. No engine is paused yet, and
+        the commit that follows waits for no receive."""
+        t0 = time.perf_counter()
+        try:
+            ok = self.engines.channel.acknowledge(False)
+        except Exception:
+            self.engines.drop_channel()  # a worker that cannot say it is out of step: reconnect
+            raise
+        self.timings["staged_s"] = time.perf_counter() - t0
+        if not ok:
+            each(self.engines.clients, lambda e: e.await_staged())
+            raise DeltaSyncError(f"an engine worker did not stage v{self.version} and its engine gave no "
+                                 "reason", kept=self.kept)
 
     def _abort(self, sender: BucketSender, err: BaseException, futs: list) -> None:
         """The sender failed: tell the receivers (if any bucket reached them) and wait for their RPCs."""
@@ -370,7 +393,7 @@ class Publish:
             self.finished.append(one)
             self.timings["finish_s"] = time.perf_counter() - t2
             return
-        if self.background:  # staged everywhere before any engine pauses (and any applies)
+        if self.background and not self._acknowledged():  # staged everywhere before any engine pauses
             t2 = time.perf_counter()
             each(clients, lambda e: e.await_staged())
             self.timings["staged_s"] = time.perf_counter() - t2

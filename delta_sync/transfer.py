@@ -368,6 +368,7 @@ def receive_stream(channel: Channel, kept: str | None = None, check_bulk: bool =
             expect_seq += 1
     finally:
         stream.close()
+    channel.received_whole = version  # (the loop ends at the version's last bucket: an abort raises)
     if first_error is not None:
         raise first_error
     if record is not None:
@@ -402,6 +403,23 @@ class _BulkOnce:
 
     def _twice(self, i: int, how: str, kept: str | None) -> None:
         raise PatchValidationError(self.catalog.names[i], f"sent twice in one update ({how})", kept=kept)
+
+
+def acknowledge(channel: Channel, error: BaseException | None) -> BaseException | None:
+    """The end of a delta received in the background (an engine worker's, a memory receiver's):
+    where the channel acknowledges (:attr:`Channel.acknowledges`) and the version's stream ended
+    whole (its last bucket came, whatever the checks then found), every rank learns whether it was
+    staged (a collective with the sender, which waits for it before its commit). After an abort or
+    a broken channel there is nothing to acknowledge: the sender sends none either. Returns the
+    receive's error; a failed acknowledgement is one where it had none."""
+    if not channel.acknowledges or channel.received_whole is None:
+        return error
+    channel.received_whole = None
+    try:
+        channel.acknowledge(error is not None)
+    except Exception as e:  # noqa: BLE001 - the receive's error, raised where the sender waits for it
+        return error or e
+    return error
 
 
 def receive_update(channel: Channel, kept: str | None = None,

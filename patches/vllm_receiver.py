@@ -49,13 +49,13 @@ import torch
 from delta_sync import accelerator
 from delta_sync.auth import Verifier
 from delta_sync.catalog import Catalog
-from delta_sync.channel import Channel
+from delta_sync.channel import LOCAL, Channel
 from delta_sync.digest import digest_tensor, digest_texts
 from delta_sync.errors import DeltaSyncError, LayoutNotSupported, NeedsSeed, PatchValidationError
 from delta_sync.gc_hold import gc_held
 from delta_sync.options import is_int
 from delta_sync.patch import DTYPES, Patch
-from delta_sync.transfer import BULK_KINDS, ReceivedUpdate, receive_update
+from delta_sync.transfer import BULK_KINDS, ReceivedUpdate, acknowledge, receive_update
 
 from .bulk_apply import BulkWrite, covered
 from .delta_apply import DeltaPlan, ParamTable, apply_delta, layout_of, plan_delta, routes_for
@@ -107,6 +107,9 @@ def _require(ok, why: str) -> None:
     if not ok:
         raise ValueError(why)
 
+
+#: channel backends whose workers receive a delta on a thread of their own (see :class:`BackgroundReceive`)
+HOST_BACKENDS = ("gloo", LOCAL)
 
 #: seconds ``discard`` waits for a background receive its sender gave up on (an abort bucket, or a
 #: dropped channel, ends it at once; a device channel's dead peer within its peer timeout)
@@ -162,17 +165,24 @@ class BackgroundReceive:
     """A delta received on a thread of the worker while the engine keeps serving (``update`` with
     ``background``): the worker's main thread, which runs the engine's steps, is not held by the
     receive, the checks or the plan; nothing is written before ``finish``, as for a delta received
-    in the call. :meth:`wait` (``staged``, ``finish``) returns once it is staged, or raises what failed it."""
+    in the call. :meth:`wait` (``staged``, ``finish``) returns once it is staged, or raises what failed it.
+
+    Host channels only (gloo, in process): on a device channel (NCCL, HCCL) the worker receives in
+    the call as before. A broadcast issued from a second thread would be enqueued beside the
+    model's own collectives on other communicators in an order that differs from rank to rank, which
+    NCCL and HCCL may deadlock on; not tried on hardware yet."""
 
     def __init__(self, receiver: "DeltaSyncReceiver", info: DeltaSyncUpdateInfo):
         self.version = info.version
         self.error: BaseException | None = None
         self._done = threading.Event()
+        receiver.channel.received_whole = None
         self._thread = threading.Thread(target=self._run, args=(receiver, info), name="delta_sync-receive",
                                         daemon=True)
         self._thread.start()
 
     def _run(self, receiver: "DeltaSyncReceiver", info: DeltaSyncUpdateInfo) -> None:
+        channel = receiver.channel
         try:
             with gc_held():
                 accelerator.use_device(receiver.device)  # (the current device is per thread)
@@ -181,6 +191,8 @@ class BackgroundReceive:
         except BaseException as e:  # noqa: BLE001 - raised where the trainer waits for it
             self.error = e
         finally:
+            # staged (or refused): the sender learns it on the channel before it pauses the engine
+            self.error = acknowledge(channel, self.error)
             self._done.set()
 
     def done(self) -> bool:
@@ -311,10 +323,12 @@ class DeltaSyncReceiver:
         if self.channel is None:
             raise DeltaSyncError("init_transfer_engine was not called", kept=self.kept())
         self.last_timings = {}  # this update's (a background receive adds its own when it ends)
-        if info.background:
+        if info.background and self.channel.backend in HOST_BACKENDS:
             self._staged, self._plan = None, None
             self._background = BackgroundReceive(self, info)
             return
+        # (a device channel receives in the call: its broadcast on a thread of its own would run beside
+        # the model's own NCCL/HCCL collectives, whose order across ranks nothing then fixes)
         self.receive_weights(info)
         accelerator.synchronize(self.device)
 

@@ -183,3 +183,53 @@ def test_a_delta_one_engine_fails_to_stage_is_applied_by_none():
         assert all(e.mismatched(state.items()) == [] for e in engines)
     finally:
         sync.close()
+
+
+def test_a_worker_gone_before_it_acknowledges_leaves_every_engine_on_v1():
+    """Over gloo every worker says on the channel that it staged a delta before any engine pauses.
+    One that never says so (its channel closed after the delta's last bucket came) fails that
+    acknowledgement on the trainer within the channel's timeout: nobody paused or wrote, the
+    trainer drops its channel, and the next delta (a new channel) is exact on both engines."""
+
+    class GoneAfterStream(MemoryReceiver):
+        gone = False
+
+        def __init__(self):
+            super().__init__()
+            self.paused = 0
+
+        def _receive_background(self) -> None:
+            if not self.gone:
+                return super()._receive_background()
+            self.gone = False
+            try:
+                self._receive(delta_only=True)
+            finally:
+                self.channel.close()  # never acknowledges
+
+        def pause(self, mode: str = "wait") -> None:
+            self.paused += 1
+
+    engines = [GoneAfterStream() for _ in range(2)]
+    state = _many_tensors(12)
+    sync = WeightSync(engines, mode="delta", bucket_bytes=32 << 10, timeout_s=5)
+    try:
+        sync.update(state.items())
+        assert sync.channel.acknowledges  # (gloo)
+        v0 = {n: t.clone() for n, t in state.items()}
+        for e in engines:
+            e.paused = 0  # (the seed's)
+        for t in state.values():
+            t.view(-1)[::9] = (t.view(-1)[::9].float() + 0.5).to(t.dtype)
+        engines[1].gone = True
+        t0 = time.monotonic()
+        with pytest.raises(Exception, match="acknowledgement failed"):
+            sync.update(state.items())
+        assert time.monotonic() - t0 < 30
+        assert [e.paused for e in engines] == [0, 0]
+        assert all(e.version == 0 and e.mismatched(v0.items()) == [] for e in engines)
+        assert not sync.needs_seed and sync.channel is None
+        assert sync.update(state.items()).kind == "delta"
+        assert all(e.mismatched(state.items()) == [] for e in engines)
+    finally:
+        sync.close()

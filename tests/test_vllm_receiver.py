@@ -393,6 +393,28 @@ def test_a_background_receive_holds_its_channel_until_its_sender_ends_it(engine,
     sync.close()
 
 
+def test_a_device_channel_receives_in_the_call(engine, monkeypatch):
+    """On an NCCL/HCCL channel the worker receives a delta inside its ``update`` call, background
+    asked or not (a broadcast from a second thread would run beside the model's own collectives);
+    played here by the in-process channel under a device backend's name: the call takes the whole
+    receive, nothing waits at finish, and the delta is exact."""
+    kind, path, llm = engine
+    if kind != "dense":
+        pytest.skip("the receiver's states do not depend on the model (suite time)")
+    state, sync = _seeded(llm, path)
+    worker = _worker_engine(llm)
+    evolve(state, 1)
+    assert sync.update(state.items()).kind == "delta"
+    assert "receive_wait_s" in worker.last_timings  # a host channel: received in the background
+    monkeypatch.setattr(worker.channel, "backend", "nccl")
+    evolve(state, 2)
+    assert sync.update(state.items()).kind == "delta"
+    t = worker.last_timings
+    assert "receive_wait_s" not in t and t["update_call_s"] >= t["receive_s"], t
+    assert len(sync.verify()) == len(state)
+    sync.close()
+
+
 def test_a_bulk_update_in_a_background_receive_is_refused_unwritten(engine, monkeypatch):
     """A background receive takes deltas only (a seed or full update is written as it arrives,
     under a pause): one that arrives there is refused with nothing written (the engine keeps serving
