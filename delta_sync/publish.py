@@ -8,7 +8,8 @@ lifecycle call to all engines at once. :class:`Publish` drives one version throu
   before finish) -> pause -> finish (apply) -> resume. Its pause window covers only the apply.
   The engines' workers receive it on a thread of their own (``update`` with ``background``: the
   call returns at once, and the engine's steps go on while the delta arrives, is checked and
-  planned); with several engines every one says it ``staged`` the delta before any pauses.
+  planned); every worker says it staged the delta before any engine pauses: on the channel
+  (gloo, :meth:`Channel.acknowledge`), else through each engine's ``staged`` call.
 
 Whatever fails, :class:`Outcome` says where the engines were left: resumed on the committed
 version, or paused until a seed (a bulk update cut off mid-write, engines on different versions).
