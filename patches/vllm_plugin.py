@@ -276,12 +276,14 @@ def _end_session(worker) -> None:
 
 
 def _on_init(worker, receiver, payload: dict):
-    if _active(worker):  # a new trainer: the old one's session is over
-        from .vllm_receiver import INIT_WAIT_S
+    from .vllm_receiver import INIT_WAIT_S
 
-        receiver.discard_staged(wait_s=INIT_WAIT_S)
+    info = receiver.parse_init_info(payload)
+    receiver.settle_receive("init", INIT_WAIT_S)  # refused while a delta still arrives: nothing changed
+    if _active(worker):  # a new trainer: the old one's session is over
+        receiver.discard_staged()
         _end_session(worker)
-    receiver.init_transfer_engine(receiver.parse_init_info(payload))
+    receiver.init_transfer_engine(info)
 
 
 def _on_start(worker, receiver, payload: dict):

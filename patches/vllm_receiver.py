@@ -111,9 +111,9 @@ def _require(ok, why: str) -> None:
 #: channel backends whose workers receive a delta on a thread of their own (see :class:`BackgroundReceive`)
 HOST_BACKENDS = ("gloo", LOCAL)
 
-#: seconds ``discard`` waits for a background receive its sender gave up on (an abort bucket, or a
-#: dropped channel, ends it at once; a device channel's dead peer within its peer timeout)
-DISCARD_WAIT_S = 30.0
+#: seconds ``discard`` waits for a background receive its sender gave up on (its abort bucket ends
+#: it at once); one still running then is left to end by itself, its result dropped
+DISCARD_WAIT_S = 2.0
 
 #: seconds a new channel's ``init`` waits for a background receive still running on the old one
 INIT_WAIT_S = 5.0
@@ -175,6 +175,8 @@ class BackgroundReceive:
     def __init__(self, receiver: "DeltaSyncReceiver", info: DeltaSyncUpdateInfo):
         self.version = info.version
         self.error: BaseException | None = None
+        #: discarded while it ran: what it stages is dropped when it ends, and nobody waits for it
+        self.abandoned = False
         self._done = threading.Event()
         receiver.channel.received_whole = None
         self._thread = threading.Thread(target=self._run, args=(receiver, info), name="delta_sync-receive",
@@ -193,6 +195,8 @@ class BackgroundReceive:
         finally:
             # staged (or refused): the sender learns it on the channel before it pauses the engine
             self.error = acknowledge(channel, self.error)
+            if self.abandoned:
+                receiver._staged, receiver._plan = None, None
             self._done.set()
 
     def done(self) -> bool:
@@ -289,8 +293,8 @@ class DeltaSyncReceiver:
         self.guard.require("init")
         check_layout_supported(self.vllm_config, self.model, self.device)
         token = self.guard.verifier.channel_token(init_info.channel_nonce)
-        self.discard_staged(wait_s=INIT_WAIT_S)  # a crashed sender's receive fails as its channel does
-        self._require_no_receive("init")
+        self.settle_receive("init", INIT_WAIT_S)  # (a crashed sender's receive fails as its channel does)
+        self.discard_staged(wait_s=0)
         if self.channel is not None:
             self.channel.close()
             self.channel = None
@@ -332,6 +336,13 @@ class DeltaSyncReceiver:
         self.receive_weights(info)
         accelerator.synchronize(self.device)
 
+    def settle_receive(self, what: str, wait_s: float) -> None:
+        """Wait at most ``wait_s`` for a background receive to end; refuse ``what`` (nothing changed)
+        while it still runs."""
+        if self._background is not None:
+            self._background.wait(wait_s)
+        self._require_no_receive(what)
+
     def _require_no_receive(self, what: str) -> None:
         """Refuse ``what`` while a background receive is still running on this worker's channel."""
         if self._background is not None and not self._background.done():
@@ -345,6 +356,11 @@ class DeltaSyncReceiver:
         bg = self._background
         if bg is None:
             return
+        if bg.abandoned:  # discarded: nothing of it counts, and nobody waits for it
+            if bg.done():
+                self._background = None
+            raise DeltaSyncError(f"the delta v{bg.version} received in the background was discarded before it "
+                                 "ended; nothing was staged", kept=self.kept())
         t0 = time.perf_counter()
         bound = self._receive_bound_s if timeout_s is None else timeout_s
         if not bg.wait(bound):
@@ -472,13 +488,15 @@ class DeltaSyncReceiver:
 
     def discard_staged(self, wait_s: float = DISCARD_WAIT_S) -> None:
         """Drop a received, not yet applied delta (nothing was written). One still arriving in the
-        background is waited for at most ``wait_s`` (its sender aborted it, or dropped the channel,
-        which fails it); one that outlasts that keeps running and staging nothing that counts:
-        ``update`` and ``init`` refuse while it runs, and ``start`` drops what it staged."""
-        try:
-            self.await_receive(wait_s)
-        except Exception:  # noqa: BLE001 - discarded either way
-            pass
+        background is waited for at most ``wait_s`` (its sender's abort ends it at once); one that
+        outlasts that is abandoned: it runs on, nobody waits for it (a later ``finish`` finds
+        nothing staged), ``update`` and ``init`` refuse while it runs, and what it stages is dropped."""
+        bg = self._background
+        if bg is not None:
+            if bg.wait(wait_s):
+                self._background = None  # its delta or its error: dropped
+            else:
+                bg.abandoned = True
         self._staged, self._plan = None, None
 
     def finish_weight_update(self) -> None:

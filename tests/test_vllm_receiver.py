@@ -362,8 +362,9 @@ def test_a_delta_is_applied_into_the_parameters_as_they_are_at_finish(engine, mo
 def test_a_background_receive_holds_its_channel_until_its_sender_ends_it(engine, monkeypatch):
     """A delta received in the background (``update`` returned at once) holds the worker's channel:
     a second update and a new trainer's init are refused while it runs, each naming it, and nothing
-    is closed under it; the sender's abort ends it with nothing staged (finish raises the abort),
-    and the trainer's next delta is exact."""
+    is closed under it; the sender's abort ends it with nothing staged (finish raises the abort). A
+    discard does not wait for one whose sender is silent: it is abandoned (finish finds nothing at
+    once) until it ends. The trainer's next delta is exact."""
     import patches.vllm_receiver as vr
     from delta_sync.errors import DeltaSyncError
     from delta_sync.transfer import BucketSender, UpdateAborted
@@ -387,6 +388,19 @@ def test_a_background_receive_holds_its_channel_until_its_sender_ends_it(engine,
     with worker.guard.authorized(version=nxt), pytest.raises(UpdateAborted, match="the test gave up on it"):
         worker.finish_weight_update()
     assert worker.version == sync.version and worker._staged is None
+    # a discard whose sender sent nothing yet: the receive is abandoned, not waited for; a finish
+    # then finds nothing staged at once, and another update is refused until the receive ends
+    with worker.guard.authorized():
+        worker.update_weights({"version": nxt, "background": True})
+        t0 = time.monotonic()
+        worker.discard_staged(wait_s=0.1)
+    with worker.guard.authorized(version=nxt), pytest.raises(DeltaSyncError, match="discarded before it ended"):
+        worker.finish_weight_update()
+    assert time.monotonic() - t0 < 5 and worker.version == sync.version
+    with worker.guard.authorized(), pytest.raises(DeltaSyncError, match="still being received"):
+        worker.update_weights({"version": nxt, "background": True})
+    BucketSender(sync.channel, nxt, "delta").abort("the test gave up on it again")
+    assert worker._background.wait(30) and worker._staged is None
     evolve(state, 1)
     assert sync.update(state.items()).kind == "delta"
     assert len(sync.verify()) == len(state)
