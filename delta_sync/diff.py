@@ -406,8 +406,7 @@ class Absorbed:
 
     def restore(self, snapshots: list[torch.Tensor]) -> None:
         """Put the members' snapshots (in member order) back as they were before the scan."""
-        for snap, (idx, _, old) in zip(snapshots, self.parts()):
-            restore(snap, idx, old)
+        native.put_back_many(snapshots, self.counts, self.indices, self.old)
 
 
 class KernelFacts(NamedTuple):

@@ -24,6 +24,7 @@ import functools
 import hashlib
 import itertools
 import logging
+import operator
 import os
 import subprocess
 import sys
@@ -579,6 +580,38 @@ def _put_back_all(olds: list[torch.Tensor], counts: torch.Tensor, chunks: list[t
     idx, prev = (torch.cat([c[i] for c in chunks]) for i in (0, 2))
     for old, i, p in zip(olds, idx.split(counts.tolist()), prev.split(counts.tolist())):
         put_back(old, i, p)
+
+
+def put_back_many(olds: list[torch.Tensor], counts: torch.Tensor, idx: torch.Tensor, prev: torch.Tensor) -> None:
+    """:func:`put_back` of each of ``olds`` in turn, its ``counts[k]`` positions and old bits next in
+    ``idx`` (int32) and ``prev``: one call of the host kernel where every one is a contiguous host
+    tensor of ``prev``'s width (a rollback of a batch of a model's ~19k tensors: ~8 us a tensor one
+    by one, ~0.2 us here), else one by one. The positions came from the scan that advanced ``olds``."""
+    lib, width, n = kernel(), prev.element_size(), len(olds)
+    if (lib is None or n == 0 or width not in _MOVE_BYTES or idx.dtype != torch.int32 or not idx.is_cpu
+            or not prev.is_cpu or not idx.is_contiguous() or not prev.is_contiguous() or counts.numel() != n
+            or not all(map(_ON_CPU, olds)) or not all(map(torch.Tensor.is_contiguous, olds))
+            or list(map(torch.Tensor.element_size, olds)).count(width) != n):
+        offsets = counts.tolist()
+        for old, i, p in zip(olds, idx.split(offsets), prev.split(offsets)):
+            put_back(old, i, p)
+        return
+    cnt = counts.to(torch.int64, copy=True)
+    start = torch.cumsum(cnt, 0) - cnt
+    table = torch.zeros((n, _MOVE_ROW), dtype=torch.int64)
+    table[:, 0] = torch.tensor(list(map(torch.Tensor.data_ptr, olds)), dtype=torch.int64)
+    table[:, 1] = start * idx.element_size() + idx.data_ptr()
+    table[:, 2] = cnt
+    table[:, 4] = torch.tensor(list(map(torch.Tensor.numel, olds)), dtype=torch.int64)
+    table[:, 5] = start * width + prev.data_ptr()
+    table[:, 7] = width | idx.element_size() << 8
+    bad = ctypes.c_int64()
+    if lib.move_rows(n, table.data_ptr(), 1, ctypes.byref(bad)) >= 0:  # (checked first: nothing written)
+        raise IndexError(f"a rollback position lies outside its snapshot (entry {bad.value}); nothing was restored")
+    lib.move_rows(n, table.data_ptr(), 0, ctypes.byref(bad))
+
+
+_ON_CPU = operator.attrgetter("is_cpu")
 
 
 def put_back(old: torch.Tensor, idx: torch.Tensor, prev: torch.Tensor) -> None:

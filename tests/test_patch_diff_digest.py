@@ -678,6 +678,33 @@ def test_int32_overflow_is_refused_clearly():
         p.validate()
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "one strided"])
+def test_a_batch_rollback_puts_every_old_bit_back_in_one_call(layout):
+    """``put_back_many``: members of every size (none changed in some), their positions and old bits
+    concatenated, restored bit for bit by one kernel call; a strided member sends the batch one by one
+    (same result); a position outside its tensor is refused before anything is written."""
+    g = torch.Generator().manual_seed(3)
+    olds = [torch.randn(n, generator=g).to(torch.bfloat16) for n in (64, 0, 128, 33, 1, 300) * 50]
+    if layout == "one strided":
+        olds[7] = torch.randn(66, generator=g).to(torch.bfloat16)[::2]
+    before = [o.clone() for o in olds]
+    counts, idxs, prevs = [], [], []
+    for o in olds:
+        pos = torch.randperm(o.numel(), generator=g)[:5].sort().values
+        prevs.append(o.view(torch.int16)[pos].clone())
+        idxs.append(pos.to(torch.int32))
+        counts.append(pos.numel())
+        o.view(torch.int16)[pos] = 0x7F00  # what a scan would have advanced them to
+    counts, idx, prev = torch.tensor(counts), torch.cat(idxs), torch.cat(prevs)
+    native.put_back_many(olds, counts, idx, prev)
+    assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(olds, before))
+    if layout == "contiguous" and native.kernel() is not None:
+        idx[-1] = 300  # one past the last member's end
+        with pytest.raises(IndexError, match="outside its snapshot"):
+            native.put_back_many(olds, counts, idx, torch.zeros_like(prev))
+        assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(olds, before))
+
+
 def test_snapshot_stage_commit_rollback():
     s = SnapshotStore()
     w = torch.randn(64, 8).bfloat16()
