@@ -253,6 +253,13 @@ class Channel:
         self._arenas = []
 
     @property
+    def receives_in_background(self) -> bool:
+        """May an engine worker receive a delta over this channel on a thread of its own? Host
+        channels (gloo, in process) only: on NCCL/HCCL a broadcast from a second thread would be
+        enqueued beside the model's own collectives in an order that may differ between ranks."""
+        return self.backend in ("gloo", LOCAL)
+
+    @property
     def acknowledges(self) -> bool:
         """Does a delta received in the background end with :meth:`acknowledge` on every rank? On
         gloo (the in-process channel has no such collective: its receivers are waited for by call)."""

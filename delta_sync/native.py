@@ -578,8 +578,7 @@ def _put_back_all(olds: list[torch.Tensor], counts: torch.Tensor, chunks: list[t
     if not chunks:
         return
     idx, prev = (torch.cat([c[i] for c in chunks]) for i in (0, 2))
-    for old, i, p in zip(olds, idx.split(counts.tolist()), prev.split(counts.tolist())):
-        put_back(old, i, p)
+    put_back_many(olds, counts, idx, prev)
 
 
 def put_back_many(olds: list[torch.Tensor], counts: torch.Tensor, idx: torch.Tensor, prev: torch.Tensor) -> None:

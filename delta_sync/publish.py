@@ -264,10 +264,15 @@ class Publish:
         self.finished: list[EngineClient] = []
         self.opened = False  # the engines were paused / started for this update
         self.sweep_result: dict = {}
-        #: a delta the engines' workers receive on a thread of their own: their ``update`` calls
-        #: return at once and the engines keep serving while it arrives (module doc)
-        self.background = not self.bulk and all(getattr(e, "receives_in_background", False)
-                                                for e in engines.clients)
+
+    @property
+    def background(self) -> bool:
+        """Do the engines' workers receive this delta on a thread of their own (their ``update``
+        calls return at once and the engines keep serving while it arrives; module doc)? Where
+        every client can and the channel allows it (:attr:`Channel.receives_in_background`)."""
+        channel = self.engines.channel
+        return (not self.bulk and channel is not None and channel.receives_in_background
+                and all(getattr(e, "receives_in_background", False) for e in self.engines.clients))
 
     def run(self, send: Callable[[BucketSender], SendStats]) -> tuple[Outcome, BaseException | None]:
         """Publish the buckets ``send`` packs; the outcome, and the error that failed it (or None)."""

@@ -49,7 +49,7 @@ import torch
 from delta_sync import accelerator
 from delta_sync.auth import Verifier
 from delta_sync.catalog import Catalog
-from delta_sync.channel import LOCAL, Channel
+from delta_sync.channel import Channel
 from delta_sync.digest import digest_tensor, digest_texts
 from delta_sync.errors import DeltaSyncError, LayoutNotSupported, NeedsSeed, PatchValidationError
 from delta_sync.gc_hold import gc_held
@@ -107,9 +107,6 @@ def _require(ok, why: str) -> None:
     if not ok:
         raise ValueError(why)
 
-
-#: channel backends whose workers receive a delta on a thread of their own (see :class:`BackgroundReceive`)
-HOST_BACKENDS = ("gloo", LOCAL)
 
 #: seconds ``discard`` waits for a background receive its sender gave up on (its abort bucket ends
 #: it at once); one still running then is left to end by itself, its result dropped
@@ -327,7 +324,7 @@ class DeltaSyncReceiver:
         if self.channel is None:
             raise DeltaSyncError("init_transfer_engine was not called", kept=self.kept())
         self.last_timings = {}  # this update's (a background receive adds its own when it ends)
-        if info.background and self.channel.backend in HOST_BACKENDS:
+        if info.background and self.channel.receives_in_background:
             self._staged, self._plan = None, None
             self._background = BackgroundReceive(self, info)
             return
@@ -489,8 +486,8 @@ class DeltaSyncReceiver:
     def discard_staged(self, wait_s: float = DISCARD_WAIT_S) -> None:
         """Drop a received, not yet applied delta (nothing was written). One still arriving in the
         background is waited for at most ``wait_s`` (its sender's abort ends it at once); one that
-        outlasts that is abandoned: it runs on, nobody waits for it (a later ``finish`` finds
-        nothing staged), ``update`` and ``init`` refuse while it runs, and what it stages is dropped."""
+        outlasts that is abandoned: it runs on, nobody waits for it (a later ``finish`` refuses naming
+        it), ``update`` and ``init`` refuse while it runs, and what it stages is dropped."""
         bg = self._background
         if bg is not None:
             if bg.wait(wait_s):
