@@ -92,6 +92,18 @@ def can_pause_scheduler_directly(llm) -> bool:
     return hasattr(core, "pause_scheduler_async") and hasattr(renderer, "clear_mm_cache_async")
 
 
+def single_engine_core(llm) -> bool:
+    """Does this ``AsyncLLM`` drive one engine core (no data parallelism)? A commit inside the
+    core pauses that core alone."""
+    cfg = getattr(llm, "vllm_config", None)
+    return cfg is not None and cfg.parallel_config.data_parallel_size == 1
+
+
+def pause_states():
+    """vLLM's scheduler ``PauseState`` enum (``UNPAUSED``, ``PAUSED_NEW``, ``PAUSED_ALL``), or None."""
+    return _attr("vllm.v1.core.sched.interface", "PauseState")
+
+
 def capabilities() -> dict[str, str]:
     """Which path each capability takes in this process (logged by the plugin, asserted by tests)."""
     moe = cpu_moe_experts()

@@ -53,6 +53,7 @@ def register() -> None:
 
         vllm_cpu_layout.install()
     _patch_worker()
+    _install_core_commit()
     _install_pause_lease()
     from . import vllm_http_guard
 
@@ -226,8 +227,10 @@ def _lease_held(worker):
         lease["in_flight"] -= 1
 
 
-def delta_sync_call(self, request: str = "{}"):
+def delta_sync_call(self, request: str = "{}", in_core: bool = False):
     """``collective_rpc("delta_sync_call", args=(json.dumps(envelope),))``: one verified call.
+    ``in_core``: the engine core runs it inside a one-call commit (:func:`_core_commit`); a
+    finish's timings say so (``commit_in_core``), nothing else differs.
 
     It drives the worker's delta-sync receiver itself, never the worker's own weight-transfer
     lifecycle: that differs by platform and version (vLLM 0.23's workers and vLLM-Ascend's
@@ -245,10 +248,10 @@ def delta_sync_call(self, request: str = "{}"):
     if method.startswith(ROUTE_PREFIX):  # a signed HTTP route, checked here too (its nonce is now used)
         return {"route": method[len(ROUTE_PREFIX):]}
     with _lease_held(self):
-        return _dispatch(self, verifier, method, payload)
+        return _dispatch(self, verifier, method, payload, in_core)
 
 
-def _dispatch(self, verifier, method: str, payload: dict):
+def _dispatch(self, verifier, method: str, payload: dict, in_core: bool = False):
     from delta_sync.gc_hold import gc_held
 
     receiver = _receiver(self, create=True)
@@ -265,6 +268,8 @@ def _dispatch(self, verifier, method: str, payload: dict):
     finally:
         if method in ("update", "staged", "finish"):  # the worker's own time of each (report's timings, after the update's)
             receiver.last_timings[f"{method}_call_s"] = time.perf_counter() - t0
+        if method == "finish":
+            receiver.last_timings["commit_in_core"] = float(bool(in_core))
 
 
 def _active(worker) -> bool:
@@ -407,19 +412,22 @@ def _lease_methods(cls) -> None:
     cls._delta_sync_lease = True
     pause, resume, rpc = cls.pause_generation, cls.resume_generation, cls.collective_rpc
 
-    @functools.wraps(pause)
-    async def pause_generation(self, *args, **kwargs):
+    def hold_lease(self) -> None:  # the engine is paused: the watcher runs until it resumes
         lease = _lease_s(self)
-        if _delta_sync_engine(self) and not args and not _has_requests(self) \
-                and vllm_compat.can_pause_scheduler_directly(self):
-            out = await _pause_idle(self, kwargs)
-        else:
-            out = await pause(self, *args, **kwargs)
         if lease > 0:
             st = _lease_state(self)
             st["last"] = time.monotonic()
             if st.get("task") is None or st["task"].done():
                 st["task"] = asyncio.get_running_loop().create_task(_watch(self, lease, resume, rpc))
+
+    @functools.wraps(pause)
+    async def pause_generation(self, *args, **kwargs):
+        if _delta_sync_engine(self) and not args and not _has_requests(self) \
+                and vllm_compat.can_pause_scheduler_directly(self):
+            out = await _pause_idle(self, kwargs)
+        else:
+            out = await pause(self, *args, **kwargs)
+        hold_lease(self)
         return out
 
     @functools.wraps(resume)
@@ -434,6 +442,9 @@ def _lease_methods(cls) -> None:
     async def collective_rpc(self, *args, **kwargs):
         mode = _commit_mode(args, kwargs)
         if mode is not None:  # pause here, in this process, rather than in a call of its own
+            out = await _commit_in_core(self, args, kwargs, mode, hold_lease)  # (an idle engine's)
+            if out is not _DECLINED:
+                return out
             await self.pause_generation(mode=mode, clear_cache=True)
         if kwargs.get("method", args[0] if args else None) != "delta_sync_call":
             return await rpc(self, *args, **kwargs)  # only the trainer's calls hold the lease
@@ -453,6 +464,83 @@ def _lease_methods(cls) -> None:
     cls.pause_generation = pause_generation
     cls.resume_generation = resume_generation
     cls.collective_rpc = collective_rpc
+
+
+#: what the engine core's ``delta_sync_commit`` returns when it did nothing
+CORE_COMMIT_DECLINED = "delta-sync: commit declined"
+_DECLINED = object()
+
+
+async def _commit_in_core(llm, args: tuple, kwargs: dict, mode: str, hold_lease):
+    """A commit (``collective_rpc`` of a ``delta_sync_call`` finish with :data:`COMMIT_KWARG
+    <delta_sync.engines.COMMIT_KWARG>` popped) as one engine-core call, :func:`_core_commit`:
+    vLLM's pause, finish and resume cost three round trips to the engine core and the pause a
+    fourth to the workers (a device sync), ~2-3 ms of a delta's ~10 ms pause window on a CPU host.
+    Returns ``_DECLINED`` where the core did nothing (busy, paused, data parallel, or a vLLM
+    without the pieces): the caller then takes the three-call path. A failing finish raises and
+    leaves the engine paused, holding the lease, as the three-call path does."""
+    core, renderer = getattr(llm, "engine_core", None), getattr(llm, "renderer", None)
+    if getattr(llm, "_delta_sync_core_commit", True) is False or not hasattr(core, "call_utility_async") \
+            or not hasattr(renderer, "clear_mm_cache_async") or not vllm_compat.single_engine_core(llm) \
+            or not _delta_sync_engine(llm) or _has_requests(llm):
+        return _DECLINED
+    method = kwargs.get("method", args[0] if args else None)
+    if method != "delta_sync_call":  # (checked by _commit_mode too: the core runs nothing else)
+        return _DECLINED
+    timeout = kwargs.get("timeout", args[1] if len(args) > 1 else None)
+    rpc_args = tuple(kwargs.get("args", args[2] if len(args) > 2 else ()))
+    rpc_kwargs = kwargs.get("kwargs", args[3] if len(args) > 3 else None)
+    st = _lease_state(llm)
+    st["in_flight"] = st.get("in_flight", 0) + 1
+    try:
+        await renderer.clear_mm_cache_async()  # (vLLM's pause with clear_cache does it first)
+        out = await core.call_utility_async("delta_sync_commit", timeout, rpc_args, rpc_kwargs, mode)
+    except Exception as e:
+        if "no attribute 'delta_sync_commit'" in str(e):  # an engine core without it (nothing ran): never again
+            llm._delta_sync_core_commit = False
+            return _DECLINED
+        if await llm.is_paused():  # the finish failed: paused, as after a pause and a failed finish
+            hold_lease(llm)
+        raise
+    finally:
+        st["in_flight"] -= 1
+    if out == CORE_COMMIT_DECLINED:
+        return _DECLINED
+    st["last"] = time.monotonic()
+    return out
+
+
+def _install_core_commit() -> None:
+    """Adds :func:`_core_commit` to vLLM's ``EngineCore`` as the utility ``delta_sync_commit``
+    (this plugin loads in the engine-core process too)."""
+    try:
+        from vllm.v1.engine.core import EngineCore
+    except Exception:  # noqa: BLE001 - no V1 engine core here: the API server takes the three-call path
+        return
+    if getattr(EngineCore, "delta_sync_commit", None) is not _core_commit:
+        EngineCore.delta_sync_commit = _core_commit
+
+
+def _core_commit(core, timeout, args, kwargs, mode):
+    """The engine core's half of :func:`_commit_in_core`. A utility call runs between two steps,
+    so nothing is scheduled while it runs: on an idle, unpaused engine it sets vLLM's pause state
+    for ``mode`` and clears the caches as a ``clear_cache`` pause does, runs the workers'
+    ``delta_sync_call`` (the signed finish; they check it), and resumes. The device sync of vLLM's
+    pause is left out: it settles the last step's launches, and an idle engine has none. Anything
+    else (requests, a pause already on, data parallelism, a vLLM without these pieces) changes
+    nothing and returns :data:`CORE_COMMIT_DECLINED`. A finish that raises leaves the engine
+    paused with its caches cleared, as a pause followed by a failed finish does."""
+    pause_state = vllm_compat.pause_states()
+    busy = getattr(core, "has_work", None)
+    if pause_state is None or busy is None or not hasattr(core, "_reset_caches") \
+            or core.vllm_config.parallel_config.data_parallel_size > 1 \
+            or core.scheduler.pause_state != pause_state.UNPAUSED or busy():
+        return CORE_COMMIT_DECLINED
+    core.scheduler.set_pause_state(pause_state.PAUSED_ALL if mode == "keep" else pause_state.PAUSED_NEW)
+    core._reset_caches()
+    out = core.collective_rpc("delta_sync_call", timeout, tuple(args), dict(kwargs or {}, in_core=True))  # raises: paused
+    core.scheduler.set_pause_state(pause_state.UNPAUSED)
+    return out
 
 
 async def _pause_idle(llm, kwargs: dict) -> None:

@@ -274,6 +274,69 @@ def test_the_engine_serves_requests_while_a_delta_arrives(server):
     sync.close()
 
 
+@pytest.mark.receiver
+def test_an_idle_engines_commit_is_one_engine_core_call_and_a_refused_one_stays_paused(server):
+    """An idle engine's delta commits in one engine-core call (pause, finish, resume; the workers'
+    finish says ``commit_in_core``); with a request in flight it takes vLLM's pause, finish and
+    resume, and the request completes. A commit the workers refuse (a version never staged)
+    leaves the engine paused on its version, bit for bit, until the lease resumes it; the
+    trainer's next delta is exact."""
+    base = server.base
+    state, sync, ids, v1 = _synced_to_v1(base, server.path)
+    engine = sync.engines[0]
+    assert engine.report()[0]["timings"].get("commit_in_core") == 1.0  # v1's commit, on an idle engine
+    out: dict = {}
+
+    def long_request():
+        out["code"], out["text"] = _post(base + "/v1/completions", {
+            "model": "m", "prompt": ids[0], "max_tokens": 400, "ignore_eos": True, "temperature": 0})
+    th = threading.Thread(target=long_request)
+    commit = engine.commit
+
+    def commit_with_a_request_running(version, mode="wait"):  # the request runs when the commit comes
+        th.start()
+        deadline = time.monotonic() + 30
+        while not _running_requests(base) and th.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        out["running"] = _running_requests(base)
+        commit(version, mode)
+    engine.commit = commit_with_a_request_running
+    try:
+        evolve(state, 2)
+        assert sync.update(state.items()).kind == "delta"  # (a "wait" pause: the request ends first)
+    finally:
+        del engine.commit
+        th.join(120)
+    assert out["running"], "the long request was not running when the commit came"
+    assert engine.report()[0]["timings"].get("commit_in_core") == 0.0, \
+        "the commit ran in the engine core with a request in flight"
+    assert out["code"] == 200 and len(json.loads(out["text"])["choices"][0]["text"]) > 0, out
+    assert engine_differs_from(base, state) == []
+    with pytest.raises(EngineError, match="finish"):
+        engine.commit(99)  # nothing started, nothing staged: the workers refuse it
+    assert _paused(base), "a refused commit resumed the engine"
+    assert engine.report()[0]["timings"].get("commit_in_core") == 1.0
+    assert engine_differs_from(base, state) == []
+    deadline = time.monotonic() + LEASE_S + 20
+    while _paused(base) and time.monotonic() < deadline:
+        time.sleep(0.25)
+    assert not _paused(base), "the lease did not resume an engine whose workers all hold v2"
+    evolve(state, 3)
+    assert sync.update(state.items()).kind == "delta"
+    assert engine_differs_from(base, state) == []
+    sync.verify()
+    sync.close()
+
+
+def _running_requests(base: str) -> float:
+    """vLLM's ``vllm:num_requests_running`` gauge from ``/metrics``."""
+    with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("vllm:num_requests_running"):
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 def test_soak_200_deltas_under_live_requests_then_engine_killed_and_restarted(server, tmp_path):
     """200 deltas while a client streams requests; then one element is corrupted on the engine
     only, the engine is SIGKILLed mid-update and restarted on an independent export of the soaked
