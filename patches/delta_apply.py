@@ -41,11 +41,14 @@ class DeltaPlan:
     undo: UndoLog | None = None  # the apply's, kept with the plan (freed with it, after the pause)
 
 
-def plan_delta(r: WorkerWeights, patches: list[Patch], version: int, tables: list | None = None) -> DeltaPlan:
+def plan_delta(r: WorkerWeights, patches: list[Patch], version: int, tables: list | None = None,
+               at_start: tuple[dict, dict] | None = None) -> DeltaPlan:
     """Route ``patches`` and the entries of ``tables`` to ``r``'s parameters and check every
-    position (nothing is written)."""
+    position (nothing is written). ``at_start``: the parameters and their :func:`layout_of` as the
+    update's ``start`` read them (~1.5 ms at a 30B-A3B's parameters, saved here, where the trainer
+    waits for the plan): the plan holds for that layout, which the apply checks again."""
     t0 = time.perf_counter()
-    params = r.param_table.params_of(r.model)
+    params, layout = at_start if at_start is not None else (r.param_table.params_of(r.model), None)
     try:
         with torch.no_grad():
             routed, general = _plan_tables(r, tables or [], params, cache=True)
@@ -62,7 +65,8 @@ def plan_delta(r: WorkerWeights, patches: list[Patch], version: int, tables: lis
     except Exception as e:
         raise DeltaSyncError(f"delta v{version} does not fit this engine's parameters: {type(e).__name__}: {e}",
                              kept=r.kept() + " (nothing was written)") from e
-    plan = DeltaPlan(version, sparse_plan, dense, slow, layout_of(params), tables or [], routed)
+    plan = DeltaPlan(version, sparse_plan, dense, slow, layout if layout is not None else layout_of(params),
+                     tables or [], routed)
     plan.plan_s = time.perf_counter() - t0
     return plan
 

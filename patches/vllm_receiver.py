@@ -245,6 +245,8 @@ class DeltaSyncReceiver:
         self._numbering = None
         self._bulk = BulkWrite(self)
         self._fingerprint: dict | None = None
+        #: the parameters and their layout as ``start`` found them (a delta's plan starts from them)
+        self._at_start: tuple[dict, dict] | None = None
         self.last_timings: dict[str, float] = {}
         self.last_error: str | None = None
         #: a seed/full update wrote some weights and did not complete: serving them would be wrong
@@ -305,7 +307,9 @@ class DeltaSyncReceiver:
     def start_weight_update(self) -> None:
         self.guard.require("start")
         self.discard_staged()
-        now = layout_of(self.param_table.params_of(self.model)) if self._fingerprint is not None else None
+        self._at_start = None
+        params = self.param_table.params_of(self.model) if self._fingerprint is not None else None
+        now = layout_of(params) if params is not None else None
         if now is not None and self._fingerprint != now:
             self.param_table = ParamTable(self.model)
             changed = [n for n, f in now.items() if self._fingerprint.get(n) != f]
@@ -316,6 +320,9 @@ class DeltaSyncReceiver:
             raise NeedsSeed(f"parameter storage or layout changed since the loader views were built "
                             f"({', '.join(changed[:3])}...); the next update must be a full seed",
                             kept="weights as they are, version unknown")
+        # (a delta's plan, made as its last bucket arrives, starts from what start found: the apply
+        # compares the layout again, so a parameter moved since then has its writes planned anew)
+        self._at_start = (params, now) if now is not None else None
 
     def update_weights(self, update_info) -> None:
         self.guard.require("update")
@@ -391,7 +398,8 @@ class DeltaSyncReceiver:
                 self._bulk.check_complete(upd, self.kept())
             else:
                 self._check_delta(upd)
-                plan = plan_delta(self, upd.patches, upd.version, upd.tables)
+                at_start, self._at_start = self._at_start, None
+                plan = plan_delta(self, upd.patches, upd.version, upd.tables, at_start=at_start)
         except Exception as e:
             self.last_error = str(e)
             if isinstance(e, NeedsSeed):  # e.g. a delta numbered by a catalogue this engine lacks: ask for a seed

@@ -336,20 +336,22 @@ def test_apply_failure_midway_restores_previous_version(engine, monkeypatch):
     sync.close()
 
 
-def test_a_delta_is_applied_into_the_parameters_as_they_are_at_finish(engine, monkeypatch):
-    """Parameters reallocated between a delta's update call and its finish (a wake from sleep,
-    say): finish writes into the new storages, the engine's digests equal the trainer's, and the
-    next update's start finds the layout finish recorded."""
+@pytest.mark.parametrize("moved_after", ["start_weight_update", "receive_weights"])
+def test_a_delta_is_applied_into_the_parameters_as_they_are_at_finish(engine, monkeypatch, moved_after):
+    """Parameters reallocated after a delta's start (whose layout its plan starts from) or after
+    its plan, before its finish (a wake from sleep, say): finish writes into the new storages, the
+    engine's digests equal the trainer's, and the next update's start finds the layout finish
+    recorded."""
     kind, path, llm = engine
     state, sync = _seeded(llm, path)
     worker = _worker_engine(llm)
-    real_receive = type(worker).receive_weights
+    real = getattr(type(worker), moved_after)
 
-    def receive_then_move(self, info):
-        real_receive(self, info)
+    def then_move(self, *args):
+        real(self, *args)
         for p in self.model.parameters():
             p.data = p.data.clone()
-    monkeypatch.setattr(type(worker), "receive_weights", receive_then_move)
+    monkeypatch.setattr(type(worker), moved_after, then_move)
     evolve(state, 1)
     assert sync.update(state.items()).kind == "delta"
     assert len(sync.verify()) == len(state)  # every tensor, read back through the new storages
