@@ -478,7 +478,7 @@ async def _commit_in_core(llm, args: tuple, kwargs: dict, mode: str, hold_lease)
     fourth to the workers (a device sync), ~2-3 ms of a delta's ~10 ms pause window on a CPU host.
     Returns ``_DECLINED`` where the core did nothing (busy, paused, data parallel, or a vLLM
     without the pieces): the caller then takes the three-call path. A failing finish raises and
-    leaves the engine paused, holding the lease, as the three-call path does."""
+    leaves the engine paused under the lease, as the three-call path does."""
     core, renderer = getattr(llm, "engine_core", None), getattr(llm, "renderer", None)
     if getattr(llm, "_delta_sync_core_commit", True) is False or not hasattr(core, "call_utility_async") \
             or not hasattr(renderer, "clear_mm_cache_async") or not vllm_compat.single_engine_core(llm) \
@@ -492,6 +492,10 @@ async def _commit_in_core(llm, args: tuple, kwargs: dict, mode: str, hold_lease)
     rpc_kwargs = kwargs.get("kwargs", args[3] if len(args) > 3 else None)
     st = _lease_state(llm)
     st["in_flight"] = st.get("in_flight", 0) + 1
+    # the lease's watcher first, as a pause starts it: should the engine stay paused (a refused
+    # finish, this call cancelled while the core runs it) it resumes it by the lease's rules; on an
+    # engine that serves, the watcher ends at its first look
+    hold_lease(llm)
     try:
         await renderer.clear_mm_cache_async()  # (vLLM's pause with clear_cache does it first)
         out = await core.call_utility_async("delta_sync_commit", timeout, rpc_args, rpc_kwargs, mode)
@@ -499,9 +503,7 @@ async def _commit_in_core(llm, args: tuple, kwargs: dict, mode: str, hold_lease)
         if "no attribute 'delta_sync_commit'" in str(e):  # an engine core without it (nothing ran): never again
             llm._delta_sync_core_commit = False
             return _DECLINED
-        if await llm.is_paused():  # the finish failed: paused, as after a pause and a failed finish
-            hold_lease(llm)
-        raise
+        raise  # the finish failed: paused, as after a pause and a failed finish
     finally:
         st["in_flight"] -= 1
     if out == CORE_COMMIT_DECLINED:
