@@ -445,16 +445,11 @@ def _lease_methods(cls) -> None:
             out = await _commit_in_core(self, args, kwargs, mode, hold_lease)  # (an idle engine's)
             if out is not _DECLINED:
                 return out
-            await self.pause_generation(mode=mode, clear_cache=True)
+            await _in_flight(self, self.pause_generation(mode=mode, clear_cache=True))
         if kwargs.get("method", args[0] if args else None) != "delta_sync_call":
             return await rpc(self, *args, **kwargs)  # only the trainer's calls hold the lease
-        st = _lease_state(self)
-        st["in_flight"] = st.get("in_flight", 0) + 1
-        try:
-            out = await rpc(self, *args, **kwargs)
-        finally:
-            st["in_flight"] -= 1
-        st["last"] = time.monotonic()  # renewed by a call that succeeded (HTTP ones were verified first)
+        out = await _in_flight(self, rpc(self, *args, **kwargs))
+        _lease_state(self)["last"] = time.monotonic()  # renewed by a call that succeeded (HTTP ones were verified first)
         if mode is not None:  # the workers took the version: serve it (a failure above stays paused)
             if mode == "keep":  # frozen requests kept their KV of the old weights
                 await self.reset_prefix_cache()
@@ -464,6 +459,17 @@ def _lease_methods(cls) -> None:
     cls.pause_generation = pause_generation
     cls.resume_generation = resume_generation
     cls.collective_rpc = collective_rpc
+
+
+async def _in_flight(llm, call):
+    """Await ``call`` as a trainer call in flight: the lease's watcher resumes nothing meanwhile
+    (a commit's "wait" pause, which lasts as long as the requests it waits for)."""
+    st = _lease_state(llm)
+    st["in_flight"] = st.get("in_flight", 0) + 1
+    try:
+        return await call
+    finally:
+        st["in_flight"] -= 1
 
 
 #: what the engine core's ``delta_sync_commit`` returns when it did nothing
@@ -490,25 +496,24 @@ async def _commit_in_core(llm, args: tuple, kwargs: dict, mode: str, hold_lease)
     timeout = kwargs.get("timeout", args[1] if len(args) > 1 else None)
     rpc_args = tuple(kwargs.get("args", args[2] if len(args) > 2 else ()))
     rpc_kwargs = kwargs.get("kwargs", args[3] if len(args) > 3 else None)
-    st = _lease_state(llm)
-    st["in_flight"] = st.get("in_flight", 0) + 1
-    # the lease's watcher first, as a pause starts it: should the engine stay paused (a refused
-    # finish, this call cancelled while the core runs it) it resumes it by the lease's rules; on an
-    # engine that serves, the watcher ends at its first look
-    hold_lease(llm)
     try:
         await renderer.clear_mm_cache_async()  # (vLLM's pause with clear_cache does it first)
-        out = await core.call_utility_async("delta_sync_commit", timeout, rpc_args, rpc_kwargs, mode)
-    except Exception as e:
+        out = await _in_flight(llm, core.call_utility_async("delta_sync_commit", timeout, rpc_args, rpc_kwargs,
+                                                             mode))
+    except BaseException as e:
         if "no attribute 'delta_sync_commit'" in str(e):  # an engine core without it (nothing ran): never again
             llm._delta_sync_core_commit = False
             return _DECLINED
-        raise  # the finish failed: paused, as after a pause and a failed finish
-    finally:
-        st["in_flight"] -= 1
+        # the finish failed (the engine stays paused, as after a pause and a failed finish), or this
+        # call was cancelled (the client gone) while the core may run it: the lease's watcher, as a
+        # pause starts it. Started now, its first look at the pause queues behind the commit. (Not
+        # before the call: were the core to decline, vLLM's "wait" pause that follows could outlast
+        # the lease, and the watcher would resume the engine in the middle of it.)
+        hold_lease(llm)
+        raise
     if out == CORE_COMMIT_DECLINED:
         return _DECLINED
-    st["last"] = time.monotonic()
+    _lease_state(llm)["last"] = time.monotonic()
     return out
 
 

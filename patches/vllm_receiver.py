@@ -381,6 +381,7 @@ class DeltaSyncReceiver:
             raise DeltaSyncError("init_transfer_engine was not called", kept=self.kept())
         t0 = time.perf_counter()
         self._staged, self._plan, self._retired = None, None, None
+        at_start, self._at_start = self._at_start, None  # (a bulk update holds no parameter past its receive)
         self._bulk = BulkWrite(self)
         # a background receive takes a delta only: a bulk update writes as it arrives, under a pause
         bulk = self._bulk if not update_info.background else None
@@ -398,7 +399,6 @@ class DeltaSyncReceiver:
                 self._bulk.check_complete(upd, self.kept())
             else:
                 self._check_delta(upd)
-                at_start, self._at_start = self._at_start, None
                 plan = plan_delta(self, upd.patches, upd.version, upd.tables, at_start=at_start)
         except Exception as e:
             self.last_error = str(e)

@@ -894,6 +894,63 @@ def test_a_commit_call_pauses_finishes_and_resumes_in_the_api_server(mode, monke
     assert llm.calls == [("rpc", "delta_sync_call", {"other": "1"})]  # nothing paused or called
 
 
+@pytest.mark.parametrize("core_says", ["declined", "applied", "refused", "cancelled"])
+def test_the_one_call_commit_and_the_pause_lease(core_says):
+    """The API server's half of an idle engine's one-call commit. The core declines (requests
+    came in): vLLM's pause runs, counted as a trainer call in flight and with no lease watcher
+    started before it (a "wait" pause may outlast the lease, and the watcher would resume the
+    engine in the middle of it). It applies: its results come back and no watcher is left. It
+    refuses (a failed finish) or the call is cancelled (the client gone): the watcher starts, as a
+    pause starts it, so an engine left paused resumes by the lease's rules."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from delta_sync.engines import COMMIT_KWARG
+    from patches.vllm_plugin import CORE_COMMIT_DECLINED, _lease_methods, _lease_state
+
+    class Fake(_FakeAsyncLLM):
+        pass
+
+    _lease_methods(Fake)
+    llm = Fake(True, False)
+    llm.vllm_config.parallel_config = SimpleNamespace(data_parallel_size=1)
+
+    async def pause_scheduler_async(mode, clear_cache):  # (the idle pause: requests came in and left)
+        st = _lease_state(llm)
+        llm.calls.append(("scheduler_pause", mode, st.get("in_flight"), st.get("task") is not None))
+    llm.engine_core.pause_scheduler_async = pause_scheduler_async
+
+    async def call_utility_async(method, *args):
+        llm.calls.append(("core", method, args[-1], _lease_state(llm).get("in_flight")))
+        if core_says == "refused":
+            raise RuntimeError("Call to delta_sync_commit method failed: finish of v3 but nothing is staged")
+        if core_says == "cancelled":
+            raise asyncio.CancelledError()
+        return CORE_COMMIT_DECLINED if core_says == "declined" else [{"ok": 1}]
+    llm.engine_core.call_utility_async = call_utility_async
+
+    async def commit():
+        try:
+            return await llm.collective_rpc(method="delta_sync_call", timeout=None, args=("x",),
+                                            kwargs={COMMIT_KWARG: "wait"})
+        finally:
+            llm.watcher = _lease_state(llm).get("task")
+
+    if core_says in ("refused", "cancelled"):
+        with pytest.raises((RuntimeError, asyncio.CancelledError)):
+            asyncio.run(commit())
+        assert llm.watcher is not None, "an engine the commit may have left paused has no lease watcher"
+        assert llm.calls == [("clear_mm_cache",), ("core", "delta_sync_commit", "wait", 1)]
+        return
+    out = asyncio.run(commit())
+    core = [("clear_mm_cache",), ("core", "delta_sync_commit", "wait", 1)]
+    if core_says == "applied":
+        assert out == [{"ok": 1}] and llm.watcher is None and llm.calls == core
+    else:  # vLLM's three calls, the pause held as a trainer call, no watcher before it
+        assert llm.calls == core + [("clear_mm_cache",), ("scheduler_pause", "wait", 1, False),
+                                    ("rpc", "delta_sync_call", {}), ("resume",)]
+
+
 def test_http_engine_skips_the_cache_reset_a_clearing_pause_made(monkeypatch):
     """A "wait"/"abort" pause empties vLLM's KV and prefix caches and nothing runs until resume, so
     the reset after finish would be a wasted call; after a "keep" pause (requests frozen with their
