@@ -138,6 +138,8 @@ class Channel:
         #: the version whose last bucket this end received last (the stream ended whole, whatever
         #: its checks found), or None: a background receive acknowledges only such a version
         self.received_whole: int | None = None
+        #: the version whose stream the sender aborted (its abort bucket came: in step), or None
+        self.received_abort: int | None = None
 
     @property
     def catalog(self) -> Catalog | None:

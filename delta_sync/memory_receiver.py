@@ -67,7 +67,7 @@ class MemoryReceiver:
             self._receive()
             return
         self._staged = None
-        self.channel.received_whole = None
+        self.channel.received_whole = self.channel.received_abort = None
         self._receiving = threading.Thread(target=self._receive_background, name="memory-receive", daemon=True)
         self._receiving.start()
 

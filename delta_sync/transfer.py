@@ -16,6 +16,7 @@ that was partly applied leaves the receiver needing a seed).
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -29,6 +30,8 @@ from .catalog import Catalog, CatalogBuilder, DenseTable, TableSlice
 from .channel import Channel
 from .errors import DeltaSyncError, PatchValidationError
 from .patch import Patch, PatchBatch, Whole, WholeRun, first_true
+
+log = logging.getLogger(__name__)
 
 #: buckets alive at once on either side of a bulk update (one on the wire, one being packed/applied)
 BUCKETS_IN_FLIGHT = 2
@@ -336,6 +339,7 @@ def receive_stream(channel: Channel, kept: str | None = None, check_bulk: bool =
         for bucket in stream:
             h = bucket.header
             if h["kind"] == "abort":
+                channel.received_abort = h["version"]  # (the stream ended in step with the sender)
                 raise UpdateAborted(f"sender aborted version {h['version']}: {h.get('reason')}", kept=kept)
             if version is None:
                 version = h["version"]
@@ -410,9 +414,20 @@ def acknowledge(channel: Channel, error: BaseException | None) -> BaseException 
     where the channel acknowledges (:attr:`Channel.acknowledges`) and the version's stream ended
     whole (its last bucket came, whatever the checks then found), every rank learns whether it was
     staged (a collective with the sender, which waits for it before its commit). After an abort or
-    a broken channel there is nothing to acknowledge: the sender sends none either. Returns the
-    receive's error; a failed acknowledgement is one where it had none."""
-    if not channel.acknowledges or channel.received_whole is None:
+    a broken channel there is nothing to acknowledge: the sender sends none either. A receive that
+    failed before the version's last bucket (a bucket refused unread, a header whose MAC does not
+    hold) leaves this end out of step with a sender that goes on sending and then waits for the
+    acknowledgement: the channel is closed, so the sender's next collective fails at once instead of
+    after the channel's timeout (the next update joins a new channel). Returns the receive's error;
+    a failed acknowledgement is one where it had none."""
+    if not channel.acknowledges:
+        return error
+    if channel.received_whole is None:
+        if error is not None and channel.received_abort is None and channel.pg is not None:
+            log.warning("delta-sync channel rank %d: a delta's receive failed before its last bucket (%s: %s); "
+                        "closing the channel so that the sender fails at once", channel.rank,
+                        type(error).__name__, error)
+            channel.close()
         return error
     channel.received_whole = None
     try:

@@ -175,7 +175,7 @@ class BackgroundReceive:
         #: discarded while it ran: what it stages is dropped when it ends, and nobody waits for it
         self.abandoned = False
         self._done = threading.Event()
-        receiver.channel.received_whole = None
+        receiver.channel.received_whole = receiver.channel.received_abort = None
         self._thread = threading.Thread(target=self._run, args=(receiver, info), name="delta_sync-receive",
                                         daemon=True)
         self._thread.start()
@@ -330,6 +330,9 @@ class DeltaSyncReceiver:
         self._require_no_receive("update")
         if self.channel is None:
             raise DeltaSyncError("init_transfer_engine was not called", kept=self.kept())
+        if self.channel.pg is None:
+            raise DeltaSyncError("this worker's channel was closed (a delta's receive failed before its last "
+                                 f"bucket: {self.last_error}); the trainer must join a new one (init)", kept=self.kept())
         self.last_timings = {}  # this update's (a background receive adds its own when it ends)
         if info.background and self.channel.receives_in_background:
             self._staged, self._plan = None, None

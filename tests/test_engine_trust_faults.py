@@ -19,7 +19,7 @@ import torch
 from delta_sync.auth import Signer
 from delta_sync.channel import Channel, free_port
 from delta_sync.engines import HttpEngine
-from delta_sync.errors import EngineError
+from delta_sync.errors import ChannelError, EngineError
 from delta_sync.sync import WeightSync
 from benchmarks.e2e import tree_rss
 from launchers import equivalence
@@ -335,6 +335,61 @@ def _running_requests(base: str) -> float:
             if line.startswith("vllm:num_requests_running"):
                 return float(line.rsplit(" ", 1)[1])
     return 0.0
+
+
+@pytest.mark.receiver
+def test_a_delta_refused_before_its_last_bucket_fails_the_sender_at_once(server):
+    """A delta's bucket refused unread by the workers' background receive (its header's MAC does
+    not hold: bytes changed in flight) leaves them out of step with a sender that goes on to wait
+    for their acknowledgement. The worker closes its channel, so the sender's acknowledgement fails
+    at once, not after the channel's timeout; the engine stays on v1, bit for bit, its worker names
+    the MAC, and the trainer's next delta, on a new channel, is exact. (Before, the sender waited
+    for the channel's timeout, 300 s by default.)"""
+    from delta_sync.patch import Patch
+    from delta_sync.transfer import send_update
+
+    base = server.base
+    state, sync, ids, v1 = _synced_to_v1(base, server.path)
+    engine, chan, nxt = sync.engines[0], sync.channel, sync.version + 1
+    name = next(n for n, t in state.items() if t.dim() == 2)
+    t = state[name]
+    forged = Patch(name, tuple(t.shape), t.dtype, torch.tensor([7], dtype=torch.int32),
+                   torch.full((1,), 0.5, dtype=t.dtype))
+    engine.start()
+    engine.update({"version": nxt, "background": True})  # returns at once: the workers receive on a thread
+    out: dict = {}
+
+    def send():  # the forged bucket, then the wait for the workers' acknowledgement
+        key, chan._key = chan._key, b"not the channel's key"  # (the header's MAC, as a forger computes it)
+        try:
+            send_update(chan, nxt, "delta", [forged], check=False)
+        except Exception as e:  # noqa: BLE001 - asserted below
+            out["error"] = e
+            return
+        finally:
+            chan._key = key
+        try:
+            out["ok"] = chan.acknowledge(False)
+        except Exception as e:  # noqa: BLE001 - asserted below
+            out["error"] = e
+    th = threading.Thread(target=send, daemon=True)
+    t0 = time.monotonic()
+    th.start()
+    th.join(60)
+    assert not th.is_alive(), "the sender still waits for the workers of a delta they refused"
+    assert isinstance(out.get("error"), ChannelError), out  # (its send, or its wait for the acknowledgement)
+    waited = time.monotonic() - t0
+    with pytest.raises(EngineError, match="MAC"):
+        engine.await_staged()
+    engine.discard()
+    assert engine_differs_from(base, state) == [] and complete(base, ids) == v1
+    sync._engines.drop_channel()  # (what the trainer does when its acknowledgement fails)
+    evolve(state, 2)
+    assert sync.update(state.items()).kind == "delta"
+    assert engine_differs_from(base, state) == []
+    sync.verify()
+    sync.close()
+    print(f"the sender learned of the refused delta in {waited:.2f} s")
 
 
 def test_soak_200_deltas_under_live_requests_then_engine_killed_and_restarted(server, tmp_path):
