@@ -422,11 +422,13 @@ def _lease_methods(cls) -> None:
 
     @functools.wraps(pause)
     async def pause_generation(self, *args, **kwargs):
-        if _delta_sync_engine(self) and not args and not _has_requests(self) \
-                and vllm_compat.can_pause_scheduler_directly(self):
-            out = await _pause_idle(self, kwargs)
-        else:
-            out = await pause(self, *args, **kwargs)
+        try:
+            out = await _pause_now(self, pause, args, kwargs)
+        except BaseException:
+            # cancelled (the caller gone) or failed after the core took the pause: it may complete
+            # without anyone left to resume it; the watcher does, by the lease's rules
+            hold_lease(self)
+            raise
         hold_lease(self)
         return out
 
@@ -548,6 +550,13 @@ def _core_commit(core, timeout, args, kwargs, mode):
     out = core.collective_rpc("delta_sync_call", timeout, tuple(args), dict(kwargs or {}, in_core=True))  # raises: paused
     core.scheduler.set_pause_state(pause_state.UNPAUSED)
     return out
+
+
+async def _pause_now(llm, pause, args: tuple, kwargs: dict):
+    """vLLM's ``pause`` (its own, unwrapped), or on an idle delta-sync engine :func:`_pause_idle`."""
+    if _delta_sync_engine(llm) and not args and not _has_requests(llm) and vllm_compat.can_pause_scheduler_directly(llm):
+        return await _pause_idle(llm, kwargs)
+    return await pause(llm, *args, **kwargs)
 
 
 async def _pause_idle(llm, kwargs: dict) -> None:

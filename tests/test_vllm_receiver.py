@@ -951,6 +951,32 @@ def test_the_one_call_commit_and_the_pause_lease(core_says):
                                     ("rpc", "delta_sync_call", {}), ("resume",)]
 
 
+def test_a_pause_whose_caller_is_gone_still_starts_the_lease_watcher():
+    """vLLM's "wait" pause lasts as long as the requests it waits for; a caller cancelled meanwhile
+    (a trainer killed, its HTTP connection dropped) leaves a pause the engine core completes later
+    with nobody to resume it: the lease's watcher starts all the same."""
+    import asyncio
+
+    from patches.vllm_plugin import _lease_methods, _lease_state
+
+    class Fake(_FakeAsyncLLM):
+        async def pause_generation(self, *, mode="abort", clear_cache=True):
+            raise asyncio.CancelledError()
+
+    _lease_methods(Fake)
+    llm = Fake(True, True)  # requests in flight: vLLM's own pause
+
+    async def pause():
+        try:
+            await llm.pause_generation(mode="wait")
+        finally:
+            llm.watcher = _lease_state(llm).get("task")
+
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(pause())
+    assert llm.watcher is not None
+
+
 def test_http_engine_skips_the_cache_reset_a_clearing_pause_made(monkeypatch):
     """A "wait"/"abort" pause empties vLLM's KV and prefix caches and nothing runs until resume, so
     the reset after finish would be a wasted call; after a "keep" pause (requests frozen with their
