@@ -540,16 +540,24 @@ def _core_commit(core, timeout, args, kwargs, mode):
     nothing and returns :data:`CORE_COMMIT_DECLINED`. A finish that raises leaves the engine
     paused with its caches cleared, as a pause followed by a failed finish does."""
     pause_state = vllm_compat.pause_states()
-    busy = getattr(core, "has_work", None)
-    if pause_state is None or busy is None or not hasattr(core, "_reset_caches") \
-            or core.vllm_config.parallel_config.data_parallel_size > 1 \
-            or core.scheduler.pause_state != pause_state.UNPAUSED or busy():
+    if pause_state is None or not _core_idle(core, pause_state):
         return CORE_COMMIT_DECLINED
     core.scheduler.set_pause_state(pause_state.PAUSED_ALL if mode == "keep" else pause_state.PAUSED_NEW)
     core._reset_caches()
     out = core.collective_rpc("delta_sync_call", timeout, tuple(args), dict(kwargs or {}, in_core=True))  # raises: paused
     core.scheduler.set_pause_state(pause_state.UNPAUSED)
     return out
+
+
+def _core_idle(core, pause_state) -> bool:
+    """Is this engine core alone (no data parallelism), unpaused and idle, with what the one-call
+    commit uses (False where a vLLM lacks a piece: the commit then takes vLLM's three calls)?"""
+    try:
+        return (callable(getattr(core, "_reset_caches", None)) and callable(getattr(core.scheduler, "set_pause_state", None))
+                and core.vllm_config.parallel_config.data_parallel_size == 1
+                and core.scheduler.pause_state == pause_state.UNPAUSED and not core.has_work())
+    except AttributeError:
+        return False
 
 
 async def _pause_now(llm, pause, args: tuple, kwargs: dict):

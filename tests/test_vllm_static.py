@@ -62,6 +62,7 @@ SURFACE = [
           why="the one-call commit (in the engine core)"),
     Needs("vllm/v1/engine/core.py", "EngineCore._reset_caches", why="the one-call commit clears what a pause clears"),
     Needs("vllm/v1/engine/core.py", "EngineCore.scheduler", "attr"),
+    Needs("vllm/v1/engine/core.py", "EngineCore.vllm_config", "attr"),
     Needs("vllm/v1/engine/core.py", "EngineCoreProc.has_work", why="the one-call commit runs on an idle core only"),
     Needs("vllm/v1/core/sched/interface.py", "PauseState", "class", why="the one-call commit's pause"),
     Needs("vllm/v1/core/sched/interface.py", "SchedulerInterface.set_pause_state", params=("pause_state",)),
