@@ -604,10 +604,11 @@ def put_back_many(olds: list[torch.Tensor], counts: torch.Tensor, idx: torch.Ten
     table[:, 4] = torch.tensor(list(map(torch.Tensor.numel, olds)), dtype=torch.int64)
     table[:, 5] = start * width + prev.data_ptr()
     table[:, 7] = width | idx.element_size() << 8
-    bad = ctypes.c_int64()
-    if lib.move_rows(n, table.data_ptr(), 1, ctypes.byref(bad)) >= 0:  # (checked first: nothing written)
-        raise IndexError(f"a rollback position lies outside its snapshot (entry {bad.value}); nothing was restored")
-    lib.move_rows(n, table.data_ptr(), 0, ctypes.byref(bad))
+    try:
+        check_rows(None, table)  # (every position first: nothing written where one is outside)
+    except IndexError as e:
+        raise IndexError(f"a rollback position lies outside its snapshot, nothing was restored: {e}") from None
+    run_rows(table)
 
 
 _ON_CPU = operator.attrgetter("is_cpu")

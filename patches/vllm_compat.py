@@ -92,10 +92,10 @@ def can_pause_scheduler_directly(llm) -> bool:
     return hasattr(core, "pause_scheduler_async") and hasattr(renderer, "clear_mm_cache_async")
 
 
-def single_engine_core(llm) -> bool:
-    """Does this ``AsyncLLM`` drive one engine core (no data parallelism)? A commit inside the
-    core pauses that core alone."""
-    cfg = getattr(llm, "vllm_config", None)
+def single_engine_core(engine) -> bool:
+    """Is this ``AsyncLLM`` or ``EngineCore`` (anything with a ``vllm_config``) one engine core, no
+    data parallelism? A commit inside the core pauses that core alone."""
+    cfg = getattr(engine, "vllm_config", None)
     return cfg is not None and cfg.parallel_config.data_parallel_size == 1
 
 

@@ -445,7 +445,7 @@ def _lease_methods(cls) -> None:
         mode = _commit_mode(args, kwargs)
         if mode is not None:  # pause here, in this process, rather than in a call of its own
             out = await _commit_in_core(self, args, kwargs, mode, hold_lease)  # (an idle engine's)
-            if out is not _DECLINED:
+            if out != CORE_COMMIT_DECLINED:
                 return out
             await _in_flight(self, self.pause_generation(mode=mode, clear_cache=True))
         if kwargs.get("method", args[0] if args else None) != "delta_sync_call":
@@ -474,9 +474,9 @@ async def _in_flight(llm, call):
         st["in_flight"] -= 1
 
 
-#: what the engine core's ``delta_sync_commit`` returns when it did nothing
+#: what the one-call commit returns where it did nothing (the engine core's half, and the API
+#: server's): the commit then takes vLLM's pause, finish and resume
 CORE_COMMIT_DECLINED = "delta-sync: commit declined"
-_DECLINED = object()
 
 
 async def _commit_in_core(llm, args: tuple, kwargs: dict, mode: str, hold_lease):
@@ -484,17 +484,16 @@ async def _commit_in_core(llm, args: tuple, kwargs: dict, mode: str, hold_lease)
     <delta_sync.engines.COMMIT_KWARG>` popped) as one engine-core call, :func:`_core_commit`:
     vLLM's pause, finish and resume cost three round trips to the engine core and the pause a
     fourth to the workers (a device sync), ~2-3 ms of a delta's ~10 ms pause window on a CPU host.
-    Returns ``_DECLINED`` where the core did nothing (busy, paused, data parallel, or a vLLM
+    Returns :data:`CORE_COMMIT_DECLINED` where the core did nothing (busy, paused, data parallel, or a vLLM
     without the pieces): the caller then takes the three-call path. A failing finish raises and
     leaves the engine paused under the lease, as the three-call path does."""
     core, renderer = getattr(llm, "engine_core", None), getattr(llm, "renderer", None)
     if getattr(llm, "_delta_sync_core_commit", True) is False or not hasattr(core, "call_utility_async") \
             or not hasattr(renderer, "clear_mm_cache_async") or not vllm_compat.single_engine_core(llm) \
             or not _delta_sync_engine(llm) or _has_requests(llm):
-        return _DECLINED
-    method = kwargs.get("method", args[0] if args else None)
-    if method != "delta_sync_call":  # (checked by _commit_mode too: the core runs nothing else)
-        return _DECLINED
+        return CORE_COMMIT_DECLINED
+    # (the method is delta_sync_call: _commit_mode refuses the commit keyword on any other, and the
+    # core runs that one only)
     timeout = kwargs.get("timeout", args[1] if len(args) > 1 else None)
     rpc_args = tuple(kwargs.get("args", args[2] if len(args) > 2 else ()))
     rpc_kwargs = kwargs.get("kwargs", args[3] if len(args) > 3 else None)
@@ -505,7 +504,7 @@ async def _commit_in_core(llm, args: tuple, kwargs: dict, mode: str, hold_lease)
     except BaseException as e:
         if "no attribute 'delta_sync_commit'" in str(e):  # an engine core without it (nothing ran): never again
             llm._delta_sync_core_commit = False
-            return _DECLINED
+            return CORE_COMMIT_DECLINED
         # the finish failed (the engine stays paused, as after a pause and a failed finish), or this
         # call was cancelled (the client gone) while the core may run it: the lease's watcher, as a
         # pause starts it. Started now, its first look at the pause queues behind the commit. (Not
@@ -513,9 +512,8 @@ async def _commit_in_core(llm, args: tuple, kwargs: dict, mode: str, hold_lease)
         # the lease, and the watcher would resume the engine in the middle of it.)
         hold_lease(llm)
         raise
-    if out == CORE_COMMIT_DECLINED:
-        return _DECLINED
-    _lease_state(llm)["last"] = time.monotonic()
+    if out != CORE_COMMIT_DECLINED:
+        _lease_state(llm)["last"] = time.monotonic()
     return out
 
 
@@ -554,7 +552,7 @@ def _core_idle(core, pause_state) -> bool:
     commit uses (False where a vLLM lacks a piece: the commit then takes vLLM's three calls)?"""
     try:
         return (callable(getattr(core, "_reset_caches", None)) and callable(getattr(core.scheduler, "set_pause_state", None))
-                and core.vllm_config.parallel_config.data_parallel_size == 1
+                and vllm_compat.single_engine_core(core)
                 and core.scheduler.pause_state == pause_state.UNPAUSED and not core.has_work())
     except AttributeError:
         return False
