@@ -33,7 +33,10 @@ def dense_is_smaller(count: int, numel: int, element_size: int) -> bool:
 
 
 def _own(new: torch.Tensor, given: torch.Tensor) -> torch.Tensor:
-    """``new`` as memory nobody else holds: a copy where it is still the caller's tensor."""
+    """``new`` as memory nobody else holds: a copy where it is still the caller's tensor (never one
+    that carries the caller's autograd graph: a delta's tensors come as given, see ``_prepare_known``)."""
+    if new.requires_grad:
+        new = new.detach()
     return new.clone() if new.data_ptr() == given.data_ptr() else new.contiguous()
 
 
@@ -71,7 +74,7 @@ class _Staged:
 
 _NAME, _TENSOR = operator.itemgetter(0), operator.itemgetter(1)
 _SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
-_GRAD, _ON_HOST = operator.attrgetter("requires_grad"), operator.attrgetter("is_cpu")
+_ON_HOST = operator.attrgetter("is_cpu")
 _KERNEL, _WIDTH, _WORDS, _PTR = (operator.attrgetter(a) for a in ("kernel", "width", "words", "ptr"))
 #: delta batch plans a store keeps (a model's ~19k tensors make ~10 batches)
 MAX_PLANS = 256
@@ -190,8 +193,9 @@ class SnapshotStore:
         With ``batched``, the sparse patches of the tensors the kernel scanned together come as one
         :class:`~delta_sync.patch.PatchBatch` per element width, at the position of its first tensor
         (None at the others', and where nothing changed): no Python object per changed tensor.
-        ``streamed``: the tensors come from a :class:`~delta_sync.prepare.TensorStream` (none needs
-        its gradient dropped), of the dtype given here where it is one (that of the stream)."""
+        ``streamed``: the tensors come from a :class:`~delta_sync.prepare.TensorStream` (each name
+        once per update), of the dtype given here where it is one (that of the stream). The tensors
+        may require grad: the bits are read, never a graph, and what is kept of them is detached."""
         if not full and self._facts:
             known = self._prepare_known(items, batched, streamed)
             if known is not None:
@@ -251,12 +255,13 @@ class SnapshotStore:
         dtype, contiguous, word-aligned (the usual delta of a host trainer). Those checks run over
         whole lists (map of C calls, list compares) against the batch's :class:`_Plan`, not as a
         Python step per tensor; None where one does not hold: the general path then decides (and
-        names the tensor)."""
+        names the tensor). The kernel reads the new tensors by address, so one that requires grad
+        needs no detached view here (a dense patch's copy is detached, ``_own``)."""
         if self.device.type != "cpu" or not self.differ.use_native or native.kernel() is None:
             return None
         names, news = list(map(_NAME, items)), list(map(_TENSOR, items))
         plan = self._plan(names)
-        if plan is None or (not streamed and any(map(_GRAD, news))) or not all(map(_ON_HOST, news)):
+        if plan is None or not all(map(_ON_HOST, news)):
             return None
         ptrs = list(map(torch.Tensor.data_ptr, news))
         if functools.reduce(operator.or_, ptrs, 0) & 7 or not all(map(torch.Tensor.is_contiguous, news)):

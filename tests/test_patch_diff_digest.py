@@ -490,10 +490,10 @@ def _patches(out):
 @pytest.mark.parametrize("case", ["usual", "unaligned", "strided", "two-widths", "reshaped", "requires-grad"])
 def test_a_delta_of_known_snapshots_checked_as_lists_equals_the_tensor_by_tensor_path(case, monkeypatch):
     """A delta whose every tensor the kernel scans in one width takes the store's list-wise checks
-    (``_prepare_known``); anything else (a new tensor not word-aligned or not contiguous, a batch of
-    two widths, a parameter that needs detaching) goes tensor by tensor, and a changed shape is
-    refused naming the tensor. Both give the same patches, advance the snapshots alike and roll back
-    alike."""
+    (``_prepare_known``), a parameter that requires grad among them (read by address; a dense
+    patch's copy comes detached); anything else (a new tensor not word-aligned or not contiguous, a
+    batch of two widths) goes tensor by tensor, and a changed shape is refused naming the tensor.
+    Both give the same patches, advance the snapshots alike and roll back alike."""
     g = torch.Generator().manual_seed(11)
     base = {f"t{i}": torch.randn(4 * (i + 1), generator=g).bfloat16() for i in range(6)}
     if case == "two-widths":
@@ -531,11 +531,13 @@ def test_a_delta_of_known_snapshots_checked_as_lists_equals_the_tensor_by_tensor
             with pytest.raises(PatchValidationError, match="t4.*shape/dtype changed"):
                 store.prepare_many(list(new.items()), batched=True)
             continue
-        out[label] = _patches(store.prepare_many(list(new.items()), batched=True))
+        got = store.prepare_many(list(new.items()), batched=True)
+        assert not any(p.values.requires_grad for p in got if p is not None), label  # (t1's patch is dense)
+        out[label] = _patches(got)
     if case == "reshaped":
         assert taken == [False, False]
         return
-    assert taken == [case == "usual", False], taken
+    assert taken == [case in ("usual", "requires-grad"), False], taken
     assert out["lists"] == out["one by one"] and len(out["lists"]) == len(base)
     for store in stores.values():
         for n, t in new.items():

@@ -11,6 +11,7 @@ import torch
 
 from delta_sync.errors import EngineError, PatchValidationError
 from delta_sync.memory_receiver import MemoryReceiver
+from delta_sync.patch import Patch
 from delta_sync.sync import WeightSync
 from delta_sync.transfer import BUCKETS_IN_FLIGHT
 
@@ -894,5 +895,56 @@ def test_verify_asks_the_engines_while_the_trainer_digests(monkeypatch):
         monkeypatch.setattr(sync, "_trainer_digests", fails)
         with pytest.raises(RuntimeError, match="trainer digest failed"):
             sync.verify()
+    finally:
+        sync.close()
+
+
+def test_a_delta_of_a_models_live_parameters_reads_each_once_and_stays_exact():
+    """The usual custom-trainer stream, ``model.named_parameters()``: parameters that require grad,
+    the same objects every step. A delta reads them by address without detached views and counts
+    each one's bytes from the seed (the diff checks its shape and dtype): patches carry no autograd
+    graph (one tensor changed densely, the others sparsely), the element count is the model's, the
+    receiver equals the model bit for bit; a parameter reshaped in place is refused by name, the
+    receiver kept on its version, and the next delta is exact again."""
+    g = torch.Generator().manual_seed(13)
+    model = torch.nn.Module()
+    for i in range(40):
+        model.register_parameter(f"w{i}", torch.nn.Parameter(torch.randn(8, 4 + i, generator=g).bfloat16()))
+    assert all(p.requires_grad for p in model.parameters())
+    total = sum(p.numel() for p in model.parameters())
+    rx = MemoryReceiver()
+    sync = WeightSync([rx], mode="delta", timeout_s=60)
+    packed = []
+    real = Patch.full
+
+    def full(name, t):  # every dense patch the packer gets, as the store made it
+        packed.append(t.requires_grad)
+        return real(name, t)
+    try:
+        sync.update(model.named_parameters())
+        for step in range(3):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.view(-1)[torch.randint(0, p.numel(), (3,), generator=g)] += 1
+                model.w0.add_(1)  # every element: a dense patch
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(Patch, "full", staticmethod(full))
+                rep = sync.update(model.named_parameters())
+            assert rep.kind == "delta" and rep.total_elements == total, (step, rep)
+            assert all(torch.equal(rx.tensors[n].view(torch.int16), p.detach().view(torch.int16))
+                       for n, p in model.named_parameters()), step
+        assert packed and not any(packed)
+        before = {n: t.clone() for n, t in rx.tensors.items()}
+        with torch.no_grad():
+            model.w5.add_(1)
+        model.w5.data = model.w5.data.view(4 * 2, -1).t()  # same elements, another shape
+        with pytest.raises(PatchValidationError, match="w5.*shape/dtype changed"):
+            sync.update(model.named_parameters())
+        assert rx.version == 3 and all(torch.equal(rx.tensors[n], t) for n, t in before.items())
+        model.w5.data = model.w5.data.t().reshape(8, -1).contiguous()
+        rep = sync.update(model.named_parameters())
+        assert rep.kind == "delta" and rx.version == 4 and all(
+            torch.equal(rx.tensors[n].view(torch.int16), p.detach().view(torch.int16))
+            for n, p in model.named_parameters())
     finally:
         sync.close()
