@@ -293,8 +293,7 @@ class DeltaDiff:
 
     def _diffed(self) -> list[Ordered]:
         seqs, names = self.seqs, self.names
-        patches = self.store.prepare_many(list(zip(names, self.news)), batched=self.batched,
-                                          streamed=self.tensors.dtype or True)
+        patches = self.store.prepare_lists(names, self.news, batched=self.batched, streamed=self.tensors.dtype or True)
         out = [Ordered(seq, p) for seq, p in zip(seqs, patches) if p is not None]
         if self.batched and self.store.world_size > 1 and any(isinstance(o.patch, PatchBatch) for o in out):
             seq_of = dict(zip(names, seqs))  # (the ranks' gather orders a batch's tensors by it)

@@ -184,8 +184,8 @@ class SnapshotStore:
         """
         return self.prepare_many([(name, tensor)], full=full)[0]
 
-    def prepare_many(self, items: list[tuple[str, torch.Tensor]], *, full: bool = False, batched: bool = False,
-                     streamed: torch.dtype | bool = False) -> list[Patch | PatchBatch | None]:
+    def prepare_many(self, items: list[tuple[str, torch.Tensor]], *, full: bool = False, batched: bool = False
+                     ) -> list[Patch | PatchBatch | None]:
         """:meth:`prepare` of ``(name, tensor)`` items, their diffs run together (a model's many small
         tensors share the host kernel's calls). A bad item raises before anything of ``items`` is
         diffed; what was staged before stays staged until :meth:`rollback`.
@@ -193,13 +193,29 @@ class SnapshotStore:
         With ``batched``, the sparse patches of the tensors the kernel scanned together come as one
         :class:`~delta_sync.patch.PatchBatch` per element width, at the position of its first tensor
         (None at the others', and where nothing changed): no Python object per changed tensor.
-        ``streamed``: the tensors come from a :class:`~delta_sync.prepare.TensorStream` (each name
-        once per update), of the dtype given here where it is one (that of the stream). The tensors
-        may require grad: the bits are read, never a graph, and what is kept of them is detached."""
+        The tensors may require grad: the bits are read, never a graph, and what is kept of them is
+        detached."""
         if not full and self._facts:
-            known = self._prepare_known(items, batched, streamed)
+            known = self._prepare_known(list(map(_NAME, items)), list(map(_TENSOR, items)), batched, False)
             if known is not None:
                 return known
+        return self._prepare_each(items, full, batched)
+
+    def prepare_lists(self, names: list[str], tensors: list[torch.Tensor], *, batched: bool = False,
+                      streamed: torch.dtype | bool = False) -> list[Patch | PatchBatch | None]:
+        """:meth:`prepare_many` of a delta's ``names[k]``, ``tensors[k]`` given as two lists (a
+        model's ~19k tensors: no pair made per tensor where the checks as lists hold). ``streamed``:
+        the tensors come from a :class:`~delta_sync.prepare.TensorStream` (each name once per
+        update), of the dtype given here where it is one (that of the stream)."""
+        if self._facts:
+            known = self._prepare_known(names, tensors, batched, streamed)
+            if known is not None:
+                return known
+        return self._prepare_each(list(zip(names, tensors)), False, batched)
+
+    def _prepare_each(self, items: list[tuple[str, torch.Tensor]], full: bool, batched: bool
+                      ) -> list[Patch | PatchBatch | None]:
+        """:meth:`prepare_many` with a step per tensor (what the checks as lists did not take)."""
         out: list[Patch | PatchBatch | None] = [None] * len(items)
         diffs: list[tuple[int, torch.Tensor]] = []  # (item, its tensor on the snapshot's device)
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (its snapshot, that tensor), for the differ
@@ -248,7 +264,7 @@ class SnapshotStore:
             self._diff(items, diffs, pairs, facts, batched, out)
         return out
 
-    def _prepare_known(self, items: list[tuple[str, torch.Tensor]], batched: bool, streamed: torch.dtype | bool
+    def _prepare_known(self, names: list[str], news: list[torch.Tensor], batched: bool, streamed: torch.dtype | bool
                        ) -> list | None:
         """:meth:`prepare_many` of a delta whose every tensor the host kernel scans in one width: each
         one's snapshot and its facts known, the new tensor host memory of the snapshot's shape and
@@ -259,7 +275,6 @@ class SnapshotStore:
         needs no detached view here (a dense patch's copy is detached, ``_own``)."""
         if self.device.type != "cpu" or not self.differ.use_native or native.kernel() is None:
             return None
-        names, news = list(map(_NAME, items)), list(map(_TENSOR, items))
         plan = self._plan(names)
         if plan is None or not all(map(_ON_HOST, news)):
             return None
@@ -275,9 +290,9 @@ class SnapshotStore:
                 return None
         if not streamed:  # (a stream names each tensor once per update: its own check)
             self._unstaged_all(names)
-        out: list[Patch | PatchBatch | None] = [None] * len(items)
+        out: list[Patch | PatchBatch | None] = [None] * len(names)
         b = self.differ.absorb_known(plan.bases, news, plan.known, ptrs, facts=(plan.words, plan.ptrs))
-        self._take([(b, m._replace(news=news, given=news, at=range(len(items))), plan.bases)], batched, out)
+        self._take([(b, m._replace(news=news, given=news, at=range(len(names))), plan.bases)], batched, out)
         return out
 
     def _plan(self, names: list[str]) -> _Plan | None:
