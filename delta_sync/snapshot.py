@@ -81,10 +81,12 @@ MAX_PLANS = 256
 
 
 class _Members(NamedTuple):
-    """A kernel batch's members, in member order: checkpoint names, the tensors diffed, the caller's
-    tensors (a full patch copies where they are the same memory), their snapshots' shapes, dtypes
-    (``dtype``: the one of all, else None) and 64-bit words (int64, on the host), the element width
-    the kernel scanned them with, positions in the output."""
+    """A diff batch's members (one element width, scanned together by the host kernel or by torch
+    ops), in member order: checkpoint names, the tensors diffed, the caller's tensors (a full patch
+    copies where they are the same memory), their snapshots' shapes, dtypes (``dtype``: the one of
+    all, else None) and bytes (int64, on the host), the element width, positions in the output.
+    Bytes and width are the snapshots' own, not the host kernel's facts (which are 0 for a device
+    snapshot: a dense test on those made every changed device tensor a full patch)."""
 
     names: list[str]
     news: list[torch.Tensor]
@@ -92,7 +94,7 @@ class _Members(NamedTuple):
     shapes: list[tuple[int, ...]]
     dtypes: list[torch.dtype]
     dtype: torch.dtype | None
-    words: torch.Tensor
+    nbytes: torch.Tensor
     width: int
     at: list[int] | range
 
@@ -101,7 +103,7 @@ class _Members(NamedTuple):
            at: list[int] | range) -> "_Members":
         dtypes = list(map(_DTYPE, facts))
         return cls(names, news, given, list(map(_SHAPE, facts)), dtypes, _one(dtypes),
-                   torch.tensor([f.kernel.words for f in facts], dtype=torch.int64), facts[0].kernel.width, at)
+                   torch.tensor(list(map(_FACT_BYTES, facts)), dtype=torch.int64), dtypes[0].itemsize, at)
 
 
 def _one(dtypes: list[torch.dtype]) -> torch.dtype | None:
@@ -124,16 +126,22 @@ class _Plan(NamedTuple):
 
 
 class _Facts(NamedTuple):
-    """What a delta needs of a snapshot, fixed while it lives: the kernel's facts, its shape, dtype."""
+    """What a delta needs of a snapshot, fixed while it lives: the kernel's facts, its shape, dtype,
+    bytes."""
 
     kernel: KernelFacts
     shape: tuple[int, ...]
     dtype: torch.dtype
+    nbytes: int
+
+
+_FACT_BYTES = operator.attrgetter("nbytes")
 
 
 def _facts_of_snapshots(snaps: list[torch.Tensor]) -> list[_Facts]:
     """Each snapshot's :class:`_Facts` (its kernel facts worked out together)."""
-    return list(map(_Facts, kernel_facts_many(snaps), map(tuple, map(_SHAPE, snaps)), map(_DTYPE, snaps)))
+    return list(map(_Facts, kernel_facts_many(snaps), map(tuple, map(_SHAPE, snaps)), map(_DTYPE, snaps),
+                    map(_FACT_BYTES, snaps)))
 
 
 #: a tensor of one of the delta's kernel batches: its undo is the batch's (``SnapshotStore._undo``)
@@ -390,7 +398,7 @@ class SnapshotStore:
         those where dense is smaller (the batches' buffers then leave them out). The members' shapes,
         dtypes and sizes are their snapshots' (``m``): no call on a tensor per member."""
         counts = b.counts.tolist()
-        dense = b.counts * (4 + m.width) > m.words * 8  # dense_is_smaller, for every member at once
+        dense = b.counts * (4 + m.width) > m.nbytes  # dense_is_smaller, for every member at once
         for k in dense.nonzero().squeeze(1).tolist():
             out[m.at[k]] = Patch.full(m.names[k], _own(m.news[k], m.given[k]))
         nonzero = b.counts > 0

@@ -434,6 +434,7 @@ def bench_pipeline(device, g, shapes: dict[str, tuple[int, ...]], density: float
     params, got, views = _engine_layout(state)  # the receiver's weights, fused as an engine's
     routes: list = []  # the receiver's TableRoutes, made at the first delta (an engine's, per catalogue)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    perturbed = sum(max(1, int(t.numel() * density)) for t in state.values())  # at most, per delta (_perturb)
     place, sink, placed = _in_place_receiver(got)
     tx, rx = _channel_pair(device, "device-check-pipeline")
     store = SnapshotStore(device=device)
@@ -446,6 +447,7 @@ def bench_pipeline(device, g, shapes: dict[str, tuple[int, ...]], density: float
     counted = len(plan) - 1 if count_ops else -1
     profiled = len(plan) - 1 - count_ops  # the last timed delta
     done: list[dict] = []  # per version, the receiver's stage times
+    payloads: list[int] = []  # per version, the bytes the sender's buckets carried
     sending: list[float] = []  # per version, when the sender began to send
     # the last timed delta of one side (``profile_side``: one profiler per process)
     profile = cProfile.Profile() if profile_dir else None
@@ -517,7 +519,7 @@ def bench_pipeline(device, g, shapes: dict[str, tuple[int, ...]], density: float
                     sync()
                     t1 = time.perf_counter()
                     sending.append(t1)
-                    send_update(tx, v, kind, patches)
+                    payloads.append(send_update(tx, v, kind, patches).payload_bytes)
                     t2 = time.perf_counter()
                     store.commit(v)
                     if flat is not None:
@@ -549,6 +551,10 @@ def bench_pipeline(device, g, shapes: dict[str, tuple[int, ...]], density: float
             pstats.Stats(profile, stream=f).sort_stats("cumulative").print_stats(40)
     exact = all(torch.equal(got[n].view(torch.int16), t.view(torch.int16)) for n, t in state.items())
     assert exact, "the receiver's tensors differ from the sender's"
+    for kind, sent in zip(plan, payloads):  # a delta sends its changes (an int32 index and a value each)
+        assert kind != "delta" or sent <= 16 * perturbed + (1 << 20), (
+            f"a {density:.2%} delta sent {sent} B for at most {perturbed} changed elements: whole tensors "
+            "instead of their changes")
 
     t_copy = _best_of(lambda: [got[n].copy_(t) for n, t in state.items()], sync)
     t_digest = _best_of(lambda: scan_many([(t.view(-1), 0, None) for t in state.values()]), sync)

@@ -547,6 +547,41 @@ def test_a_delta_of_known_snapshots_checked_as_lists_equals_the_tensor_by_tensor
             assert torch.equal(int_view(store.snapshot_of(n)), int_view(t)), n
 
 
+@pytest.mark.parametrize("snapshots", ["host", "device-standin"])
+def test_a_batched_delta_on_the_torch_path_sends_changed_elements_not_whole_tensors(snapshots, monkeypatch):
+    """A delta's batches (what WeightSync always asks for) decide per tensor whether a full patch is
+    smaller than its changes, from the snapshots' bytes and element width. On a device the host
+    kernel's facts of a snapshot are 0 (it does not scan device memory); decided on those, every
+    changed device tensor went whole, a 0.2% delta as large as a seed. Device snapshots are stood
+    for here by those facts (what ``kernel_facts_many`` gives for them) on the torch-ops path that
+    devices take; the patches must be the host path's: sparse where few elements changed, whole
+    where most did."""
+    from delta_sync import snapshot as snapshot_module
+    from delta_sync.diff import KernelFacts
+
+    if snapshots == "device-standin":
+        monkeypatch.setattr(snapshot_module, "kernel_facts_many",
+                            lambda snaps: [KernelFacts(0, 0, t.data_ptr()) for t in snaps])
+    g = torch.Generator().manual_seed(21)
+    state = {f"t{i}": torch.randn(64, 32, generator=g).bfloat16() for i in range(6)}
+    state["small"] = torch.randn(8, generator=g).bfloat16()
+    got = {}
+    for path, differ in (("torch ops", BitwiseDiff(use_native=False)), ("host kernel", BitwiseDiff())):
+        store = SnapshotStore(differ=differ)
+        store.prepare_many([(n, t.clone()) for n, t in state.items()], full=True)
+        store.commit(0)
+        new = {n: t.clone() for n, t in state.items()}
+        for t in new.values():
+            t.view(-1)[::500] += 1  # a few elements of each
+        new["small"] += 1  # every element: whole is smaller
+        out = [p for p in store.prepare_many(list(new.items()), batched=True) if p is not None]
+        whole = sorted(p.name for p in out if isinstance(p, Patch) and p.dense)
+        assert whole == ["small"], (path, whole)
+        assert sum(sum(p.counts) for p in out if isinstance(p, PatchBatch)) == 6 * 5, path
+        got[path] = _patches(out)
+    assert got["torch ops"] == got["host kernel"]
+
+
 def test_a_delta_plan_is_not_used_after_a_seed_moved_the_snapshots():
     """A store keeps each delta batch's plan (its snapshots' addresses, words, shapes) from one delta
     to the next; a seed gives the same names new snapshot memory, so the next delta of the same
