@@ -30,9 +30,10 @@ from __future__ import annotations
 import itertools
 import operator
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Iterator, NamedTuple
 
 import torch
+from torch._utils import _flatten_dense_tensors
 
 from . import native
 from .patch import Patch, check_indexable
@@ -166,14 +167,11 @@ class BitwiseDiff:
         batches of at most ``batch_words`` words (:meth:`_absorb_flat`, into ``batches``); one that
         forms a batch alone (a tensor as large as a batch) through :meth:`absorb`, read where it
         lies and scanned a batch of words at a time (into ``out``)."""
-        for run, adjacent in _adjacent_runs([pairs[i][0] for i in members]):
-            group = members[run[0]:run[1]]
-            for lo, hi in native.capped_groups([pairs[i][0].numel() * pairs[i][0].element_size() // 8
-                                                for i in group], self.batch_words):
-                if hi - lo == 1:
-                    out[group[lo]] = self.absorb(*pairs[group[lo]])
-                else:
-                    batches.append(self._absorb_flat(pairs, group[lo:hi], adjacent))
+        for lo, hi, adjacent in _flat_parts([pairs[i][0] for i in members], self.batch_words):
+            if hi - lo == 1:
+                out[members[lo]] = self.absorb(*pairs[members[lo]])
+            else:
+                batches.append(self._absorb_flat(pairs, members[lo:hi], adjacent))
 
     def absorb_known(self, olds: list[torch.Tensor], news: list[torch.Tensor], known: list[KernelFacts],
                      new_ptrs: list[int], members: list[int] | None = None,
@@ -229,30 +227,45 @@ class BitwiseDiff:
         in one storage (:func:`_adjacent_runs`, e.g. a seed's arena): they are read and advanced
         there as one span, with no view or copy per tensor."""
         old0 = pairs[members[0]][0]
-        dev, width = old0.device, old0.element_size()
-        lanes, lane_dtype = 8 // width, _INT_VIEW[width]
-        shift = lanes.bit_length() - 1
         # one view per tensor and side (a view is a dispatched op too: ~19k tensors at 30B-A3B);
         # a batch of one dtype concatenates as it is and is read as words after (dtypes of one
         # width mixed, bf16 and fp16, are read as integers first: a cat would convert them)
         mixed = any(pairs[i][0].dtype != old0.dtype for i in members)
+        lane_dtype = _INT_VIEW[old0.element_size()]
         news = [pairs[i][1].view(-1).view(lane_dtype) if mixed else pairs[i][1].view(-1) for i in members]
-        offs = [0, *itertools.accumulate(pairs[i][0].numel() // lanes for i in members)]
-        total = offs[-1]
+        got = FlatBatch.of([pairs[i][0] for i in members], adjacent)
+        olds = None
+        if got.span is None:
+            olds = [pairs[i][0].view(-1).view(lane_dtype) if mixed else pairs[i][0].view(-1) for i in members]
+        return self._absorb_planned(got, members, news, olds)
+
+    def absorb_flat_known(self, batch: "FlatBatch", news: list[torch.Tensor], members: list[int] | range
+                          ) -> "Absorbed":
+        """:meth:`_absorb_flat` of snapshots whose :class:`FlatBatch` the caller keeps (a store's delta
+        plan on the torch path): ``news`` contiguous, of the snapshots' shapes and one dtype, on
+        their device, word-aligned (the caller checked them as lists); no per-tensor step here
+        but the flattening, done in one call (views made by torch's own loop, not Python's)."""
+        olds = None if batch.span is not None else [o.view(-1) for o in batch.olds]
+        return self._absorb_planned(batch, members, None, olds, flat_new=_flatten(news))
+
+    def _absorb_planned(self, batch: "FlatBatch", members: list[int] | range, news: list[torch.Tensor] | None,
+                        olds: list[torch.Tensor] | None, flat_new: torch.Tensor | None = None) -> "Absorbed":
+        """The scan of :meth:`_absorb_flat`: ``news`` (flat views, or ``flat_new`` already joined) against
+        the batch's snapshots (``batch.span``, or ``olds`` as flat views), the snapshots advanced."""
+        lanes, lane_dtype = batch.lanes, _INT_VIEW[8 // batch.lanes]
+        shift = lanes.bit_length() - 1
         # both sides gathered into one buffer each: two copies of the batch cost less on a device
         # than a compare and two gathers per tensor (launches, not bytes, bound small tensors there);
         # snapshots back to back are read where they lie
-        span = old0.as_strided((total * lanes,), (1,), old0.storage_offset()).view(torch.int64) \
-            if adjacent else None  # (its members' bits, whatever their dtypes of this width)
-        olds = None
-        if span is None:
-            olds = [pairs[i][0].view(-1).view(lane_dtype) if mixed else pairs[i][0].view(-1) for i in members]
+        span = batch.span
         old_all = span if span is not None else torch.cat(olds).view(torch.int64)
-        new_all = torch.cat(news).view(torch.int64)
+        new_all = (flat_new if flat_new is not None else torch.cat(news)).view(torch.int64)
+        if news is None and span is None:
+            news = list(flat_new.view(lane_dtype).split(batch.numels))  # (views: the multi-tensor copy's sources)
         words, hit, new_w, old_w = self._scan_words(old_all, new_all, lane_dtype)
         del old_all, new_all
         hit_word = hit >> shift
-        starts = torch.tensor(offs[:-1], dtype=torch.int64, device=dev)
+        starts = batch.starts
         member = torch.searchsorted(starts, words, right=True) - 1
         per_member = torch.bincount(member, minlength=len(members))  # changed words of each member
         local = words - starts.take(member)  # word positions in their own tensor
@@ -407,6 +420,60 @@ class Absorbed:
     def restore(self, snapshots: list[torch.Tensor]) -> None:
         """Put the members' snapshots (in member order) back as they were before the scan."""
         native.put_back_many(snapshots, self.counts, self.indices, self.old)
+
+
+class FlatBatch(NamedTuple):
+    """What a torch-path scan (:meth:`BitwiseDiff._absorb_flat`) needs of a batch's snapshots (whole
+    64-bit words, one element width, one device), fixed while their memory lives: the snapshots,
+    elements per word, each one's elements, each one's first word in the batch (int64, on their
+    device) and, where they lie back to back in one storage, all their words where they lie."""
+
+    olds: list[torch.Tensor]
+    lanes: int
+    numels: list[int]
+    starts: torch.Tensor
+    span: torch.Tensor | None
+
+    @classmethod
+    def of(cls, olds: list[torch.Tensor], adjacent: bool) -> "FlatBatch":
+        old0 = olds[0]
+        lanes = 8 // old0.element_size()
+        numels = list(map(torch.Tensor.numel, olds))
+        offs = [0, *itertools.accumulate(n // lanes for n in numels)]
+        span = old0.as_strided((offs[-1] * lanes,), (1,), old0.storage_offset()).view(torch.int64) \
+            if adjacent else None  # (its members' bits, whatever their dtypes of this width)
+        return cls(olds, lanes, numels, torch.tensor(offs[:-1], dtype=torch.int64, device=old0.device), span)
+
+
+def flat_batches(olds: list[torch.Tensor], batch_words: int) -> list[tuple[int, int, FlatBatch]] | None:
+    """``olds`` (snapshots) cut as :meth:`BitwiseDiff.absorb_batched` cuts a torch-path batch (runs
+    lying back to back, at most ``batch_words`` words each): ``(lo, hi, its FlatBatch)`` per part;
+    None where they are not all of one element width and device in whole 64-bit words
+    (:func:`_whole_words`), or one part would hold a single tensor (scanned on its own there)."""
+    if (not olds or olds[0].element_size() not in _INT_VIEW
+            or list(map(torch.Tensor.get_device, olds)).count(olds[0].get_device()) != len(olds)
+            or list(map(torch.Tensor.element_size, olds)).count(olds[0].element_size()) != len(olds)
+            or not all(map(_whole_words, olds, olds))):
+        return None
+    parts = list(_flat_parts(olds, batch_words))
+    if any(hi - lo == 1 for lo, hi, _ in parts):
+        return None
+    return [(lo, hi, FlatBatch.of(olds[lo:hi], adjacent)) for lo, hi, adjacent in parts]
+
+
+def _flat_parts(olds: list[torch.Tensor], batch_words: int) -> Iterator[tuple[int, int, bool]]:
+    """``(lo, hi, adjacent)``: ``olds`` in runs lying back to back or not (:func:`_adjacent_runs`),
+    each cut to at most ``batch_words`` words (a larger tensor alone)."""
+    for (lo, hi), adjacent in _adjacent_runs(olds):
+        for a, b in native.capped_groups([t.numel() * t.element_size() // 8 for t in olds[lo:hi]], batch_words):
+            yield lo + a, lo + b, adjacent
+
+
+def _flatten(ts: list[torch.Tensor]) -> torch.Tensor:
+    """``ts`` (contiguous, one dtype) joined flat in one call (their views made by torch's own loop,
+    not one Python call each); never part of an autograd graph (the bits are read)."""
+    with torch.no_grad():
+        return _flatten_dense_tensors(ts)
 
 
 class KernelFacts(NamedTuple):

@@ -487,18 +487,35 @@ def _patches(out):
     return got
 
 
+def _seeded_and_changed(stores, base: dict[str, torch.Tensor], every: int) -> dict[str, torch.Tensor]:
+    """Each store seeded with ``base`` and one delta past it (a store learns its snapshots' facts at
+    a first diff); ``base`` with every ``every``-th element of each tensor changed."""
+    for store in stores:
+        store.prepare_many([(n, t.clone()) for n, t in base.items()], full=True)
+        store.commit(0)
+        store.prepare_many([(n, t.clone()) for n, t in base.items()])
+        store.commit(1)
+    new = {n: t.clone() for n, t in base.items()}
+    for t in new.values():
+        t.view(-1)[::every] += 1
+    return new
+
+
+@pytest.mark.parametrize("path", ["host kernel", "torch ops"])
 @pytest.mark.parametrize("case", ["usual", "unaligned", "strided", "two-widths", "reshaped", "requires-grad"])
-def test_a_delta_of_known_snapshots_checked_as_lists_equals_the_tensor_by_tensor_path(case, monkeypatch):
-    """A delta whose every tensor the kernel scans in one width takes the store's list-wise checks
-    (``_prepare_known``), a parameter that requires grad among them (read by address; a dense
-    patch's copy comes detached); anything else (a new tensor not word-aligned or not contiguous, a
-    batch of two widths) goes tensor by tensor, and a changed shape is refused naming the tensor.
-    Both give the same patches, advance the snapshots alike and roll back alike."""
+def test_a_delta_of_known_snapshots_checked_as_lists_equals_the_tensor_by_tensor_path(case, path, monkeypatch):
+    """A delta whose every tensor is scanned in one width takes the store's list-wise checks
+    (``_prepare_known``; on the torch-ops path devices take, ``_prepare_flat``: the scan batches'
+    layout kept, the new tensors joined in one call), a parameter that requires grad among them
+    (read by address or joined without a graph; a dense patch's copy comes detached); anything else
+    (a new tensor not word-aligned or not contiguous, a batch of two widths, on the torch path of two
+    dtypes) goes tensor by tensor, and a changed shape is refused naming the tensor. Both give the
+    same patches, advance the snapshots alike and roll back alike."""
     g = torch.Generator().manual_seed(11)
     base = {f"t{i}": torch.randn(4 * (i + 1), generator=g).bfloat16() for i in range(6)}
     if case == "two-widths":
         base["f"] = torch.randn(10, generator=g)
-    stores = {"lists": SnapshotStore(), "one by one": SnapshotStore()}
+    stores = {k: SnapshotStore(differ=BitwiseDiff(use_native=path == "host kernel")) for k in ("lists", "one by one")}
     taken = []
     real = SnapshotStore._prepare_known
 
@@ -507,14 +524,7 @@ def test_a_delta_of_known_snapshots_checked_as_lists_equals_the_tensor_by_tensor
         taken.append(got is not None)
         return got
     monkeypatch.setattr(SnapshotStore, "_prepare_known", spy)
-    for store in stores.values():
-        store.prepare_many([(n, t.clone()) for n, t in base.items()], full=True)
-        store.commit(0)
-        store.prepare_many([(n, t.clone()) for n, t in base.items()])  # the facts are learned at a first diff
-        store.commit(1)
-    new = {n: t.clone() for n, t in base.items()}
-    for t in new.values():
-        t.view(-1)[::3] += 1
+    new = _seeded_and_changed(stores.values(), base, 3)
     if case == "unaligned":  # same values, starting one element into a buffer
         buf = torch.empty(new["t2"].numel() + 1, dtype=torch.bfloat16)
         new["t2"] = buf[1:].copy_(new["t2"])
@@ -580,6 +590,34 @@ def test_a_batched_delta_on_the_torch_path_sends_changed_elements_not_whole_tens
         assert sum(sum(p.counts) for p in out if isinstance(p, PatchBatch)) == 6 * 5, path
         got[path] = _patches(out)
     assert got["torch ops"] == got["host kernel"]
+
+
+def test_a_torch_path_delta_failing_in_a_later_batch_puts_every_snapshot_back(monkeypatch):
+    """On the torch path a planned delta scans its batches one after the other (``_prepare_flat``);
+    one failing after others advanced their snapshots (a device out of memory) must leave every
+    snapshot as it was, and the same delta afterwards gives the patches of a store that never
+    failed."""
+    g = torch.Generator().manual_seed(31)
+    base = {f"t{i}": torch.randn(64, generator=g).bfloat16() for i in range(12)}
+    stores = [SnapshotStore(differ=BitwiseDiff(use_native=False, batch_words=48)) for _ in range(2)]
+    new = _seeded_and_changed(stores, base, 7)
+    calls = []
+    real = BitwiseDiff.absorb_flat_known
+
+    def failing(self, batch, news, members):
+        calls.append(len(news))
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError("no device memory for batch 3")
+        return real(self, batch, news, members)
+    with monkeypatch.context() as mp:
+        mp.setattr(BitwiseDiff, "absorb_flat_known", failing)
+        with pytest.raises(torch.OutOfMemoryError, match="batch 3"):
+            stores[0].prepare_many(list(new.items()), batched=True)
+    assert len(calls) == 3 and sum(calls) < len(base)  # (several planned batches; two advanced first)
+    assert all(torch.equal(int_view(stores[0].snapshot_of(n)), int_view(t)) for n, t in base.items())
+    stores[0].rollback()
+    got = [_patches(store.prepare_many(list(new.items()), batched=True)) for store in stores]
+    assert got[0] == got[1] and len(got[0]) == len(base)
 
 
 def test_a_delta_plan_is_not_used_after_a_seed_moved_the_snapshots():
