@@ -267,9 +267,12 @@ class BitwiseDiff:
         hit_word = hit >> shift
         starts = batch.starts
         member = torch.searchsorted(starts, words, right=True) - 1
-        per_member = torch.bincount(member, minlength=len(members))  # changed words of each member
+        # each member's end among the changed words, then among their lanes (searches: a bincount
+        # reads its input's min and max back on CUDA, two host syncs more)
+        ends = torch.searchsorted(words, batch.ends)
+        per_member = torch.diff(ends, prepend=ends.new_zeros(1))  # changed words of each member
         local = words - starts.take(member)  # word positions in their own tensor
-        cuts = torch.searchsorted(hit_word, torch.cumsum(per_member, 0))  # each member's end among the lanes
+        cuts = torch.searchsorted(hit_word, ends)
         # both cross to the host in one read
         counts, cuts = torch.stack([per_member, cuts]).cpu().unbind(0)
         hits = torch.diff(cuts, prepend=cuts.new_zeros(1))
@@ -432,6 +435,7 @@ class FlatBatch(NamedTuple):
     lanes: int
     numels: list[int]
     starts: torch.Tensor
+    ends: torch.Tensor  # (each one's first word after it)
     span: torch.Tensor | None
 
     @classmethod
@@ -439,26 +443,26 @@ class FlatBatch(NamedTuple):
         old0 = olds[0]
         lanes = 8 // old0.element_size()
         numels = list(map(torch.Tensor.numel, olds))
-        offs = [0, *itertools.accumulate(n // lanes for n in numels)]
-        span = old0.as_strided((offs[-1] * lanes,), (1,), old0.storage_offset()).view(torch.int64) \
+        words = [0, *itertools.accumulate(n // lanes for n in numels)]
+        offs = torch.tensor(words, dtype=torch.int64, device=old0.device)
+        span = old0.as_strided((words[-1] * lanes,), (1,), old0.storage_offset()).view(torch.int64) \
             if adjacent else None  # (its members' bits, whatever their dtypes of this width)
-        return cls(olds, lanes, numels, torch.tensor(offs[:-1], dtype=torch.int64, device=old0.device), span)
+        return cls(olds, lanes, numels, offs[:-1], offs[1:], span)
 
 
-def flat_batches(olds: list[torch.Tensor], batch_words: int) -> list[tuple[int, int, FlatBatch]] | None:
+def flat_batches(olds: list[torch.Tensor], batch_words: int) -> list[tuple[int, int, FlatBatch | None]] | None:
     """``olds`` (snapshots) cut as :meth:`BitwiseDiff.absorb_batched` cuts a torch-path batch (runs
-    lying back to back, at most ``batch_words`` words each): ``(lo, hi, its FlatBatch)`` per part;
-    None where they are not all of one element width and device in whole 64-bit words
-    (:func:`_whole_words`), or one part would hold a single tensor (scanned on its own there)."""
+    lying back to back, at most ``batch_words`` words each): ``(lo, hi, its FlatBatch)`` per part,
+    None for a part of one tensor (as large as a batch, or alone between runs: scanned on its own,
+    :meth:`BitwiseDiff.absorb`); None where they are not all of one element width and device in
+    whole 64-bit words (:func:`_whole_words`)."""
     if (not olds or olds[0].element_size() not in _INT_VIEW
             or list(map(torch.Tensor.get_device, olds)).count(olds[0].get_device()) != len(olds)
             or list(map(torch.Tensor.element_size, olds)).count(olds[0].element_size()) != len(olds)
             or not all(map(_whole_words, olds, olds))):
         return None
-    parts = list(_flat_parts(olds, batch_words))
-    if any(hi - lo == 1 for lo, hi, _ in parts):
-        return None
-    return [(lo, hi, FlatBatch.of(olds[lo:hi], adjacent)) for lo, hi, adjacent in parts]
+    return [(lo, hi, FlatBatch.of(olds[lo:hi], adjacent) if hi - lo > 1 else None)
+            for lo, hi, adjacent in _flat_parts(olds, batch_words)]
 
 
 def _flat_parts(olds: list[torch.Tensor], batch_words: int) -> Iterator[tuple[int, int, bool]]:

@@ -127,14 +127,16 @@ class _Plan(NamedTuple):
 
 class _FlatPlan(NamedTuple):
     """A delta batch of these names on the torch path (device snapshots, or no host kernel), kept as
-    a :class:`_Plan` is: the snapshots' device index, all members (their shapes and dtype, what the
-    new tensors are checked against), and the scan batches (``lo``, ``hi``, the
-    :class:`~delta_sync.diff.FlatBatch` of ``lo:hi``, its members)."""
+    a :class:`_Plan` is: the snapshots, their device index, all members (their shapes and dtype,
+    what the new tensors are checked against), and the scan batches (``lo``, ``hi``, the
+    :class:`~delta_sync.diff.FlatBatch` of ``lo:hi`` and its members; None, None for one tensor
+    scanned alone, as large as a batch or alone between runs)."""
 
     names: list[str]
+    bases: list[torch.Tensor]
     device: int
     members: "_Members"
-    batches: list[tuple[int, int, FlatBatch, "_Members"]]
+    batches: list[tuple[int, int, FlatBatch | None, "_Members | None"]]  # (None: a tensor scanned alone)
 
 
 class _Facts(NamedTuple):
@@ -337,23 +339,33 @@ class SnapshotStore:
         if not streamed:  # (a stream names each tensor once per update: its own check)
             self._unstaged_all(names)
         taken: list[tuple[Absorbed, _Members, list[torch.Tensor]]] = []
+        alone: list[tuple[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = []  # (position, its scan)
         try:
             for lo, hi, batch, members in plan.batches:
                 part = news[lo:hi]
+                if batch is None:  # a tensor as large as a batch: scanned where it lies
+                    new = part[0].detach() if part[0].requires_grad else part[0]
+                    alone.append((lo, self.differ.absorb(plan.bases[lo], new)))
+                    continue
                 b = self.differ.absorb_flat_known(batch, part, range(lo, hi))
                 taken.append((b, members._replace(news=part, given=part, at=range(lo, hi)), batch.olds))
-        except BaseException:  # all or nothing: the batches that advanced go back
+        except BaseException:  # all or nothing: what advanced goes back
             for b, _, olds in taken:
                 b.restore(olds)
+            for i, got in alone:
+                restore(plan.bases[i], got[0], got[2])
             raise
+        for i, got in alone:  # (its undo kept before any patch is made, as _diff does)
+            self._staged[names[i]] = _Staged(m.shapes[i], undo=(got[0], got[2]))
         out: list[Patch | PatchBatch | None] = [None] * len(names)
         self._take(taken, batched, out)
+        for i, got in alone:
+            out[i] = self._sparse_or_full((names[i], news[i]), news[i], got[0], got[1])
         return out
 
     def _flat_plan(self, names: list[str]) -> "_FlatPlan | None":
         """The :class:`_FlatPlan` of ``names`` (kept, or worked out now); None where one has no
-        snapshot, or they are not all of one dtype and device in whole 64-bit words, or a batch
-        would hold one tensor alone."""
+        snapshot, or they are not all of one dtype and device in whole 64-bit words."""
         key = ("torch ops", names[0], len(names)) if names else None
         plan = self._plans.get(key)
         if plan is not None and plan.names == names:
@@ -368,9 +380,9 @@ class SnapshotStore:
         cut = flat_batches(bases, self.differ.batch_words) if members.dtype is not None else None
         if cut is None:
             return None
-        batches = [(lo, hi, batch, _Members.of(names[lo:hi], [], [], facts[lo:hi], range(0)))
+        batches = [(lo, hi, batch, _Members.of(names[lo:hi], [], [], facts[lo:hi], range(0)) if batch else None)
                    for lo, hi, batch in cut]
-        plan = _FlatPlan(list(names), bases[0].get_device(), members, batches)
+        plan = _FlatPlan(list(names), bases, bases[0].get_device(), members, batches)
         if len(self._plans) >= MAX_PLANS:
             self._plans.clear()
         self._plans[key] = plan

@@ -593,14 +593,19 @@ def test_a_batched_delta_on_the_torch_path_sends_changed_elements_not_whole_tens
 
 
 def test_a_torch_path_delta_failing_in_a_later_batch_puts_every_snapshot_back(monkeypatch):
-    """On the torch path a planned delta scans its batches one after the other (``_prepare_flat``);
-    one failing after others advanced their snapshots (a device out of memory) must leave every
-    snapshot as it was, and the same delta afterwards gives the patches of a store that never
-    failed."""
+    """On the torch path a planned delta scans its batches one after the other (``_prepare_flat``),
+    a tensor as large as a batch on its own among them (the plan holds for the rest: no step per
+    tensor); one failing after others advanced their snapshots (a device out of memory) must leave
+    every snapshot as it was, and the same delta afterwards gives the patches of the host kernel's
+    path."""
     g = torch.Generator().manual_seed(31)
     base = {f"t{i}": torch.randn(64, generator=g).bfloat16() for i in range(12)}
-    stores = [SnapshotStore(differ=BitwiseDiff(use_native=False, batch_words=48)) for _ in range(2)]
+    base = {**dict(list(base.items())[:4]), "big": torch.randn(256, generator=g).bfloat16(), **dict(list(base.items())[4:])}
+    stores = [SnapshotStore(differ=BitwiseDiff(use_native=False, batch_words=48)), SnapshotStore()]
     new = _seeded_and_changed(stores, base, 7)
+    each = []
+    real_each = SnapshotStore._prepare_each
+    monkeypatch.setattr(SnapshotStore, "_prepare_each", lambda self, *a: each.append(self) or real_each(self, *a))
     calls = []
     real = BitwiseDiff.absorb_flat_known
 
@@ -613,11 +618,12 @@ def test_a_torch_path_delta_failing_in_a_later_batch_puts_every_snapshot_back(mo
         mp.setattr(BitwiseDiff, "absorb_flat_known", failing)
         with pytest.raises(torch.OutOfMemoryError, match="batch 3"):
             stores[0].prepare_many(list(new.items()), batched=True)
-    assert len(calls) == 3 and sum(calls) < len(base)  # (several planned batches; two advanced first)
+    # (several planned batches and the large tensor advanced first)
+    assert len(calls) == 3 and sum(calls) + 1 < len(base) and stores[0] not in each
     assert all(torch.equal(int_view(stores[0].snapshot_of(n)), int_view(t)) for n, t in base.items())
     stores[0].rollback()
     got = [_patches(store.prepare_many(list(new.items()), batched=True)) for store in stores]
-    assert got[0] == got[1] and len(got[0]) == len(base)
+    assert got[0] == got[1] and len(got[0]) == len(base) and stores[0] not in each
 
 
 def test_a_delta_plan_is_not_used_after_a_seed_moved_the_snapshots():
