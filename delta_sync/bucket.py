@@ -1049,19 +1049,23 @@ class _OrderBounds:
     def __init__(self, count_list: list[int], limits: list[int], indices: torch.Tensor):
         self.count_list, self.limits, self.idx = count_list, limits, indices  # int32: compared, never subtracted
         dev = indices.device
-        self.counts = counts = torch.tensor(count_list, dtype=torch.int64, device=dev)
+        # the entries' columns are worked out on the host, from the host lists, and cross in one copy
+        # (a boolean mask over device columns is a nonzero: a host sync each, four per table)
+        counts = torch.tensor(count_list, dtype=torch.int64)
         self.first = first = torch.cumsum(counts, 0) - counts  # each entry's first position in the index buffer
         self.ok = self.wrong = None
         if not indices.numel():
             return
+        self.nonempty = nonempty = counts > 0
+        joins = (first - 1)[(first > 0) & nonempty]  # where one entry's indices meet the next's
+        heads, lens = first[nonempty], counts[nonempty]
+        cols = torch.cat([joins, heads, heads + lens - 1, torch.tensor(limits, dtype=torch.int64)[nonempty]])
+        joins, self.heads, tails, numel = cols.to(dev).split([joins.numel()] + [heads.numel()] * 3)
         if indices.numel() > 1:
             self.ok = indices[1:] > indices[:-1]
-            self.ok[(first - 1)[(first > 0) & (counts > 0)]] = True  # entries do not continue each other
+            self.ok.index_fill_(0, joins, True)  # entries do not continue each other
         # strictly increasing within each entry (checked with it): its first and last index bound all of it
-        self.nonempty = nonempty = counts > 0
-        self.heads, lens = first[nonempty], counts[nonempty]
-        self.lo, hi = indices.index_select(0, self.heads), indices.index_select(0, self.heads + lens - 1)
-        numel = torch.tensor(limits, dtype=torch.int64, device=dev)[nonempty]
+        self.lo, hi = indices.index_select(0, self.heads), indices.index_select(0, tails)
         self.bad = (self.lo < 0) | (hi >= numel)
         self.wrong = (self.bad.any() if self.ok is None else self.bad.any() | ~self.ok.all()).view(1)
 
@@ -1070,7 +1074,7 @@ class _OrderBounds:
         idx, first = self.idx, self.first
         if self.ok is not None and not bool(self.ok.all()):
             pos = first_true(~self.ok) + 1
-            k = int(torch.searchsorted(first, torch.tensor([pos], device=idx.device), right=True)) - 1
+            k = int(torch.searchsorted(first, torch.tensor([pos]), right=True)) - 1  # (first: on the host)
             a, b = int(idx[pos - 1]), int(idx[pos])
             why = f"duplicate index {b}" if a == b else f"indices not increasing: {a} then {b}"
             raise PatchValidationError(name_of(k), why, index=pos - int(first[k]), kept=kept)

@@ -660,6 +660,18 @@ class OpCounter(TorchDispatchMode):
         self.syncs += 1
         self.which[name] = self.which.get(name, 0) + 1
 
+    @staticmethod
+    def _syncs_by_data(name: str, args, kwargs: dict) -> bool:
+        """Operations whose result size or launch waits on device data without a ``nonzero`` of their
+        own in the dispatch: indexing with a boolean mask (a nonzero inside), CUDA's ``bincount``
+        (reads its input's min and max back), ``repeat_interleave`` without ``output_size``."""
+        if name in ("index", "index_put", "index_put_"):
+            indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+            return any(isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in indices or ())
+        if name == "bincount":
+            return True
+        return name == "repeat_interleave" and kwargs.get("output_size") is None and len(args) < 4
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from torch.utils._pytree import tree_leaves
 
@@ -667,7 +679,7 @@ class OpCounter(TorchDispatchMode):
         name = func.overloadpacket.__name__
         given = [t for t in tree_leaves((args, kwargs or {})) if isinstance(t, torch.Tensor)]
         dev = any(map(self.on_device, given))
-        if dev and name in self.SYNCING:
+        if dev and (name in self.SYNCING or self._syncs_by_data(name, args, kwargs or {})):
             self._sync(name)
         out = func(*args, **(kwargs or {}))
         if dev:

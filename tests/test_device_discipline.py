@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from delta_sync import accelerator, collectives
 from delta_sync.collectives import DeviceMismatch
-from delta_sync.errors import DeviceNotAvailable
+from delta_sync.errors import DeviceNotAvailable, PatchValidationError
 
 ROOT = Path(__file__).resolve().parents[1]
 #: torch.distributed calls that move tensors or objects between ranks
@@ -200,9 +200,15 @@ def test_the_op_counter_counts_what_waits_for_a_device_and_nothing_the_host_does
         th = threading.Thread(target=lambda: weights.tolist(), name="delta_sync-test")  # 6
         th.start()
         th.join()
+        # waits that dispatch under other names: a boolean mask (7), CUDA's bincount (8), a
+        # repeat_interleave of unknown length (9); with its length given, none
+        assert weights[weights > 3].numel() == 12 and torch.bincount(weights.long()).numel() == 16
+        assert torch.repeat_interleave(weights.long()).numel() == 120
+        assert torch.repeat_interleave(weights.long(), output_size=120).numel() == 120
     assert seen == [[[0.0, 1.0], [120.0]], []]
-    assert ops.syncs == 6, ops.counts()
-    assert ops.which == {"nonzero": 1, "cpu": 1, "_local_scalar_dense": 1, "numpy": 1, "tolist": 2}
+    assert ops.syncs == 9, ops.counts()
+    assert ops.which == {"nonzero": 1, "cpu": 1, "_local_scalar_dense": 1, "numpy": 1, "tolist": 2, "index": 1,
+                         "bincount": 1, "repeat_interleave": 1}
     assert all(getattr(torch.Tensor, m) is before[m] for m in before)  # the methods as they were
     with FakeTensorMode(allow_non_fake_inputs=True):  # on a (fake) device: a copy to the host waits, once
         x = torch.ones(4, device="cuda")
@@ -211,6 +217,41 @@ def test_the_op_counter_counts_what_waits_for_a_device_and_nothing_the_host_does
             host_sum = staged + 1
         assert ops.which == {"copy_": 1}, ops.counts()
         assert not OpCounter.on_device(staged) and not OpCounter.on_device(host_sum)
+
+
+def test_a_device_tables_checks_wait_for_the_device_once(monkeypatch):
+    """A delta bucket's table is checked by torch ops where its buffers are off the host (order,
+    bounds, finiteness over its columns): the entries' positions come from the host's lists and
+    cross in one copy, so nothing before the verdict's one read waits for the device, however many
+    tensors the table holds (boolean masks over device columns waited four times more per table:
+    on "meta" buffers, which stand for a device's here, such an operation raises, its output size
+    unknown without the data); a bad table is still refused by name."""
+    import delta_sync.bucket as bucket_mod
+    from delta_sync.accelerator import ReadBack
+    from delta_sync.bucket import check_table
+    from delta_sync.catalog import TableSlice
+    from launchers.device_check import OpCounter
+    from tests.test_catalog import _catalog
+
+    monkeypatch.setattr(bucket_mod.native, "sparse_in_order", lambda *a: None)  # what device buffers get
+    cat = _catalog([f"w{i}" for i in range(40)])  # of 16 elements each
+    ids = torch.arange(1, 40, 2)
+    counts = torch.tensor([1 + i % 3 for i in range(len(ids))])
+    indices = torch.cat([torch.arange(c, dtype=torch.int32) * 5 for c in counts.tolist()])
+    values = {"bfloat16": torch.ones(indices.numel(), dtype=torch.bfloat16)}
+    on_device = TableSlice(cat, ids, counts, indices.to("meta"), {k: v.to("meta") for k, v in values.items()},
+                           "bucket 0 of v1")
+    reads = ReadBack()
+    check_table(on_device, reads=reads)  # (its verdict read later, with the bucket's checksum's)
+    assert len(reads._tensors) == 2  # (the order and bounds verdict, the values' finiteness)
+    table = TableSlice(cat, ids, counts, indices, values, "bucket 0 of v1")
+    OpCounter.device(table.indices, *table.values.values())
+    with OpCounter() as ops:
+        check_table(table)
+    assert ops.syncs == 1, ops.counts()
+    table.indices[5] = 99  # the last of w5's three: out of bounds for its 16 elements
+    with pytest.raises(PatchValidationError, match="'w5'.*index 99 out of bounds"):
+        check_table(table)
 
 
 def test_device_check_script_runs_its_checks_on_the_host():
