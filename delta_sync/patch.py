@@ -239,6 +239,16 @@ class PatchBatch:
                 p.validate(kept=kept)
 
 
+def member_elements(keep: list[bool] | torch.Tensor, counts: list[int] | torch.Tensor, device: torch.device
+                    ) -> torch.Tensor:
+    """Positions in a batch's buffers (member ``k``'s ``counts[k]`` elements after those of the
+    members before it) of the elements of the members ``keep`` marks, for ``index_select``: worked
+    out on the host and moved in one copy (a boolean mask over device buffers is a nonzero that
+    waits for the device)."""
+    keep = torch.as_tensor(keep, dtype=torch.bool)
+    return torch.repeat_interleave(keep, torch.as_tensor(counts, dtype=torch.int64)).nonzero().squeeze(1).to(device)
+
+
 def _check_indices(idx: torch.Tensor, numel: int, bad) -> None:
     """Indices inside ``[0, numel)`` and strictly increasing; ``bad(reason, position)`` builds the error."""
     if not idx.numel():

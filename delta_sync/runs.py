@@ -20,7 +20,7 @@ import torch
 
 from delta_sync import native
 from delta_sync.gather import Ordered
-from delta_sync.patch import PatchBatch
+from delta_sync.patch import PatchBatch, member_elements
 
 
 #: elements per step of the plan's run search (bounds its temporaries to ~20 MB)
@@ -213,10 +213,9 @@ def patch_batches(idx: torch.Tensor, bits: torch.Tensor, seqs: list[int], counts
             b = PatchBatch(names, shapes, dt, counts, idx, bits.view(dt), seqs)
         else:
             ks = [k for k, d in enumerate(dtypes) if d is dt]
-            keep = torch.repeat_interleave(torch.tensor([d is dt for d in dtypes], device=idx.device),
-                                           torch.tensor(counts, device=idx.device), output_size=idx.numel())
+            at = member_elements([d is dt for d in dtypes], counts, idx.device)
             b = PatchBatch([names[k] for k in ks], [shapes[k] for k in ks], dt, [counts[k] for k in ks],
-                           idx[keep], bits[keep].view(dt), [seqs[k] for k in ks])
+                           idx.index_select(0, at), bits.index_select(0, at).view(dt), [seqs[k] for k in ks])
         out.append(Ordered(b.seqs[0], b))
     return out
 

@@ -24,7 +24,7 @@ import torch
 from . import native
 from .diff import Absorbed, BitwiseDiff, FlatBatch, KernelFacts, flat_batches, kernel_facts_many, restore, word_aligned
 from .errors import PatchValidationError
-from .patch import DTYPE_NAMES, INT32_MAX, Patch, PatchBatch, check_indexable, dtype_name
+from .patch import DTYPE_NAMES, INT32_MAX, Patch, PatchBatch, check_indexable, dtype_name, member_elements
 
 
 def dense_is_smaller(count: int, numel: int, element_size: int) -> bool:
@@ -495,8 +495,8 @@ class SnapshotStore:
                 continue
             idx, bits = b.indices, b.new
             if bool((sparse != nonzero).any()):  # others share the buffers: this batch's elements alone
-                keep = torch.repeat_interleave(sparse, b.counts).to(idx.device)  # (counts live on the host)
-                idx, bits = idx[keep], bits[keep]
+                at = member_elements(sparse, b.counts, idx.device)  # (counts live on the host)
+                idx, bits = idx.index_select(0, at), bits.index_select(0, at)
             if len(ks) == len(counts):  # (every member changed, sparse: the lists as they are)
                 names, shapes, kept = m.names, m.shapes, counts
             else:

@@ -14,13 +14,14 @@ from delta_sync.memory_receiver import MemoryReceiver
 
 
 def _named(seed: int = 0) -> dict[str, torch.Tensor]:
-    """Odd sizes (not whole 64-bit words), two dtypes, 1-D to 3-D."""
+    """Odd sizes (not whole 64-bit words), three dtypes (two of one width: one run table), 1-D to 3-D."""
     g = torch.Generator().manual_seed(seed)
     out = {f"layers.{i}.w": torch.randn(5 + 3 * i, 7, generator=g).bfloat16() for i in range(6)}
     out["norm.weight"] = torch.randn(13, generator=g).bfloat16()
     out["experts.w"] = torch.randn(3, 4, 9, generator=g).bfloat16()
     out["router.weight"] = torch.randn(11, generator=g)  # float32: a buffer of its own
     out["tail"] = torch.randn(3, generator=g).bfloat16()
+    out["scales"] = torch.randn(6, 5, generator=g).half()  # float16: bf16's width, another dtype
     return out
 
 
