@@ -1019,7 +1019,8 @@ def view_digests(views: list[LoaderView], params: dict[str, torch.Tensor]) -> tu
     :func:`digest_view` for each of ``views``: the contiguous segments of host parameters as rows
     of the digest kernel read in one scan (a drift sweep or a verify names thousands of tensors:
     no host round trip, tensor view or digest object per tensor), any other view through
-    :func:`view_sums`."""
+    :func:`view_sums`, their lanes read back together (a device's parameters: one wait, not one
+    per tensor)."""
     rows, owner, others = [], [], []
     extents: dict[str, tuple[int, int] | None] = {}
     as_rows = rows_supported()
@@ -1032,8 +1033,11 @@ def view_digests(views: list[LoaderView], params: dict[str, torch.Tensor]) -> tu
         owner += [k] * len(made)
     table = sum_rows(scan_rows_table(rows), owner, len(views))[:, :len(PRIMES)] if rows else \
         torch.zeros(len(views), len(PRIMES), dtype=torch.int64)
-    for k in others:
-        table[k] = view_sums(views[k], params)[0].cpu()  # (a host round trip each)
+    sums = [view_sums(views[k], params)[0] for k in others]  # (on the parameters' device)
+    for dev in dict.fromkeys(s.device for s in sums):  # read back once per device, not once per tensor
+        at = [i for i, s in enumerate(sums) if s.device == dev]
+        for i, row in zip(at, torch.stack([sums[i] for i in at]).cpu()):
+            table[others[i]] = row
     return table, [sum(seg.numel for seg in view.segments) for view in views]
 
 
