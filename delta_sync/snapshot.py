@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import native
+from . import accelerator, native
 from .diff import Absorbed, BitwiseDiff, FlatBatch, KernelFacts, flat_batches, kernel_facts_many, restore, word_aligned
 from .errors import PatchValidationError
 from .patch import DTYPE_NAMES, INT32_MAX, Patch, PatchBatch, check_indexable, dtype_name, member_elements
@@ -171,6 +171,9 @@ class SnapshotStore:
 
     def __post_init__(self):
         self.device = torch.device(self.device)
+        if self.device.type != "cpu" and self.device.index is None:  # ("cuda": the current one, as tensors name it;
+            # compared with a tensor's cuda:0 it differed, and every seed bucket was copied again)
+            self.device = torch.device(self.device.type, accelerator.device_module(self.device).current_device())
         self.version: int | None = None
         self._owner: dict[str, int] = {}
         self._load = [0] * self.world_size

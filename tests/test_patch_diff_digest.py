@@ -626,6 +626,22 @@ def test_a_torch_path_delta_failing_in_a_later_batch_puts_every_snapshot_back(mo
     assert got[0] == got[1] and len(got[0]) == len(base) and stores[0] not in each
 
 
+def test_a_store_on_the_current_device_names_it_as_its_tensors_do(monkeypatch):
+    """``snapshot_device="cuda"`` means the current device; the store names it with its index, as
+    every tensor on it does (unnamed, it differed from each tensor's ``cuda:0``, and every seed
+    bucket handed to the store was copied again). The device runtime is stood for here."""
+    from delta_sync import accelerator
+
+    class Runtime:
+        @staticmethod
+        def current_device() -> int:
+            return 1
+    monkeypatch.setattr(accelerator, "device_module", lambda device: Runtime)
+    assert SnapshotStore(device="cuda").device == torch.device("cuda", 1)
+    assert SnapshotStore(device="cuda:0").device == torch.device("cuda", 0)
+    assert SnapshotStore(device="cpu").device == torch.device("cpu")
+
+
 def test_a_delta_plan_is_not_used_after_a_seed_moved_the_snapshots():
     """A store keeps each delta batch's plan (its snapshots' addresses, words, shapes) from one delta
     to the next; a seed gives the same names new snapshot memory, so the next delta of the same
