@@ -246,7 +246,7 @@ class BitwiseDiff:
         their device, word-aligned (the caller checked them as lists); no per-tensor step here
         but the flattening, done in one call (views made by torch's own loop, not Python's)."""
         olds = None if batch.span is not None else [o.view(-1) for o in batch.olds]
-        return self._absorb_planned(batch, members, None, olds, flat_new=_flatten(news))
+        return self._absorb_planned(batch, members, None, olds, flat_new=flatten(news))
 
     def _absorb_planned(self, batch: "FlatBatch", members: list[int] | range, news: list[torch.Tensor] | None,
                         olds: list[torch.Tensor] | None, flat_new: torch.Tensor | None = None) -> "Absorbed":
@@ -473,7 +473,7 @@ def _flat_parts(olds: list[torch.Tensor], batch_words: int) -> Iterator[tuple[in
             yield lo + a, lo + b, adjacent
 
 
-def _flatten(ts: list[torch.Tensor]) -> torch.Tensor:
+def flatten(ts: list[torch.Tensor]) -> torch.Tensor:
     """``ts`` (contiguous, one dtype) joined flat in one call (their views made by torch's own loop,
     not one Python call each); never part of an autograd graph (the bits are read)."""
     with torch.no_grad():

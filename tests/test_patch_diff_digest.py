@@ -642,6 +642,41 @@ def test_a_store_on_the_current_device_names_it_as_its_tensors_do(monkeypatch):
     assert SnapshotStore(device="cpu").device == torch.device("cpu")
 
 
+def test_a_device_trainers_weights_cross_to_host_snapshots_as_one_copy(monkeypatch):
+    """A trainer whose weights are on a device, its snapshots in host memory (``snapshot_device``'s
+    default): a delta's batch is joined on the device and copied to the host once, and the host
+    kernel scans that copy (a copy per tensor waited for the device each time). The same patches
+    as weights on the host, a tensor sent whole included (a view of the copy, of its own shape),
+    the snapshots advanced alike and put back alike; weights on two devices go tensor by tensor.
+    The weights stand for a device's (``is_cpu`` False), the copy is a host copy."""
+    from delta_sync import accelerator
+    from delta_sync import snapshot as snapshot_module
+
+    g = torch.Generator().manual_seed(41)
+    base = {f"t{i}": torch.randn(8, 4 + 4 * i, generator=g).bfloat16() for i in range(9)}
+    stores = [SnapshotStore(), SnapshotStore()]
+    new = _seeded_and_changed(stores, base, 11)
+    new["t3"] += 1  # every element: sent whole
+    copies, each = [], []
+    real_each, real_to_host = SnapshotStore._prepare_each, accelerator.to_host
+    monkeypatch.setattr(SnapshotStore, "_prepare_each", lambda self, *a: each.append(self) or real_each(self, *a))
+    monkeypatch.setattr(accelerator, "to_host", lambda t, **k: copies.append(t.numel()) or real_to_host(t, **k))
+    host = _patches(stores[0].prepare_lists(list(new), list(new.values()), batched=True))
+    with monkeypatch.context() as mp:
+        mp.setattr(snapshot_module, "_ON_HOST", lambda t: False)  # (on a device)
+        got = stores[1].prepare_lists(list(new), list(new.values()), batched=True)
+        whole = [p for p in got if isinstance(p, Patch) and p.dense]
+        assert [p.name for p in whole] == ["t3"] and whole[0].shape == (8, 16)
+        assert _patches(got) == host and copies == [sum(t.numel() for t in base.values())] and not each
+        for store in stores:
+            assert all(torch.equal(int_view(store.snapshot_of(n)), int_view(t)) for n, t in new.items())
+            store.rollback()
+            assert all(torch.equal(int_view(store.snapshot_of(n)), int_view(t)) for n, t in base.items())
+        monkeypatch.setattr(torch.Tensor, "get_device", lambda t: 1 if t is new["t5"] else 0)  # (two devices)
+        assert _patches(stores[1].prepare_lists(list(new), list(new.values()), batched=True)) == host
+        assert each == [stores[1]] and len(copies) == 1
+
+
 def test_a_delta_plan_is_not_used_after_a_seed_moved_the_snapshots():
     """A store keeps each delta batch's plan (its snapshots' addresses, words, shapes) from one delta
     to the next; a seed gives the same names new snapshot memory, so the next delta of the same
