@@ -477,7 +477,7 @@ def flatten(ts: list[torch.Tensor]) -> torch.Tensor:
     """``ts`` (contiguous, one dtype) joined flat in one call (their views made by torch's own loop,
     not one Python call each); never part of an autograd graph (the bits are read)."""
     with torch.no_grad():
-        return _flatten_dense_tensors(ts)
+        return _flatten_dense_tensors(ts).detach()  # (one tensor comes back as a view of itself)
 
 
 class KernelFacts(NamedTuple):

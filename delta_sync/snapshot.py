@@ -189,9 +189,6 @@ class SnapshotStore:
 
     def __post_init__(self):
         self.device = torch.device(self.device)
-        if self.device.type != "cpu" and self.device.index is None:  # ("cuda": the current one, as tensors name it;
-            # compared with a tensor's cuda:0 it differed, and every seed bucket was copied again)
-            self.device = torch.device(self.device.type, accelerator.device_module(self.device).current_device())
         self.version: int | None = None
         self._owner: dict[str, int] = {}
         self._load = [0] * self.world_size
@@ -205,6 +202,15 @@ class SnapshotStore:
         self._plans: dict[tuple | None, _Plan | _FlatPlan] = {}
         #: a delta's kernel batches: each one's old bits and the snapshots they go back into
         self._undo: list[tuple[Absorbed, list[torch.Tensor]]] = []
+
+    def _holds(self, device: torch.device) -> bool:
+        """Is ``device`` the snapshots' device? A store given "cuda" without an index holds the one
+        current when asked, as ``.to("cuda")`` does (compared as given, a tensor's cuda:0 differed,
+        and every seed bucket handed to the store was copied again)."""
+        mine = self.device
+        if mine.index is None and mine.type != "cpu" and device.type == mine.type:
+            return device.index == accelerator.device_module(mine).current_device()
+        return device == mine
 
     # ---- ownership -------------------------------------------------------------------------
     def owner(self, name: str, nbytes: int) -> int:
@@ -272,7 +278,7 @@ class SnapshotStore:
             # (per tensor of a model's ~19k: the checks' calls only where one fails)
             base = bases.get(name)
             new = tensor.detach() if tensor.requires_grad else tensor  # (the bits are read, never a graph)
-            if not (new.is_cpu and on_host) and new.device != self.device:  # (is_cpu: no device object made)
+            if not (new.is_cpu and on_host) and not self._holds(new.device):  # (is_cpu: no device object made)
                 new = new.to(self.device, non_blocking=False)
             if base is not None:  # (its snapshot's dtype and size were checked when it was made)
                 fact = known.get(name)
@@ -349,7 +355,8 @@ class SnapshotStore:
         """``news``, a device trainer's weights of a batch whose snapshots are host memory, brought
         over as one: joined on their device in one call and copied to the host once (a copy per
         tensor waited for the device each time: ~19k waits a delta at 30B-A3B); None where they are
-        not all contiguous, on one device, of the snapshots' shapes and their one dtype."""
+        not all contiguous, on one device, of the snapshots' shapes and their one dtype, or the
+        device has no room to join them (a batch is at most ``DIFF_BATCH_BYTES``)."""
         m = plan.members
         if m.dtype is None or list(map(_SHAPE, news)) != m.shapes or not all(map(torch.Tensor.is_contiguous, news)):
             return None
@@ -357,7 +364,11 @@ class SnapshotStore:
             return None
         if streamed is not m.dtype and list(map(_DTYPE, news)).count(m.dtype) != len(news):
             return None
-        return _HostViews(accelerator.to_host(flatten(news)), plan.starts, m.shapes, 8 // m.width)
+        try:  # (the batch once more in device memory for a moment, and its copy on the host)
+            host = accelerator.to_host(flatten(news))
+        except torch.OutOfMemoryError:  # a trainer's device nearly full: copied tensor by tensor instead
+            return None
+        return _HostViews(host, plan.starts, m.shapes, 8 // m.width)
 
     def _prepare_flat(self, names: list[str], news: list[torch.Tensor], batched: bool, streamed: torch.dtype | bool
                       ) -> list | None:
@@ -550,7 +561,7 @@ class SnapshotStore:
         filled for this and gives up (a seed's bucket, see ``BucketPacker.keep``). A tensor on another
         device than the snapshot's, or not word-aligned for the diff kernel, is copied instead."""
         self._spare.pop(name, None)  # the replaced snapshot's memory goes as the new one arrives
-        if tensor.device != self.device or not tensor.is_contiguous() or not word_aligned(tensor):
+        if not self._holds(tensor.device) or not tensor.is_contiguous() or not word_aligned(tensor):
             self.prepare(name, tensor, full=True)
             return
         self._unstaged(name)

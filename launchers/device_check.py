@@ -670,7 +670,8 @@ class OpCounter(TorchDispatchMode):
             return any(isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in indices or ())
         if name == "bincount":
             return True
-        return name == "repeat_interleave" and kwargs.get("output_size") is None and len(args) < 4
+        return (name == "repeat_interleave" and kwargs.get("output_size") is None
+                and (len(args) == 1 or isinstance(args[1], torch.Tensor)))  # (repeats as a tensor)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from torch.utils._pytree import tree_leaves

@@ -626,20 +626,27 @@ def test_a_torch_path_delta_failing_in_a_later_batch_puts_every_snapshot_back(mo
     assert got[0] == got[1] and len(got[0]) == len(base) and stores[0] not in each
 
 
-def test_a_store_on_the_current_device_names_it_as_its_tensors_do(monkeypatch):
-    """``snapshot_device="cuda"`` means the current device; the store names it with its index, as
-    every tensor on it does (unnamed, it differed from each tensor's ``cuda:0``, and every seed
-    bucket handed to the store was copied again). The device runtime is stood for here."""
+def test_a_store_on_the_current_device_holds_what_lies_there(monkeypatch):
+    """``snapshot_device="cuda"`` means the device current when the store is asked (a trainer may
+    pick its device after making the sync), as ``.to("cuda")`` does; a tensor there is the store's,
+    though it names its index (compared as given, ``cuda`` differed from every ``cuda:0``, and every
+    seed bucket handed to the store was copied again). The device runtime is stood for here."""
     from delta_sync import accelerator
+
+    current = [0]
 
     class Runtime:
         @staticmethod
         def current_device() -> int:
-            return 1
+            return current[0]
     monkeypatch.setattr(accelerator, "device_module", lambda device: Runtime)
-    assert SnapshotStore(device="cuda").device == torch.device("cuda", 1)
-    assert SnapshotStore(device="cuda:0").device == torch.device("cuda", 0)
-    assert SnapshotStore(device="cpu").device == torch.device("cpu")
+    store = SnapshotStore(device="cuda")
+    current[0] = 1  # (set_device after the store was made)
+    assert store._holds(torch.device("cuda", 1)) and not store._holds(torch.device("cuda", 0))
+    assert not store._holds(torch.device("cpu"))
+    assert SnapshotStore(device="cuda:0")._holds(torch.device("cuda", 0))
+    assert not SnapshotStore(device="cuda:0")._holds(torch.device("cuda", 1))
+    assert SnapshotStore()._holds(torch.device("cpu"))
 
 
 def test_a_device_trainers_weights_cross_to_host_snapshots_as_one_copy(monkeypatch):
@@ -647,8 +654,9 @@ def test_a_device_trainers_weights_cross_to_host_snapshots_as_one_copy(monkeypat
     default): a delta's batch is joined on the device and copied to the host once, and the host
     kernel scans that copy (a copy per tensor waited for the device each time). The same patches
     as weights on the host, a tensor sent whole included (a view of the copy, of its own shape),
-    the snapshots advanced alike and put back alike; weights on two devices go tensor by tensor.
-    The weights stand for a device's (``is_cpu`` False), the copy is a host copy."""
+    the snapshots advanced alike and put back alike; weights on two devices, or a device with no
+    room to join them, go tensor by tensor. The weights stand for a device's (``is_cpu`` False),
+    the copy is a host copy."""
     from delta_sync import accelerator
     from delta_sync import snapshot as snapshot_module
 
@@ -672,9 +680,15 @@ def test_a_device_trainers_weights_cross_to_host_snapshots_as_one_copy(monkeypat
             assert all(torch.equal(int_view(store.snapshot_of(n)), int_view(t)) for n, t in new.items())
             store.rollback()
             assert all(torch.equal(int_view(store.snapshot_of(n)), int_view(t)) for n, t in base.items())
+        stores[1].rollback()
+        monkeypatch.setattr(accelerator, "to_host", lambda t, **k: (_ for _ in ()).throw(
+            torch.OutOfMemoryError("no room to join the batch")))  # (a nearly full device)
+        assert _patches(stores[1].prepare_lists(list(new), list(new.values()), batched=True)) == host
+        assert each == [stores[1]]
+        stores[1].rollback()
         monkeypatch.setattr(torch.Tensor, "get_device", lambda t: 1 if t is new["t5"] else 0)  # (two devices)
         assert _patches(stores[1].prepare_lists(list(new), list(new.values()), batched=True)) == host
-        assert each == [stores[1]] and len(copies) == 1
+        assert each == [stores[1]] * 2 and len(copies) == 1
 
 
 def test_a_delta_plan_is_not_used_after_a_seed_moved_the_snapshots():
