@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from delta_sync import accelerator, native
 from delta_sync.digest import (PRIMES, Digest, digest_range, element_sums, range_row, row_spec, rows_supported,
-                               scan_rows_table, sum_rows)
+                               scan_many, scan_rows_table, sum_rows)
 
 
 @dataclass(frozen=True)
@@ -1018,9 +1018,9 @@ def view_digests(views: list[LoaderView], params: dict[str, torch.Tensor]) -> tu
     """Digest lanes, (views, lanes) int64 on the host, and held element counts of
     :func:`digest_view` for each of ``views``: the contiguous segments of host parameters as rows
     of the digest kernel read in one scan (a drift sweep or a verify names thousands of tensors:
-    no host round trip, tensor view or digest object per tensor), any other view through
-    :func:`view_sums`, their lanes read back together (a device's parameters: one wait, not one
-    per tensor)."""
+    no host round trip, tensor view or digest object per tensor); the contiguous segments of
+    device parameters as ranges of one :func:`~delta_sync.digest.scan_many`; any other view
+    through :func:`view_sums`, their lanes read back together (one wait, not one per tensor)."""
     rows, owner, others = [], [], []
     extents: dict[str, tuple[int, int] | None] = {}
     as_rows = rows_supported()
@@ -1033,11 +1033,25 @@ def view_digests(views: list[LoaderView], params: dict[str, torch.Tensor]) -> tu
         owner += [k] * len(made)
     table = sum_rows(scan_rows_table(rows), owner, len(views))[:, :len(PRIMES)] if rows else \
         torch.zeros(len(views), len(PRIMES), dtype=torch.int64)
-    sums = [view_sums(views[k], params)[0] for k in others]  # (on the parameters' device)
+    # contiguous segments of device parameters: as ranges of one scan_many (small ones folded
+    # together, large ones in bounded chunks, one read per device), not element by element (an
+    # int64 position per element: 2.5 GB for a 30B model's embedding, on the device)
+    ranges, owner, rest = [], [], []
+    for k in others:
+        segments = views[k].segments
+        if segments and all(seg.contiguous for seg in segments):
+            ranges += [(seg.dst_view(flat_param(params[seg.param])).reshape(-1), seg.src_offset, None)
+                       for seg in segments]
+            owner += [k] * len(segments)
+        else:
+            rest.append(k)
+    for k, (digest, _) in zip(owner, scan_many(ranges) if ranges else []):
+        table[k] = (table[k] + torch.tensor(digest, dtype=torch.int64)) % _PRIMES
+    sums = [view_sums(views[k], params)[0] for k in rest]  # (on the parameters' device)
     for dev in dict.fromkeys(s.device for s in sums):  # read back once per device, not once per tensor
         at = [i for i, s in enumerate(sums) if s.device == dev]
         for i, row in zip(at, torch.stack([sums[i] for i in at]).cpu()):
-            table[others[i]] = row
+            table[rest[i]] = row
     return table, [sum(seg.numel for seg in view.segments) for view in views]
 
 

@@ -165,13 +165,15 @@ def test_many_views_digested_together_equal_one_by_one():
     assert [(Digest.of_residues(tuple(r)), n) for r, n in zip(table.tolist(), counts)] == \
         [digest_view(v, params) for v in some]
     assert view_digests([], params)[0].shape == (0, 4) and view_digests([], params)[1] == []
-    # a device's parameters: every view's lanes computed there, read back in one wait, not one each
+    # a device's parameters (no kernel rows): contiguous views as ranges of one scan, the others'
+    # lanes computed there and read back in one wait, not one each
     from launchers.device_check import OpCounter
     import patches.loader_views as lv
 
-    real = lv.view_sums
+    real, summed = lv.view_sums, []
 
     def on_device(view, ps):  # (what view_sums gives for device parameters: lanes on the device)
+        summed.append(view.name)
         got = real(view, ps)
         OpCounter.device(got[0])
         return got
@@ -181,6 +183,7 @@ def test_many_views_digested_together_equal_one_by_one():
         with OpCounter() as ops:
             again, _ = view_digests(some, params)
     assert torch.equal(again, table) and ops.which == {"cpu": 1}, ops.counts()
+    assert summed == ["cols", "tr", "none"]  # (q and k: contiguous, no position per element made)
     outside = LoaderView("outside", (40,), torch.float32, [Segment("qk", (40,), 0, (1,), 10, (1,))])
     with pytest.raises(ValueError, match="outside its storage"):
         view_digests([views["q"], outside], params)
