@@ -1014,13 +1014,18 @@ def _run_slices(seg: Segment, flat: torch.Tensor, src: torch.Tensor, start: int
     return flat.narrow(0, seg.dst_offset + lo - seg.src_offset, hi - lo), src.narrow(0, lo - start, hi - lo), lo
 
 
+#: :func:`view_digests`: the most bytes of strided segments copied into runs before they are digested
+RUN_COPY_BYTES = 256 << 20
+
+
 def view_digests(views: list[LoaderView], params: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
     """Digest lanes, (views, lanes) int64 on the host, and held element counts of
     :func:`digest_view` for each of ``views``: the contiguous segments of host parameters as rows
     of the digest kernel read in one scan (a drift sweep or a verify names thousands of tensors:
-    no host round trip, tensor view or digest object per tensor); the contiguous segments of
-    device parameters as ranges of one :func:`~delta_sync.digest.scan_many`; any other view
-    through :func:`view_sums`, their lanes read back together (one wait, not one per tensor)."""
+    no host round trip, tensor view or digest object per tensor); other views whose segments each
+    read one run of the checkpoint (device parameters; transposed experts) as ranges of
+    :func:`~delta_sync.digest.scan_many`; any other view through :func:`view_sums`, their lanes
+    read back together (one wait, not one per tensor)."""
     rows, owner, others = [], [], []
     extents: dict[str, tuple[int, int] | None] = {}
     as_rows = rows_supported()
@@ -1033,20 +1038,26 @@ def view_digests(views: list[LoaderView], params: dict[str, torch.Tensor]) -> tu
         owner += [k] * len(made)
     table = sum_rows(scan_rows_table(rows), owner, len(views))[:, :len(PRIMES)] if rows else \
         torch.zeros(len(views), len(PRIMES), dtype=torch.int64)
-    # contiguous segments of device parameters: as ranges of one scan_many (small ones folded
-    # together, large ones in bounded chunks, one read per device), not element by element (an
-    # int64 position per element: 2.5 GB for a 30B model's embedding, on the device)
-    ranges, owner, rest = [], [], []
+    # segments whose checkpoint side is one run (contiguous ones; vLLM-Ascend's transposed experts):
+    # as ranges of scan_many (small ones folded together, large ones in bounded chunks, one read
+    # per device and call), not element by element (an int64 position per element and ~20
+    # launches per tensor: 2.5 GB on the device for a 30B model's embedding). A strided one is
+    # copied into a run first, at most RUN_COPY_BYTES of copies alive at once.
+    ranges, owner, copied, rest = [], [], [], []
     for k in others:
         segments = views[k].segments
-        if segments and all(seg.contiguous for seg in segments):
-            ranges += [(seg.dst_view(flat_param(params[seg.param])).reshape(-1), seg.src_offset, None)
-                       for seg in segments]
+        if segments and all(seg.src_run for seg in segments):
+            for seg in segments:
+                ranges.append((seg.dst_view(flat_param(params[seg.param])), seg.src_offset, None))
+                copied.append(0 if seg.contiguous else seg.numel * ranges[-1][0].element_size())
             owner += [k] * len(segments)
         else:
             rest.append(k)
-    for k, (digest, _) in zip(owner, scan_many(ranges) if ranges else []):
-        table[k] = (table[k] + torch.tensor(digest, dtype=torch.int64)) % _PRIMES
+    for lo, hi in native.capped_groups(copied, RUN_COPY_BYTES):
+        part = [(v.reshape(-1) if not n else v.contiguous().reshape(-1), start, dst)
+                for (v, start, dst), n in zip(ranges[lo:hi], copied[lo:hi])]
+        for k, (digest, _) in zip(owner[lo:hi], scan_many(part)):
+            table[k] = (table[k] + torch.tensor(digest, dtype=torch.int64)) % _PRIMES
     sums = [view_sums(views[k], params)[0] for k in rest]  # (on the parameters' device)
     for dev in dict.fromkeys(s.device for s in sums):  # read back once per device, not once per tensor
         at = [i for i, s in enumerate(sums) if s.device == dev]

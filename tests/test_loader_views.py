@@ -184,6 +184,20 @@ def test_many_views_digested_together_equal_one_by_one():
             again, _ = view_digests(some, params)
     assert torch.equal(again, table) and ops.which == {"cpu": 1}, ops.counts()
     assert summed == ["cols", "tr", "none"]  # (q and k: contiguous, no position per element made)
+    # experts stored transposed (vLLM-Ascend's w13/w2): each one's checkpoint side one run, the
+    # parameter's strided; copied into runs a bounded number of bytes at a time
+    w = torch.randn(2, 6, 4, generator=g)  # two experts of (4, 6) in the checkpoint, stored (6, 4)
+    experts = [LoaderView(f"e{e}", (4, 6), torch.float32, [Segment("w", (4, 6), 0, (6, 1), 24 * e, (1, 4))])
+               for e in range(2)]
+    assert all(v.segments[0].src_run and not v.segments[0].contiguous for v in experts)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(lv, "rows_supported", lambda: False)
+        mp.setattr(lv, "RUN_COPY_BYTES", 100)  # (one expert's copy at a time)
+        summed.clear()
+        mp.setattr(lv, "view_sums", on_device)
+        got, counts = view_digests(experts + [views["cols"]], {**params, "w": w})
+    assert [(Digest.of_residues(tuple(r)), n) for r, n in zip(got.tolist(), counts)] == \
+        [digest_view(v, {**params, "w": w}) for v in experts + [views["cols"]]] and summed == ["cols"]
     outside = LoaderView("outside", (40,), torch.float32, [Segment("qk", (40,), 0, (1,), 10, (1,))])
     with pytest.raises(ValueError, match="outside its storage"):
         view_digests([views["q"], outside], params)
