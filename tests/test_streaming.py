@@ -948,3 +948,42 @@ def test_a_delta_of_a_models_live_parameters_reads_each_once_and_stays_exact():
             for n, p in model.named_parameters())
     finally:
         sync.close()
+
+
+def test_a_device_trainers_deltas_against_host_snapshots_stay_exact(monkeypatch):
+    """A trainer whose weights are on a device and whose snapshots are in host memory (the default
+    ``snapshot_device``): each delta's batch crosses to the host as one copy and is diffed there; the
+    receiver equals the weights bit for bit after deltas with tensors changed sparsely and one sent
+    whole (a view of that copy, packed as any full patch), and a failed delta leaves it on its
+    version. The weights stand for a device's (``is_cpu`` False to the store), the copy is a host
+    copy."""
+    from delta_sync import accelerator
+    from delta_sync import snapshot as snapshot_module
+
+    g = torch.Generator().manual_seed(17)
+    weights = {f"w{i}": torch.randn(16, 8 + 4 * i, generator=g).bfloat16() for i in range(30)}
+    rx = MemoryReceiver()
+    sync = WeightSync([rx], mode="delta", timeout_s=60)
+    copies = []
+    real_to_host = accelerator.to_host
+    try:
+        sync.update(list(weights.items()))
+        sync.update(list(weights.items()))  # (the store learns its snapshots' facts at a first diff)
+        monkeypatch.setattr(snapshot_module, "_ON_HOST", lambda t: False)  # (on a device)
+        monkeypatch.setattr(accelerator, "to_host", lambda t, **k: copies.append(t.numel()) or real_to_host(t, **k))
+        for step in range(3):
+            for t in weights.values():
+                t.view(-1)[torch.randint(0, t.numel(), (5,), generator=g)] += 1
+            weights[f"w{step}"] += 1  # every element: sent whole
+            rep = sync.update(list(weights.items()))
+            assert rep.kind == "delta" and rx.mismatched(list(weights.items())) == [], step
+        assert len(copies) == 3 and copies[0] == sum(t.numel() for t in weights.values())
+        before = {n: t.clone() for n, t in rx.tensors.items()}
+        weights["w7"] += 1
+        bad = {**weights, "w9": weights["w9"].view(8, -1)}  # reshaped: refused by name
+        with pytest.raises(PatchValidationError, match="w9"):
+            sync.update(list(bad.items()))
+        assert all(torch.equal(rx.tensors[n], t) for n, t in before.items())
+        assert sync.update(list(weights.items())).kind == "delta" and rx.mismatched(list(weights.items())) == []
+    finally:
+        sync.close()
