@@ -457,12 +457,18 @@ def flat_batches(olds: list[torch.Tensor], batch_words: int) -> list[tuple[int, 
     :meth:`BitwiseDiff.absorb`); None where they are not all of one element width and device in
     whole 64-bit words (:func:`_whole_words`)."""
     if (not olds or olds[0].element_size() not in _INT_VIEW
-            or list(map(torch.Tensor.get_device, olds)).count(olds[0].get_device()) != len(olds)
+            or not on_one_device(olds, olds[0].get_device())
             or list(map(torch.Tensor.element_size, olds)).count(olds[0].element_size()) != len(olds)
             or not all(map(_whole_words, olds, olds))):
         return None
     return [(lo, hi, FlatBatch.of(olds[lo:hi], adjacent) if hi - lo > 1 else None)
             for lo, hi, adjacent in _flat_parts(olds, batch_words)]
+
+
+def on_one_device(ts: list[torch.Tensor], device: int) -> bool:
+    """Do ``ts`` all lie on the device of index ``device`` (``get_device``: -1 for the host)? As one
+    list, no Python step per tensor."""
+    return list(map(torch.Tensor.get_device, ts)).count(device) == len(ts)
 
 
 def _flat_parts(olds: list[torch.Tensor], batch_words: int) -> Iterator[tuple[int, int, bool]]:

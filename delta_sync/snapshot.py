@@ -23,8 +23,8 @@ from typing import NamedTuple
 import torch
 
 from . import accelerator, native
-from .diff import (Absorbed, BitwiseDiff, FlatBatch, KernelFacts, flat_batches, flatten, kernel_facts_many, restore,
-                   word_aligned)
+from .diff import (Absorbed, BitwiseDiff, FlatBatch, KernelFacts, flat_batches, flatten, kernel_facts_many,
+                   on_one_device, restore, word_aligned)
 from .errors import PatchValidationError
 from .patch import DTYPE_NAMES, INT32_MAX, Patch, PatchBatch, check_indexable, dtype_name, member_elements
 
@@ -106,6 +106,17 @@ class _Members(NamedTuple):
         dtypes = list(map(_DTYPE, facts))
         return cls(names, news, given, list(map(_SHAPE, facts)), dtypes, _one(dtypes),
                    torch.tensor(list(map(_FACT_BYTES, facts)), dtype=torch.int64), dtypes[0].itemsize, at)
+
+
+def _fit(m: "_Members", news: list[torch.Tensor], streamed: torch.dtype | bool) -> bool:
+    """Do a planned batch's new tensors, checked as whole lists, each lie contiguous with its
+    snapshot's shape and dtype (``streamed``: the stream's dtype, checked as it was read)?"""
+    if list(map(_SHAPE, news)) != m.shapes or not all(map(torch.Tensor.is_contiguous, news)):
+        return False
+    if streamed is m.dtype and m.dtype is not None:  # (a stream of the snapshots' one dtype: checked)
+        return True
+    dtypes = list(map(_DTYPE, news))
+    return dtypes.count(m.dtype) == len(dtypes) if m.dtype is not None else dtypes == m.dtypes
 
 
 def _one(dtypes: list[torch.dtype]) -> torch.dtype | None:
@@ -198,7 +209,7 @@ class SnapshotStore:
         #: each snapshot's kernel facts, shape and dtype, worked out at its first diff (a snapshot's
         #: memory never moves): a delta reads them here, not from the tensor (~19k tensors at 30B-A3B)
         self._facts: dict[str, _Facts] = {}
-        #: by first name and length (see _Plan; a _FlatPlan's key says so first)
+        #: by kind, first name and length (see _Plan, _FlatPlan, _kept_plan)
         self._plans: dict[tuple | None, _Plan | _FlatPlan] = {}
         #: a delta's kernel batches: each one's old bits and the snapshots they go back into
         self._undo: list[tuple[Absorbed, list[torch.Tensor]]] = []
@@ -336,14 +347,8 @@ class SnapshotStore:
             ptrs = list(map(news.host.data_ptr().__add__, map((8).__mul__, plan.starts[:-1])))
         else:
             ptrs = list(map(torch.Tensor.data_ptr, news))
-            if functools.reduce(operator.or_, ptrs, 0) & 7 or not all(map(torch.Tensor.is_contiguous, news)):
+            if functools.reduce(operator.or_, ptrs, 0) & 7 or not _fit(m, news, streamed):
                 return None
-            if list(map(_SHAPE, news)) != m.shapes:
-                return None
-            if streamed is not m.dtype or m.dtype is None:  # (a stream of the snapshots' one dtype: checked)
-                dtypes = list(map(_DTYPE, news))
-                if dtypes.count(m.dtype) != len(dtypes) if m.dtype is not None else dtypes != m.dtypes:
-                    return None
         if not streamed:  # (a stream names each tensor once per update: its own check)
             self._unstaged_all(names)
         out: list[Patch | PatchBatch | None] = [None] * len(names)
@@ -358,11 +363,7 @@ class SnapshotStore:
         not all contiguous, on one device, of the snapshots' shapes and their one dtype, or the
         device has no room to join them (a batch is at most ``DIFF_BATCH_BYTES``)."""
         m = plan.members
-        if m.dtype is None or list(map(_SHAPE, news)) != m.shapes or not all(map(torch.Tensor.is_contiguous, news)):
-            return None
-        if list(map(torch.Tensor.get_device, news)).count(news[0].get_device()) != len(news):
-            return None
-        if streamed is not m.dtype and list(map(_DTYPE, news)).count(m.dtype) != len(news):
+        if m.dtype is None or not _fit(m, news, streamed) or not on_one_device(news, news[0].get_device()):
             return None
         try:  # (the batch once more in device memory for a moment, and its copy on the host)
             host = accelerator.to_host(flatten(news))
@@ -382,11 +383,8 @@ class SnapshotStore:
         if plan is None:
             return None
         m = plan.members
-        if (list(map(_SHAPE, news)) != m.shapes or list(map(torch.Tensor.get_device, news)).count(plan.device)
-                != len(news) or not all(map(torch.Tensor.is_contiguous, news))
+        if (not _fit(m, news, streamed) or not on_one_device(news, plan.device)
                 or functools.reduce(operator.or_, map(torch.Tensor.data_ptr, news), 0) & 7):
-            return None
-        if streamed is not m.dtype and list(map(_DTYPE, news)).count(m.dtype) != len(news):
             return None
         if not streamed:  # (a stream names each tensor once per update: its own check)
             self._unstaged_all(names)
@@ -418,15 +416,9 @@ class SnapshotStore:
     def _flat_plan(self, names: list[str]) -> "_FlatPlan | None":
         """The :class:`_FlatPlan` of ``names`` (kept, or worked out now); None where one has no
         snapshot, or they are not all of one dtype and device in whole 64-bit words."""
-        key = ("torch ops", names[0], len(names)) if names else None
-        plan = self._plans.get(key)
-        if plan is not None and plan.names == names:
-            return plan
-        facts = list(map(self._facts.get, names))
-        if None in facts:
-            facts = self._facts_of(names, facts)
-        if not facts:
-            return None
+        return self._kept_plan("torch ops", names, self._make_flat_plan)
+
+    def _make_flat_plan(self, names: list[str], facts: list["_Facts"]) -> "_FlatPlan | None":
         bases = list(map(self._base.__getitem__, names))
         members = _Members.of(names, [], [], facts, range(0))
         cut = flat_batches(bases, self.differ.batch_words) if members.dtype is not None else None
@@ -434,16 +426,28 @@ class SnapshotStore:
             return None
         batches = [(lo, hi, batch, _Members.of(names[lo:hi], [], [], facts[lo:hi], range(0)) if batch else None)
                    for lo, hi, batch in cut]
-        plan = _FlatPlan(list(names), bases, bases[0].get_device(), members, batches)
-        if len(self._plans) >= MAX_PLANS:
-            self._plans.clear()
-        self._plans[key] = plan
-        return plan
+        return _FlatPlan(list(names), bases, bases[0].get_device(), members, batches)
 
     def _plan(self, names: list[str]) -> _Plan | None:
         """The :class:`_Plan` of ``names`` (kept, or worked out now); None where one of them has no
         snapshot, or they are not all of one width the kernel scans."""
-        key = (names[0], len(names)) if names else None
+        return self._kept_plan("host kernel", names, self._make_plan)
+
+    def _make_plan(self, names: list[str], facts: list["_Facts"]) -> _Plan | None:
+        known = list(map(_KERNEL, facts))
+        width = known[0].width
+        if not width or list(map(_WIDTH, known)).count(width) != len(known):
+            return None
+        bases = list(map(self._base.__getitem__, names))
+        words = list(map(_WORDS, known))
+        return _Plan(list(names), bases, known, words, list(map(_PTR, known)),
+                     _Members.of(names, [], [], facts, range(0)), list(itertools.accumulate(words, initial=0)))
+
+    def _kept_plan(self, kind: str, names: list[str], make):
+        """The plan of ``kind`` for ``names``: kept from an earlier delta (by first name and length), or
+        ``make(names, their snapshots' facts)`` now and kept; None where one of them has no snapshot
+        or ``make`` finds none."""
+        key = (kind, names[0], len(names)) if names else None
         plan = self._plans.get(key)
         if plan is not None and plan.names == names:  # (equal names are mostly the same objects)
             return plan
@@ -452,17 +456,11 @@ class SnapshotStore:
             facts = self._facts_of(names, facts)
         if not facts:
             return None
-        known = list(map(_KERNEL, facts))
-        width = known[0].width
-        if not width or list(map(_WIDTH, known)).count(width) != len(known):
-            return None
-        bases = list(map(self._base.__getitem__, names))
-        words = list(map(_WORDS, known))
-        plan = _Plan(list(names), bases, known, words, list(map(_PTR, known)),
-                     _Members.of(names, [], [], facts, range(0)), list(itertools.accumulate(words, initial=0)))
-        if len(self._plans) >= MAX_PLANS:
-            self._plans.clear()
-        self._plans[key] = plan
+        plan = make(names, facts)
+        if plan is not None:
+            if len(self._plans) >= MAX_PLANS:
+                self._plans.clear()
+            self._plans[key] = plan
         return plan
 
     def _facts_of(self, names: list[str], facts: list["_Facts | None"]) -> list["_Facts"] | None:
