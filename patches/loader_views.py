@@ -1043,21 +1043,23 @@ def view_digests(views: list[LoaderView], params: dict[str, torch.Tensor]) -> tu
     # per device and call), not element by element (an int64 position per element and ~20
     # launches per tensor: 2.5 GB on the device for a 30B model's embedding). A strided one is
     # copied into a run first, at most RUN_COPY_BYTES of copies alive at once.
-    ranges, owner, copied, rest = [], [], [], []
+    ranges, of_range, copied, rest = [], [], [], []  # (of_range: each range's view)
     for k in others:
         segments = views[k].segments
         if segments and all(seg.src_run for seg in segments):
             for seg in segments:
                 ranges.append((seg.dst_view(flat_param(params[seg.param])), seg.src_offset, None))
                 copied.append(0 if seg.contiguous else seg.numel * ranges[-1][0].element_size())
-            owner += [k] * len(segments)
+            of_range += [k] * len(segments)
         else:
             rest.append(k)
+    got = []
     for lo, hi in native.capped_groups(copied, RUN_COPY_BYTES):
-        part = [(v.reshape(-1) if not n else v.contiguous().reshape(-1), start, dst)
-                for (v, start, dst), n in zip(ranges[lo:hi], copied[lo:hi])]
-        for k, (digest, _) in zip(owner[lo:hi], scan_many(part)):
-            table[k] = (table[k] + torch.tensor(digest, dtype=torch.int64)) % _PRIMES
+        got += scan_many([(v.reshape(-1) if not n else v.contiguous().reshape(-1), start, dst)
+                          for (v, start, dst), n in zip(ranges[lo:hi], copied[lo:hi])])
+    if got:  # (each view's ranges added up, as the rows are)
+        rows = torch.tensor([[*digest, 0] for digest, _ in got], dtype=torch.int64)
+        table = (table + sum_rows(rows, of_range, len(views))[:, :len(PRIMES)]) % _PRIMES
     sums = [view_sums(views[k], params)[0] for k in rest]  # (on the parameters' device)
     for dev in dict.fromkeys(s.device for s in sums):  # read back once per device, not once per tensor
         at = [i for i, s in enumerate(sums) if s.device == dev]
