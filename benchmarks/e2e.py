@@ -22,7 +22,8 @@ everything measured on this machine in the same run:
 * ``apply_over_native`` (``bench apply`` at 0.2%) and ``diff_over_copy`` (``bench diff`` on 0.5 GiB),
   each in its own process;
 * **Megatron fast path** (``--megatron``, on by default): Megatron ranks (2, EP=2, Adam lr 1e-6)
-  on a Qwen3-MoE (``--megatron-model``, default ``moe-e2e``: 0.33B parameters) seed and then sync
+  on a Qwen3-MoE (``--megatron-model``, default ``moe-e2e``: 0.33B parameters), after one untimed
+  export-only seed that warms the process (``cold_export_s``), seed and then sync
   ``MegatronShardDelta`` deltas into an in-memory receiver, checked bit for bit against an
   independent export; then one seed of Bridge's plain export through a full-mode updater (the
   bulk path without the shard map); with the wire floor of that model's bytes.
