@@ -44,6 +44,7 @@ from .bucket import Arena, Bucket, parse_header, value_segments
 from .catalog import Catalog, CatalogBuilder
 from .digest import DigestKey
 from .errors import ChannelError
+from .options import env_seconds
 from .patch import DTYPES
 
 log = logging.getLogger(__name__)
@@ -59,8 +60,9 @@ _MAC_BYTES = 32
 #: trip that waits for the receiver)
 PREAMBLE_BYTES = 64 << 10
 _SIZES = struct.Struct("<3q")  # header bytes, index count, value buffers
-#: seconds a device channel's peer may stay silent before it counts as dead (see :class:`PeerWatch`)
-PEER_TIMEOUT_S = float(os.environ.get("DELTA_SYNC_PEER_TIMEOUT_S", "20"))
+#: seconds a device channel's peer may stay silent before it counts as dead (see :class:`PeerWatch`);
+#: read on both ends (the trainer's rank 0 and every engine worker) when this module loads
+PEER_TIMEOUT_S = env_seconds(os.environ, "DELTA_SYNC_PEER_TIMEOUT_S", 20.0, strict=True)
 #: seconds between a device channel's liveness beats
 BEAT_S = 1.0
 

@@ -9,6 +9,7 @@ and the flag that sets it, before any engine is contacted.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping
 
 import torch
 
@@ -20,6 +21,22 @@ FLAGS = {"mode": "--update-weight-mode", "bucket_bytes": "--update-weight-buffer
          "port": "--update-weight-master-port", "backend": "--update-weight-transport"}
 MODES = ("delta", "full")
 PAUSE_MODES = ("wait", "abort", "keep")
+
+
+def env_seconds(env: Mapping[str, str], name: str, default: float | None, least: float = 0.0,
+                strict: bool = False) -> float | None:
+    """The number of seconds variable ``name`` of ``env`` gives (``default`` where unset or blank);
+    not a number, or below ``least`` (``strict``: not above it), is a ValueError naming it."""
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number of seconds") from None
+    if not (value > least if strict else value >= least):
+        raise ValueError(f"{name}={raw!r} must be {'>' if strict else '>='} {least:g} seconds")
+    return value
 
 
 def is_int(x) -> bool:

@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass
 from typing import Mapping
 
+from delta_sync.options import env_seconds
+
 #: environment variable that turns delta-sync on for every vLLM engine started with it (``1``)
 ENABLE_ENV = "DELTA_SYNC_ENGINE"
 #: seconds of silence after which a trainer's claim on the engine lapses (0: no claims)
@@ -37,19 +39,6 @@ STAGES = ("host", "device")
 DEFAULT_CLAIM_S = 60.0
 DEFAULT_LEASE_S = 60.0
 _TRUE = ("1", "true", "yes", "on")
-
-
-def _seconds(env: Mapping[str, str], name: str, default: float | None) -> float | None:
-    raw = env.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number of seconds") from None
-    if not value >= 0:
-        raise ValueError(f"{name}={raw!r} must be >= 0 seconds")
-    return value
 
 
 @dataclass(frozen=True)
@@ -79,10 +68,10 @@ class EngineOptions:
         if stage not in STAGES:
             raise ValueError(f"{STAGE_ENV}={env.get(STAGE_ENV)!r}: where a delta is staged is one of {', '.join(STAGES)}")
         return cls(enable=env.get(ENABLE_ENV, "").strip().lower() in _TRUE,
-                   claim_s=_seconds(env, CLAIM_ENV, DEFAULT_CLAIM_S),
-                   lease_s=_seconds(env, LEASE_ENV, DEFAULT_LEASE_S),
+                   claim_s=env_seconds(env, CLAIM_ENV, DEFAULT_CLAIM_S),
+                   lease_s=env_seconds(env, LEASE_ENV, DEFAULT_LEASE_S),
                    rpc_allow=allow,
-                   spin_s=_seconds(env, SPIN_ENV, None),
+                   spin_s=env_seconds(env, SPIN_ENV, None),
                    cpu_layout=env.get(CPU_LAYOUT_ENV, "").strip() == "1",
                    stage=stage,
                    cpu_moe_transposed=env.get(CPU_MOE_TRANSPOSED_ENV, "").strip() == "1")

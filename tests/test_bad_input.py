@@ -296,3 +296,23 @@ def test_a_bad_setting_is_refused_when_the_sync_is_built(settings, named):
         WeightSync([receiver], SyncOptions(), mode="full")
     with pytest.raises(TypeError, match="bucket_size"):  # a misspelt setting is named too
         WeightSync([receiver], bucket_size=1 << 20)
+
+
+@pytest.mark.parametrize("value,named", [("soon", "DELTA_SYNC_PEER_TIMEOUT_S='soon' is not a number of seconds"),
+                                         ("0", "DELTA_SYNC_PEER_TIMEOUT_S='0' must be > 0 seconds")])
+def test_a_bad_peer_timeout_is_named_when_the_channel_loads(value, named):
+    """The channel's peer timeout is read on both ends (trainer and engine workers) when the
+    channel module loads: a bad value stops the process there, naming the variable (it was a bare
+    float() error, and 0 would have called every peer dead at once)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "DELTA_SYNC_PEER_TIMEOUT_S": value}
+    out = subprocess.run([sys.executable, "-c", "import delta_sync.channel"], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode != 0 and named in out.stderr
+    env["DELTA_SYNC_PEER_TIMEOUT_S"] = "2.5"
+    out = subprocess.run([sys.executable, "-c", "import delta_sync.channel as c; print(c.PEER_TIMEOUT_S)"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "2.5"
