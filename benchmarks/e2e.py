@@ -807,8 +807,8 @@ def _megatron(kind, ranks, ep, steps, lr, seq, reps, timeout, tp=1, pp=1):
            "lr": lr, "steps": steps, "bucket_bytes": bucket, "wire": wire, "load_s": res[0]["load_s"],
            "rows": rows, "seed_s": seed["total_s"], "delta_s": delta_s, "cold_export_s": res[0]["cold_export_s"],
            "export_seed_s": export and export["total_s"],
-           # the seeds' time reading their streams (Bridge's export; the fast path's also learns its map):
-           # the export-only seed's total also holds its fresh receiver's first touch of the model
+           # the seeds' time reading their streams (Bridge's export; the fast path's also learns its map),
+           # both into receivers that hold the model already (the warm-up seed filled them)
            "seed_read_over_export_read": _ratio(seed["timings"].get("prepare_s"),
                                                 export and export["timings"].get("prepare_s")),
            "changed_fraction": statistics.median(r["changed_fraction"] for r in deltas) if deltas else None,

@@ -62,7 +62,7 @@ PREAMBLE_BYTES = 64 << 10
 _SIZES = struct.Struct("<3q")  # header bytes, index count, value buffers
 #: seconds a device channel's peer may stay silent before it counts as dead (see :class:`PeerWatch`);
 #: read on both ends (the trainer's rank 0 and every engine worker) when this module loads
-PEER_TIMEOUT_S = env_seconds(os.environ, "DELTA_SYNC_PEER_TIMEOUT_S", 20.0, strict=True)
+PEER_TIMEOUT_S = env_seconds(os.environ, "DELTA_SYNC_PEER_TIMEOUT_S", 20.0, positive=True)
 #: seconds between a device channel's liveness beats
 BEAT_S = 1.0
 

@@ -23,10 +23,9 @@ MODES = ("delta", "full")
 PAUSE_MODES = ("wait", "abort", "keep")
 
 
-def env_seconds(env: Mapping[str, str], name: str, default: float | None, least: float = 0.0,
-                strict: bool = False) -> float | None:
+def env_seconds(env: Mapping[str, str], name: str, default: float | None, positive: bool = False) -> float | None:
     """The number of seconds variable ``name`` of ``env`` gives (``default`` where unset or blank);
-    not a number, or below ``least`` (``strict``: not above it), is a ValueError naming it."""
+    not a number, or below 0 (``positive``: not above 0), is a ValueError naming it."""
     raw = env.get(name, "").strip()
     if not raw:
         return default
@@ -34,8 +33,8 @@ def env_seconds(env: Mapping[str, str], name: str, default: float | None, least:
         value = float(raw)
     except ValueError:
         raise ValueError(f"{name}={raw!r} is not a number of seconds") from None
-    if not (value > least if strict else value >= least):
-        raise ValueError(f"{name}={raw!r} must be {'>' if strict else '>='} {least:g} seconds")
+    if not (value > 0 if positive else value >= 0):
+        raise ValueError(f"{name}={raw!r} must be {'>' if positive else '>='} 0 seconds")
     return value
 
 
